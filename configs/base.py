@@ -1,0 +1,64 @@
+"""Every default of mintrain, each with a one-line comment. Other configs override this."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # Seeds parameter init, synthetic data and dropout; same seed -> same run on any mesh.
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 4  # Data-parallel ways (batch split, params replicated). -1: all remaining devices.
+  c.mesh.fsdp = 1  # Fully-sharded data-parallel ways (batch split, params split on `embed`).
+  c.mesh.model = 2  # Tensor-parallel ways (heads, mlp and vocab split).
+
+  c.partitioning = ml_collections.ConfigDict()
+  # Compute layout of activations and of parameters in use: (logical name, mesh axes), first free
+  # rule wins. None means replicated; a name with no rule is an error.
+  c.partitioning.rules = [
+      ('batch', ('data', 'fsdp')),
+      ('length', None),
+      ('embed', None),
+      ('mlp', 'model'),
+      ('heads', 'model'),
+      ('kv', None),
+      ('vocab', 'model'),
+      ('classes', None),
+  ]
+  # Storage layout of parameters at rest, tried before `rules`: FSDP shards `embed` on `fsdp`.
+  c.partitioning.param_rules = [('embed', 'fsdp')]
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name = 'transformer'  # 'transformer' (decoder-only LM) or 'mlp' (classifier).
+  c.model.vocab_size = 256  # Token vocabulary.
+  c.model.embed_dim = 128  # Width of the residual stream (D).
+  c.model.num_layers = 2  # Transformer blocks.
+  c.model.num_heads = 4  # Attention heads (H); split over `model`.
+  c.model.head_dim = 32  # Per-head width (K).
+  c.model.mlp_dim = 512  # Gated-MLP hidden width (F); split over `model`.
+  c.model.tie_embeddings = True  # Output projection shares the embedding table.
+  c.model.rope_base = 10000.0  # Rotary embedding base frequency.
+  c.model.dropout_rate = 0.0  # Dropout on attention and MLP outputs; 0 disables it.
+  c.model.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
+  c.model.compute_dtype = 'float32'  # Dtype of matmuls and activations ('bfloat16' for speed).
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = 'synthetic'  # 'synthetic': deterministic token sequences from the seed.
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 300  # Optimizer steps.
+  c.train.global_batch_size = 32  # Sequences per optimizer step, over all devices and micro-batches.
+  c.train.seq_len = 64  # Tokens per sequence.
+  c.train.grad_accum_steps = 1  # Micro-batches per step; gradients are averaged over them.
+  c.train.log_every = 25  # Steps between progress lines and metrics.jsonl records.
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.learning_rate = 3e-3  # Peak learning rate, reached after warmup.
+  c.optimizer.warmup_steps = 30  # Linear warmup from 0 to the peak.
+  c.optimizer.end_lr_fraction = 0.1  # Cosine decay ends at this fraction of the peak.
+  c.optimizer.b1 = 0.9  # Adam first-moment decay.
+  c.optimizer.b2 = 0.95  # Adam second-moment decay.
+  c.optimizer.eps = 1e-8  # Adam denominator epsilon.
+  c.optimizer.weight_decay = 0.1  # Decoupled weight decay (not on norms, biases, embeddings).
+  c.optimizer.grad_clip_norm = 1.0  # Global-norm gradient clipping; 0 disables it.
+  return c

@@ -1,0 +1,11 @@
+"""8-way tensor parallelism: heads, mlp and vocab split 8 ways."""
+
+from configs import base
+
+
+def get_config():
+  c = base.get_config()
+  c.mesh.data, c.mesh.fsdp, c.mesh.model = 1, 1, 8
+  c.model.num_heads = 8  # 8 heads so that `model`=8 divides them.
+  c.model.head_dim = 16
+  return c

@@ -1,0 +1,85 @@
+"""The device mesh: axes `data`, `fsdp`, `model`, all of explicit axis type.
+
+With Explicit axes, shardings are part of array types and propagate through
+jitted code; a mismatch is a trace-time error rather than a silent relayout.
+The last axis (`model`) is the innermost, so it stays within a host.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+AXES = ('data', 'fsdp', 'model')
+
+
+class MeshError(ValueError):
+  """A mesh that does not fit the devices."""
+
+
+def mesh_shape(sizes: Mapping[str, int], num_devices: int, platform: str = '') -> tuple[int, ...]:
+  """Sizes in AXES order, with one -1 filled by the remaining devices."""
+  shape = [int(sizes[a]) for a in AXES]
+  described = ', '.join(f'{a}={s}' for a, s in zip(AXES, shape))
+  where = f'{num_devices} {platform} devices'.replace('  ', ' ')
+  if -1 in shape:
+    fixed = math.prod(s for s in shape if s != -1)
+    if num_devices % fixed:
+      raise MeshError(f'Mesh ({described}) cannot fill {where}: {num_devices} % {fixed} != 0.')
+    shape[shape.index(-1)] = num_devices // fixed
+  if math.prod(shape) != num_devices:
+    raise MeshError(
+        f'Mesh ({described}) needs {math.prod(shape)} devices but there are {where}. '
+        f'Make the product of mesh.data, mesh.fsdp and mesh.model equal {num_devices}, '
+        'or set one of them to -1.')
+  return tuple(shape)
+
+
+def devices_needed(sizes: Mapping[str, int], default: int = 8) -> int:
+  """How many devices a mesh asks for; `default` when one size is -1."""
+  shape = [int(sizes[a]) for a in AXES]
+  return default if -1 in shape else math.prod(shape)
+
+
+def simulate_cpu_devices(count: int) -> None:
+  """Asks XLA for `count` host (CPU) devices. Must run before the JAX backend starts."""
+  from jax._src import xla_bridge
+  if xla_bridge.backends_are_initialized():
+    return
+  flags = os.environ.get('XLA_FLAGS', '')
+  if '--xla_force_host_platform_device_count' not in flags:
+    os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={count}'.strip()
+
+
+def pick_devices(count: int) -> tuple[list[jax.Device], str | None]:
+  """The default backend's devices, or simulated CPU devices when it has too few.
+
+  Returns the devices and, when simulating, a one-line note saying so.
+  """
+  devices = jax.devices()
+  if len(devices) >= count and devices[0].platform != 'cpu':
+    return devices, None
+  if devices[0].platform != 'cpu':
+    cpus = jax.devices('cpu')
+    if len(cpus) >= count:
+      return cpus, (f'Only {len(devices)} {devices[0].platform} device(s): simulating {len(cpus)} '
+                    'CPU devices for the mesh.')
+    return devices, None
+  if len(devices) > 1:
+    return devices, f'No accelerator found: simulating {len(devices)} CPU devices.'
+  return devices, None
+
+
+def make_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """An Explicit-axes mesh over `devices` (default: all devices of the default backend)."""
+  devices = list(devices if devices is not None else jax.devices())
+  shape = mesh_shape(sizes, len(devices), devices[0].platform)
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * len(AXES), devices=devices)
+
+
+def describe(mesh: Mesh) -> str:
+  return ' x '.join(f'{name}={size}' for name, size in mesh.shape.items())

@@ -1,0 +1,158 @@
+"""Logical axis names -> mesh axes, t5x-style.
+
+Models name the dimensions of their parameters and activations with logical
+names (`batch`, `embed`, `mlp`, ...). This module is the only place where those
+names meet mesh axes. Rules are data: an ordered list of
+`(logical_name, mesh_axes)` pairs, where `mesh_axes` is a mesh axis name, a
+tuple of names, or None (replicated).
+
+Resolution of one array's logical axes into a `PartitionSpec`: for each
+dimension, the first rule for its name whose mesh axes are all still free in
+this spec wins. A mesh axis is never bound twice in one spec. A name with no
+rule at all is an error; a name whose every rule is taken is an error too,
+unless one of its rules is `None` (add `(name, None)` as a fallback).
+
+Parameters are resolved twice: with `param_rules + rules` for their storage
+layout (FSDP keeps `embed` on `fsdp` at rest), and with `rules` alone for their
+compute layout, which layers gather them to before use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+MeshAxes = str | tuple[str, ...] | None
+Rule = tuple[str, MeshAxes]
+
+
+class PartitioningError(ValueError):
+  """A rule set or a shape that cannot be laid out on the mesh."""
+
+
+def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+  if mesh_axes is None:
+    return ()
+  if isinstance(mesh_axes, str):
+    return (mesh_axes,)
+  return tuple(mesh_axes)
+
+
+def normalize_rules(rules: Iterable[Sequence[Any]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+  """Rules as hashable `(name, (mesh_axis, ...))` pairs; `()` means replicated."""
+  out = []
+  for rule in rules:
+    if len(rule) != 2 or not isinstance(rule[0], str):
+      raise PartitioningError(
+          f'Bad partitioning rule {rule!r}: expected (logical_name, mesh_axes) with '
+          'mesh_axes a mesh axis name, a tuple of names, or None.')
+    name, mesh_axes = rule
+    axes = _as_tuple(mesh_axes)
+    if len(set(axes)) != len(axes):
+      raise PartitioningError(
+          f'Partitioning rule ({name!r}, {mesh_axes!r}) names a mesh axis twice; '
+          'a dimension can be split over each mesh axis at most once.')
+    out.append((name, axes))
+  return tuple(out)
+
+
+def resolve(logical_axes: Sequence[str | None], rules: Sequence[tuple[str, tuple[str, ...]]],
+            *, what: str = 'array') -> P:
+  """PartitionSpec for one array: first free rule per dimension wins."""
+  used: dict[str, int] = {}
+  spec: list[MeshAxes] = []
+  for dim, name in enumerate(logical_axes):
+    if name is None:
+      spec.append(None)
+      continue
+    candidates = [axes for rule_name, axes in rules if rule_name == name]
+    if not candidates:
+      raise PartitioningError(
+          f'Logical axis `{name}` (dim {dim} of `{what}`) has no partitioning rule. '
+          f"Add ('{name}', None) to partitioning.rules to replicate it, or map it to a mesh axis.")
+    chosen = next((axes for axes in candidates if not any(a in used for a in axes)), None)
+    if chosen is None:
+      taken = ', '.join(f'`{a}` (by dim {used[a]})' for axes in candidates for a in axes if a in used)
+      raise PartitioningError(
+          f'Logical axis `{name}` (dim {dim} of `{what}`): every rule for it names a mesh axis '
+          f'already used in this spec: {taken}. A mesh axis can shard one dimension only. '
+          f"Add a fallback rule ('{name}', None) after the others.")
+    for a in chosen:
+      used[a] = dim
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+  return P(*spec)
+
+
+def spec_axes(entry: MeshAxes) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry."""
+  return _as_tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRules:
+  """The rule set of a run; hashable, so models can hold it as static data.
+
+  `rules` lay out activations and the compute form of parameters;
+  `param_rules` are tried first for parameters at rest (storage).
+  """
+
+  rules: tuple[tuple[str, tuple[str, ...]], ...]
+  param_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+  @classmethod
+  def from_config(cls, partitioning: Mapping[str, Any]) -> AxisRules:
+    return cls(normalize_rules(partitioning['rules']),
+               normalize_rules(partitioning.get('param_rules', ())))
+
+  def activation_spec(self, logical_axes: Sequence[str | None], what: str = 'activation') -> P:
+    return resolve(logical_axes, self.rules, what=what)
+
+  def param_spec(self, logical_axes: Sequence[str | None], what: str = 'parameter') -> P:
+    """Storage layout of a parameter."""
+    return resolve(logical_axes, self.param_rules + self.rules, what=what)
+
+  def reshard(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Move `x` to the layout of its logical axes (a no-op when already there)."""
+    return jax.sharding.reshard(x, self.activation_spec(logical_axes))
+
+  def check_mesh_axes(self, mesh_axis_names: Sequence[str]) -> None:
+    for name, axes in self.param_rules + self.rules:
+      unknown = [a for a in axes if a not in mesh_axis_names]
+      if unknown:
+        raise PartitioningError(
+            f"Partitioning rule ('{name}', {axes}) names mesh axis {unknown[0]!r}, which is not "
+            f'in the mesh {tuple(mesh_axis_names)}. Use one of those names.')
+
+
+def check_divisible(path: str, shape: Sequence[int], logical_axes: Sequence[str | None], spec: P,
+                    mesh_shape: Mapping[str, int]) -> None:
+  """Raises if a sharded dimension is not a multiple of its mesh axes' product."""
+  for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+    axes = spec_axes(entry)
+    ways = math.prod(mesh_shape[a] for a in axes)
+    if ways > 1 and size % ways:
+      name = logical_axes[dim]
+      split = ' x '.join(f'`{a}` of size {mesh_shape[a]}' for a in axes)
+      raise PartitioningError(
+          f'`{name}` (dim {dim} of `{path}`, size {size}) is split over mesh axis {split}; '
+          f'{size} % {ways} != 0. Use a size that is a multiple of {ways}, change the mesh, '
+          f"or map `{name}` to None in partitioning.rules.")
+
+
+def shard_shape(shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
+  """Per-device shape of an array of `shape` laid out as `spec`."""
+  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+  return tuple(size // math.prod(mesh_shape[a] for a in spec_axes(e)) for size, e in zip(shape, entries))
+
+
+def format_spec(spec: P) -> str:
+  """`P('fsdp', 'model')` as `(fsdp, model)`; replicated dims as `-`."""
+  def entry(e: MeshAxes) -> str:
+    axes = spec_axes(e)
+    return '-' if not axes else axes[0] if len(axes) == 1 else '(' + ' '.join(axes) + ')'
+  return '(' + ', '.join(entry(e) for e in spec) + ')'

@@ -1,0 +1,65 @@
+"""The train step: one pure function (state, batch) -> (state, metrics).
+
+The batch is (grad_accum_steps, micro_batch, ...); gradients are averaged over
+the micro-batches with a scan, which equals one step on the whole batch.
+Dropout keys are folded from the state's key, the step and the micro-batch
+index, so they do not depend on the mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from mintrain.train_state import TrainState
+
+Batch = dict[str, jax.Array]
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean token cross-entropy in float32; the vocab axis may be sharded."""
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+  return jnp.mean(log_z - jnp.sum(logits * one_hot, axis=-1))
+
+
+def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch,
+            dropout_key: jax.Array | None) -> jax.Array:
+  model = nnx.merge(graphdef, params)
+  return cross_entropy(model(batch['inputs'], dropout_key=dropout_key), batch['targets'])
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, use_dropout: bool) -> Callable[[TrainState, Batch], tuple]:
+  """The jitted step, with the state donated."""
+
+  def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def micro_step(carry, xs):
+      loss_sum, grad_sum = carry
+      index, micro_batch = xs
+      key = jax.random.fold_in(step_key, index) if use_dropout else None
+      loss, grads = grad_fn(state.params, graphdef, micro_batch, key)
+      return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+    accum = jax.tree.leaves(batch)[0].shape[0]
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (loss_sum, grad_sum), _ = jax.lax.scan(
+        micro_step, (jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), batch))
+    loss = loss_sum / accum
+    grads = jax.tree.map(lambda g: g / accum, grad_sum)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads),
+               'learning_rate': schedule(state.step)}
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+  return jax.jit(step_fn, donate_argnums=0)

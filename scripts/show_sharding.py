@@ -1,0 +1,36 @@
+#!/usr/bin/env python
+"""Print the sharding report of a config without allocating the model.
+
+  python scripts/show_sharding.py --config configs/dp4_tp2.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import _bootstrap
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('--config', default='configs/dp4_tp2.py', help='ml_collections config file')
+  _, config = _bootstrap.parse(parser)
+  devices = _bootstrap.devices_for(config)
+
+  from mintrain import mesh as mesh_lib
+  from mintrain import train_state
+  from mintrain.partitioning import AxisRules, PartitioningError
+  from mintrain.config import ConfigError
+  try:
+    mesh = mesh_lib.make_mesh(config.mesh, devices)
+    setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  except (mesh_lib.MeshError, PartitioningError, ConfigError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  print(train_state.format_report(setup.layout, setup.abstract_state, mesh))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
