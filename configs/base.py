@@ -33,8 +33,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.vocab_size = 256  # Token vocabulary.
   c.model.embed_dim = 128  # Width of the residual stream (D).
   c.model.num_layers = 2  # Transformer blocks.
-  c.model.num_heads = 4  # Attention heads (H); split over `model`.
-  c.model.head_dim = 32  # Per-head width (K).
+  c.model.num_heads = 8  # Attention heads (H); split over `model`.
+  c.model.head_dim = 16  # Per-head width (K).
   c.model.mlp_dim = 512  # Gated-MLP hidden width (F); split over `model`.
   c.model.tie_embeddings = True  # Output projection shares the embedding table.
   c.model.rope_base = 10000.0  # Rotary embedding base frequency.

@@ -6,6 +6,4 @@ from configs import base
 def get_config():
   c = base.get_config()
   c.mesh.data, c.mesh.fsdp, c.mesh.model = 1, 1, 8
-  c.model.num_heads = 8  # 8 heads so that `model`=8 divides them.
-  c.model.head_dim = 16
   return c

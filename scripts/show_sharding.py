@@ -20,8 +20,8 @@ def main() -> int:
 
   from mintrain import mesh as mesh_lib
   from mintrain import train_state
-  from mintrain.partitioning import AxisRules, PartitioningError
   from mintrain.config import ConfigError
+  from mintrain.partitioning import AxisRules, PartitioningError
   try:
     mesh = mesh_lib.make_mesh(config.mesh, devices)
     setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)

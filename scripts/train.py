@@ -20,10 +20,10 @@ def main() -> int:
   devices = _bootstrap.devices_for(config)
 
   from mintrain import train_loop
+  from mintrain.config import ConfigError
   from mintrain.mesh import MeshError
   from mintrain.metrics import NonFiniteLossError
   from mintrain.partitioning import PartitioningError
-  from mintrain.config import ConfigError
   try:
     result = train_loop.run(config, args.workdir, devices=devices)
   except (MeshError, PartitioningError, ConfigError) as e:

@@ -2,7 +2,8 @@
 
 Token sequences are arithmetic progressions modulo the vocabulary with a random
 start and stride per row: learnable from two tokens, so the loss falls clearly.
-MLP inputs are Gaussian vectors labelled by a fixed random linear teacher.
+MLP inputs are noisy copies of one of `num_classes` fixed random prototypes,
+labelled by that prototype.
 Every row depends only on the seed, the step and its global index, so any
 process layout produces the same global batch.
 """
@@ -30,7 +31,10 @@ def token_rows(seed: int, step: int, rows: np.ndarray, seq_len: int, vocab_size:
 
 def classification_rows(seed: int, step: int, rows: np.ndarray, input_dim: int,
                         num_classes: int) -> dict:
-  """inputs (len(rows), input_dim) float32 and teacher labels (len(rows),) int32."""
-  teacher = np.random.default_rng((seed, 2**31 - 1)).standard_normal((input_dim, num_classes))
-  x = np.stack([g.standard_normal(input_dim) for g in _row_rng(seed, step, rows)]).astype(np.float32)
-  return {'inputs': x, 'targets': np.argmax(x @ teacher, axis=-1).astype(np.int32)}
+  """inputs (len(rows), input_dim) float32 and their prototype's label (len(rows),) int32."""
+  prototypes = 0.3 * np.random.default_rng((seed, 2**31 - 1)).standard_normal((num_classes, input_dim))
+  labels, x = [], []
+  for g in _row_rng(seed, step, rows):
+    labels.append(g.integers(num_classes))
+    x.append(prototypes[labels[-1]] + g.standard_normal(input_dim))
+  return {'inputs': np.stack(x).astype(np.float32), 'targets': np.asarray(labels, np.int32)}

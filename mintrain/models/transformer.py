@@ -122,8 +122,9 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: TransformerConfig, *, rules: AxisRules, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.param_dtype)
-    self.embedding_VD = param(rngs, nnx.initializers.normal(cfg.embed_dim ** -0.5), (cfg.vocab_size, cfg.embed_dim),
-                              ('vocab', 'embed'), dtype, rules)
+    embed_init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
+    self.embedding_VD = param(rngs, embed_init, (cfg.vocab_size, cfg.embed_dim), ('vocab', 'embed'), dtype,
+                              rules)
     self.blocks = nnx.List([Block(cfg, rules=rules, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.embed_dim, rules=rules, param_dtype=dtype, rngs=rngs)
     if not cfg.tie_embeddings:

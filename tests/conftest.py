@@ -1,0 +1,39 @@
+"""Tests run on 8 simulated CPU devices; XLA reads this before the backend starts."""
+
+import os
+
+os.environ['JAX_PLATFORMS'] = 'cpu'
+_FLAGS = os.environ.get('XLA_FLAGS', '')
+os.environ['XLA_FLAGS'] = f'{_FLAGS} --xla_force_host_platform_device_count=8'.strip()
+
+import pathlib  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from mintrain import config as config_lib  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+MESH_CONFIGS = ('single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2')
+
+
+def load_config(name: str, *overrides: str):
+  """configs/NAME.py with `key=value` overrides, validated."""
+  config = config_lib.load(REPO / 'configs' / f'{name}.py', overrides)
+  config_lib.validate(config)
+  return config
+
+
+def mesh_devices(config) -> list:
+  """As many of the 8 simulated devices as the config's mesh uses."""
+  from mintrain.mesh import devices_needed
+  return jax.devices()[:devices_needed(config.mesh)]
+
+
+def quiet(*_):
+  pass
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _eight_devices():
+  assert jax.device_count() == 8, 'tests expect 8 simulated CPU devices (see conftest.py)'

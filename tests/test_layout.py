@@ -1,0 +1,111 @@
+"""Every parameter of every config lands in the layout the default rules promise."""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, load_config, mesh_devices
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mintrain import train_state
+from mintrain.mesh import make_mesh
+from mintrain.partitioning import AxisRules, PartitioningError
+
+# Storage layout under the default rules, written out by hand per logical-axes tuple.
+EXPECTED = {
+    ('vocab', 'embed'): P('model', 'fsdp'),
+    ('embed',): P('fsdp'),
+    ('embed', 'heads', 'kv'): P('fsdp', 'model', None),
+    ('heads', 'kv', 'embed'): P('model', None, 'fsdp'),
+    ('embed', 'mlp'): P('fsdp', 'model'),
+    ('mlp', 'embed'): P('model', 'fsdp'),
+    ('mlp', 'classes'): P('model', None),
+    ('mlp',): P('model'),
+    ('classes',): P(None),
+}
+CONFIGS = sorted(p.stem for p in (REPO / 'configs').glob('*.py') if p.stem not in ('base', '__init__'))
+
+
+def _strip(spec: P) -> tuple:
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries)
+
+
+def test_every_shipped_config_is_covered():
+  assert {'single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2', 'mlp_dp4_tp2'} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize('name', CONFIGS)
+def test_initialised_params_have_the_expected_sharding(name):
+  config = load_config(name)
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  with jax.set_mesh(mesh):
+    state = setup.init()
+  infos = {info.path: info for info in setup.layout}
+  flat = {train_state.path_str(path): var for path, var in nnx.to_flat_state(state.params)}
+  assert set(flat) == set(infos)
+  for path, var in flat.items():
+    info = infos[path]
+    sharding = jax.typeof(var[...]).sharding
+    assert _strip(sharding.spec) == _strip(EXPECTED[info.logical_axes]), path
+    assert sharding.mesh.shape == mesh.shape
+    assert var[...].addressable_shards[0].data.shape == info.shard_shape, path
+
+
+def test_optimizer_state_is_sharded_like_the_params():
+  config = load_config('fsdp4_tp2')
+  mesh = make_mesh(config.mesh)
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  param_specs = [_strip(jax.typeof(x).sharding.spec) for x in jax.tree.leaves(setup.abstract_state.params)]
+  adam = setup.abstract_state.opt_state[1][0]
+  for moment in (adam.mu, adam.nu):
+    assert [_strip(x.sharding.spec) for x in jax.tree.leaves(moment)] == param_specs
+
+
+def test_layout_and_report_allocate_nothing():
+  config = load_config('dp4_tp2')
+  mesh = make_mesh(config.mesh)
+  before = len(jax.live_arrays())
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  report = train_state.format_report(setup.layout, setup.abstract_state, mesh)
+  assert len(jax.live_arrays()) == before
+  assert 'blocks.0.mlp.wi_gate_DF' in report and '(fsdp, model)' in report
+  assert 'optimizer state' in report
+
+
+def test_report_totals_match_per_parameter_bytes():
+  config = load_config('fsdp8')
+  mesh = make_mesh(config.mesh)
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  for info in setup.layout:  # Every parameter has an `embed` dimension, split 8 ways at rest.
+    assert 'embed' in info.logical_axes
+    assert info.bytes_per_device * 8 == np.prod(info.shape) * 4, info.path
+  assert train_state.state_bytes_per_device(setup.abstract_state.params) == sum(
+      i.bytes_per_device for i in setup.layout)
+
+
+def test_indivisible_dimension_fails_before_compiling_and_names_the_parameter():
+  config = load_config('tp8', 'model.mlp_dim=500')
+  mesh = make_mesh(config.mesh)
+  with pytest.raises(PartitioningError, match=r'`mlp` \(dim 1 of `blocks.0.mlp.wi_gate_DF`, size 500\)'):
+    train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+
+
+def test_batch_that_does_not_split_over_the_batch_axes_is_an_error():
+  from mintrain.config import ConfigError
+  config = load_config('dp8', 'train.global_batch_size=12')
+  with pytest.raises(ConfigError, match=r'micro-batch of 12.*`data` x `fsdp` = 8 devices'):
+    train_state.setup(config, AxisRules.from_config(config.partitioning), make_mesh(config.mesh))
+
+
+def test_configs_do_not_name_parameters_and_models_do_not_name_mesh_axes():
+  models = pathlib.Path(REPO / 'mintrain' / 'models')
+  for source in models.glob('*.py'):
+    text = source.read_text()
+    for axis in ("'data'", "'fsdp'", "'model'"):
+      assert axis not in text, f'{source.name} names mesh axis {axis}'

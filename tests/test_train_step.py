@@ -1,0 +1,110 @@
+"""The sharded train step: types, mesh invariance, gradient accumulation, learning, NaN."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import MESH_CONFIGS, load_config, mesh_devices, quiet
+from flax import nnx
+
+from mintrain import train_loop, train_state
+from mintrain.data import make_batches
+from mintrain.mesh import make_mesh
+from mintrain.metrics import NonFiniteLossError
+from mintrain.optimizer import schedule
+from mintrain.partitioning import AxisRules
+from mintrain.train_step import loss_fn, make_train_step
+
+
+def run(name, *overrides):
+  config = load_config(name, *overrides)
+  return train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet)
+
+
+def _strip(spec):
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries)
+
+
+def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time():
+  config = load_config('fsdp4_tp2')
+  mesh = make_mesh(config.mesh)
+  rules = AxisRules.from_config(config.partitioning)
+  setup = train_state.setup(config, rules, mesh)
+  expected = {info.path: _strip(info.spec) for info in setup.layout}
+  seen = {}
+
+  def check(state, batch):
+    micro = jax.tree.map(lambda x: x[0], batch)
+    grads = jax.grad(loss_fn)(state.params, setup.graphdef, micro, None)
+    _, opt_state = setup.tx.update(grads, state.opt_state, state.params)
+    for name, tree in (('params', state.params), ('grads', grads), ('mu', opt_state[1][0].mu),
+                       ('nu', opt_state[1][0].nu)):
+      for path, var in nnx.to_flat_state(tree):
+        seen[(name, train_state.path_str(path))] = _strip(jax.typeof(var[...]).sharding.spec)
+    return grads
+
+  with jax.set_mesh(mesh):
+    state = setup.init()
+    jax.jit(check).trace(state, make_batches(config, mesh, rules)(0))
+  assert len(seen) == 4 * len(expected)
+  for (kind, path), spec in seen.items():
+    assert spec == expected[path], (kind, path, spec)
+
+
+def test_losses_are_the_same_on_every_mesh():
+  losses = {name: np.array(run(name, 'train.steps=5', 'train.log_every=5').losses) for name in MESH_CONFIGS}
+  reference = losses['single']
+  assert reference.shape == (5,)
+  for name, value in losses.items():
+    np.testing.assert_allclose(value, reference, rtol=1e-4, err_msg=name)
+
+
+def test_dropout_masks_are_the_same_on_every_mesh():
+  overrides = ('train.steps=3', 'train.log_every=3', 'model.dropout_rate=0.2')
+  single = run('single', *overrides).losses
+  sharded = run('fsdp4_tp2', *overrides).losses
+  no_dropout = run('single', 'train.steps=3', 'train.log_every=3').losses
+  np.testing.assert_allclose(sharded, single, rtol=1e-4)
+  assert not np.allclose(single, no_dropout, rtol=1e-4)
+
+
+def test_four_micro_batches_equal_one_four_times_larger_batch():
+  results = {}
+  for accum in (1, 4):
+    config = load_config('dp4_tp2', 'train.global_batch_size=32', f'train.grad_accum_steps={accum}')
+    mesh = make_mesh(config.mesh)
+    rules = AxisRules.from_config(config.partitioning)
+    setup = train_state.setup(config, rules, mesh)
+    with jax.set_mesh(mesh):
+      state = setup.init()
+      step = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, 10), use_dropout=False)
+      batch = make_batches(config, mesh, rules)(0)
+      assert batch['inputs'].shape[:2] == (accum, 32 // accum)
+      state, _ = step(state, batch)
+      state, metrics = step(state, make_batches(config, mesh, rules)(1))
+      results[accum] = (float(metrics['loss']), float(metrics['grad_norm']),
+                        [np.asarray(x) for x in jax.tree.leaves(state.params)])
+  (loss1, norm1, params1), (loss4, norm4, params4) = results[1], results[4]
+  np.testing.assert_allclose(loss4, loss1, rtol=1e-5)
+  np.testing.assert_allclose(norm4, norm1, rtol=1e-4)
+  for a, b in zip(params1, params4):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_falls_in_a_short_run():
+  losses = run('dp4_tp2', 'train.steps=60', 'train.log_every=20').losses
+  assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+
+
+def test_mlp_learns_its_teacher_under_tensor_parallelism():
+  losses = run('mlp_dp4_tp2', 'train.steps=40', 'train.log_every=20').losses
+  assert np.mean(losses[-5:]) < 0.2 * np.mean(losses[:5])
+
+
+def test_nan_loss_stops_the_run_and_names_the_step():
+  config = load_config('dp8', 'train.steps=6', 'train.log_every=3')
+  config.optimizer.learning_rate = float('nan')
+  with pytest.raises(NonFiniteLossError, match=r'Loss is nan at step 1'):
+    train_loop.run(config, None, print_fn=quiet)
