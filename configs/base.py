@@ -52,6 +52,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.grad_accum_steps = 1  # Micro-batches per step; gradients are averaged over them.
   c.train.log_every = 25  # Steps between progress lines and metrics.jsonl records.
 
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_steps = 100  # Save every N steps (asynchronously); also at the end and on SIGTERM/SIGINT.
+  c.checkpoint.keep = 3  # Newest checkpoints kept in WORKDIR/checkpoints; 0 disables checkpointing.
+  c.checkpoint.fallback_to_previous = True  # If the newest checkpoint is damaged, restore the previous one.
+
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 3e-3  # Peak learning rate, reached after warmup.
   c.optimizer.warmup_steps = 30  # Linear warmup from 0 to the peak.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,10 +10,6 @@ from typing import Any
 
 class NonFiniteLossError(FloatingPointError):
   """The loss became NaN or Inf; the message names the step."""
-
-
-def first_non_finite(steps_and_losses: list[tuple[int, float]]) -> tuple[int, float] | None:
-  return next(((s, v) for s, v in steps_and_losses if not math.isfinite(v)), None)
 
 
 def format_line(record: Mapping[str, Any]) -> str:

@@ -1,33 +1,44 @@
-"""The training loop: set up the mesh and state, step, log.
+"""The training loop: set up the mesh and state, resume or restore, step, log, checkpoint.
 
-Metrics stay on device between logging steps; at a logging step the pending
-values are fetched at once, so the loop never waits on the device in between.
+Metrics stay on device between logging and checkpoint steps; there the pending
+values are fetched at once and checked, so the loop does not wait on the
+device in between, and no checkpoint is written after a non-finite loss or
+parameter norm.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import pathlib
+import signal
 import time
 from collections.abc import Callable, Sequence
 
 import jax
 import ml_collections
 
+from mintrain import checkpoint as ckpt_lib
 from mintrain import config as config_lib
 from mintrain import mesh as mesh_lib
 from mintrain import train_state
 from mintrain.data import make_batches
-from mintrain.metrics import MetricsLog, NonFiniteLossError, first_non_finite
+from mintrain.metrics import MetricsLog, NonFiniteLossError
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_step import make_train_step
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclasses.dataclass
 class RunResult:
   records: list[dict]  # What was logged, one dict per logging interval.
-  losses: list[float]  # Loss of every step, in order.
+  losses: list[float]  # Loss of every step this run took, in order.
   state: train_state.TrainState
+  first_step: int  # Steps already taken when this run started (resume or restore).
+  stopped_by: str | None = None  # Name of the signal that stopped the run early.
 
 
 def tokens_per_step(config: ml_collections.ConfigDict) -> int:
@@ -35,10 +46,85 @@ def tokens_per_step(config: ml_collections.ConfigDict) -> int:
   return config.train.global_batch_size * per_row
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | None, *,
-        devices: Sequence[jax.Device] | None = None,
-        print_fn: Callable[[str], None] = print) -> RunResult:
-  """Trains `config` for `config.train.steps` steps on a mesh over `devices`."""
+class StopSignals:
+  """Turns SIGTERM/SIGINT into a flag the loop checks after each step."""
+
+  def __init__(self):
+    self.received: str | None = None
+    self._previous = {}
+
+  def __enter__(self) -> StopSignals:
+    try:
+      for sig in STOP_SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    except ValueError:  # Not the main thread: leave signals alone.
+      self._previous = {}
+    return self
+
+  def _handle(self, signum, frame) -> None:
+    self.received = signal.Signals(signum).name
+
+  def __exit__(self, *exc) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def checkpoint_metadata(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, step: int) -> dict:
+  return {'step': step, 'config': json.loads(config.to_json_best_effort()),
+          'mesh': {k: int(v) for k, v in mesh.shape.items()}, 'process_count': jax.process_count(),
+          'versions': ckpt_lib.versions()}
+
+
+def _check_finite(first_step: int, fetched: list[dict]) -> None:
+  for i, m in enumerate(fetched):
+    bad = [k for k in ('loss', 'grad_norm', 'param_norm') if not math.isfinite(float(m[k]))]
+    if bad:
+      values = ', '.join(f'{k}={float(m[k])}' for k in bad)
+      raise NonFiniteLossError(
+          f'Non-finite {values} at step {first_step + i + 1}: training stopped; the newest checkpoint '
+          'is from before it. Lower optimizer.learning_rate, enable optimizer.grad_clip_norm, or check '
+          'the data.')
+
+
+def initial_state(config, setup: train_state.Setup, checkpoints: ckpt_lib.Checkpoints | None, *,
+                  restore_from: str | None, params_only: bool, print_fn: Callable[[str], None]):
+  """(state, data_state): resumed from this run, restored from another, or freshly initialised."""
+  fallback = config.checkpoint.fallback_to_previous
+  if checkpoints is not None and checkpoints.steps():
+    step, (tree, data_state, meta) = checkpoints.restore_newest(
+        setup.abstract_state, params_only=False, fallback=fallback, warn=print_fn)
+    print_fn(f'Resuming from step {step} ({checkpoints.step_dir(step)}), saved on mesh '
+             f'{_mesh_str(meta)}.' + (' Ignoring --restore_from: this run has its own checkpoints.'
+                                      if restore_from else ''))
+    return train_state.TrainState(**tree), data_state
+  state = setup.init()
+  if restore_from is None:
+    return state, {}
+  directory, step = ckpt_lib.find_run_checkpoints(restore_from)
+  source = ckpt_lib.Checkpoints(directory, read_only=True)
+  if step is None:
+    step, (tree, data_state, meta) = source.restore_newest(
+        setup.abstract_state, params_only=params_only, fallback=fallback, warn=print_fn)
+  else:
+    if step not in source.steps():
+      raise ckpt_lib.CheckpointError(f'{restore_from}: step {step} is not a complete checkpoint.')
+    tree, data_state, meta = source.restore(step, setup.abstract_state, params_only=params_only)
+  source.close()
+  what = 'parameters' if params_only else 'state'
+  print_fn(f'Restored {what} of step {step} from {directory / str(step)} (saved on mesh {_mesh_str(meta)}).')
+  if params_only:
+    return state.replace(params=tree['params']), {}
+  return train_state.TrainState(**tree), data_state
+
+
+def _mesh_str(meta: dict) -> str:
+  return ' x '.join(f'{k}={v}' for k, v in meta.get('mesh', {}).items()) or 'unknown'
+
+
+def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, *,
+        devices: Sequence[jax.Device] | None = None, restore_from: str | None = None,
+        restore_params_only: bool = False, print_fn: Callable[[str], None] = print) -> RunResult:
+  """Trains `config` up to `config.train.steps` steps on a mesh over `devices`."""
   config_lib.validate(config)
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   rules = AxisRules.from_config(config.partitioning)
@@ -47,42 +133,60 @@ def run(config: ml_collections.ConfigDict, workdir: str | None, *,
   if is_main:
     print_fn(train_state.format_report(setup.layout, setup.abstract_state, mesh))
   log = MetricsLog(workdir, is_main=is_main, print_fn=print_fn)
+  checkpoints = None
+  if workdir is not None and config.checkpoint.keep > 0:
+    checkpoints = ckpt_lib.Checkpoints(pathlib.Path(workdir) / ckpt_lib.CHECKPOINTS,
+                                       every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep)
 
   total, log_every = config.train.steps, config.train.log_every
   with jax.set_mesh(mesh):
-    state = setup.init()
+    state, _ = initial_state(config, setup, checkpoints, restore_from=restore_from,
+                             params_only=restore_params_only, print_fn=print_fn)
     step_fn = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, total),
                               use_dropout=config.model.dropout_rate > 0)
     batches = make_batches(config, mesh, rules)
+    first_step = int(state.step)
     records, losses, pending = [], [], []
-    start = int(state.step)
     interval_start, interval_steps = None, 0
-    for step in range(start, total):
-      state, metrics = step_fn(state, batches(step))
-      pending.append(metrics)
-      if interval_start is None:  # Rates exclude the first (compiling) step.
-        jax.block_until_ready(metrics)
-        interval_start, interval_steps = time.perf_counter(), 0
-      else:
-        interval_steps += 1
-      if (step + 1) % log_every and step + 1 != total:
-        continue
-      fetched = jax.device_get(pending)
-      first = step + 1 - len(fetched)
-      step_losses = [float(m['loss']) for m in fetched]
-      bad = first_non_finite(list(zip(range(first, step + 1), step_losses)))
-      if bad is not None:
-        raise NonFiniteLossError(
-            f'Loss is {bad[1]} at step {bad[0]}: training stopped. Lower '
-            'optimizer.learning_rate, enable optimizer.grad_clip_norm, or check the data.')
-      losses += step_losses
-      pending = []
-      record = {'step': step + 1, **{k: float(v) for k, v in fetched[-1].items()}}
-      elapsed = time.perf_counter() - interval_start
-      if interval_steps:
-        record['steps_per_sec'] = interval_steps / elapsed
-        record['tokens_per_sec'] = record['steps_per_sec'] * tokens_per_step(config)
-      interval_start, interval_steps = time.perf_counter(), 0
-      records.append(record)
-      log.write(record)
-  return RunResult(records, losses, state)
+    with StopSignals() as stop:
+      for step in range(first_step, total):
+        state, metrics = step_fn(state, batches(step))
+        pending.append(metrics)
+        done = step + 1
+        if interval_start is None:  # Rates exclude the first (compiling) step.
+          jax.block_until_ready(metrics)
+          interval_start, interval_steps = time.perf_counter(), 0
+        else:
+          interval_steps += 1
+        stopping = stop.received is not None  # Decided once, so a stop always comes with its save.
+        save = checkpoints is not None and (checkpoints.should_save(done) or done == total or stopping)
+        log_now = done % log_every == 0 or done == total
+        if not (save or log_now or stopping):
+          continue
+        fetched = jax.device_get(pending)
+        _check_finite(done - len(fetched), fetched)
+        losses += [float(m['loss']) for m in fetched]
+        pending = []
+        if save:
+          checkpoints.save(done, state, data_state={'source': config.data.source, 'next_step': done},
+                           metadata=checkpoint_metadata(config, mesh, done))
+        if log_now:
+          record = {'step': done, **{k: float(v) for k, v in fetched[-1].items()}}
+          if interval_steps:
+            record['steps_per_sec'] = interval_steps / (time.perf_counter() - interval_start)
+            record['tokens_per_sec'] = record['steps_per_sec'] * tokens_per_step(config)
+          interval_start, interval_steps = time.perf_counter(), 0
+          records.append(record)
+          log.write(record)
+        if stopping:
+          break
+    if checkpoints is not None:
+      checkpoints.wait()
+      checkpoints.close()
+  stopped_by = stop.received if int(state.step) < total else None
+  if stopped_by:
+    where = f'saved step {int(state.step)} to {checkpoints.step_dir(int(state.step))}' if checkpoints else \
+        'no workdir, nothing saved'
+    print_fn(f'Received {stopped_by}: finished step {int(state.step)}, {where}; exiting.')
+  return RunResult(records, losses, state, first_step, stopped_by)
+

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mintrain import partitioning
 from mintrain.config import check_batch_divisible
@@ -51,7 +51,13 @@ class ParamInfo:
 
 
 def path_str(path: tuple) -> str:
-  return '.'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
+  """A pytree key path as `a.b.0.c`, the naming Orbax uses for saved arrays."""
+  def name(k) -> str:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
+  return '.'.join(name(k) for k in path)
 
 
 def param_layout(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) -> list[ParamInfo]:
@@ -113,6 +119,12 @@ def setup(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) -> Se
   init = jax.jit(init)
   with jax.set_mesh(mesh):
     abstract_state = jax.eval_shape(init)
+  # eval_shape gives shardings on an AbstractMesh; restore targets need this mesh's devices.
+  def concrete(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    spec = x.sharding.spec if x.sharding is not None else PartitionSpec()
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+  abstract_state = jax.tree.map(concrete, abstract_state)
   return Setup(graphdef, tx, layout, init, abstract_state)
 
 

@@ -57,7 +57,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     grads = jax.tree.map(lambda g: g / accum, grad_sum)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads),
+    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads), 'param_norm': optax.tree.norm(params),
                'learning_rate': schedule(state.step)}
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics

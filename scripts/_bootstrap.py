@@ -31,8 +31,15 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None):
   return args, config
 
 
+def quiet_libraries() -> None:
+  """Orbax logs routine decisions at WARNING through absl; keep the console for our own lines."""
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)
+
+
 def devices_for(config):
   """Devices for the config's mesh, simulating CPU devices when the machine has too few."""
+  quiet_libraries()
   mesh_lib.simulate_cpu_devices(mesh_lib.devices_needed(config.mesh))
   devices, note = mesh_lib.pick_devices(mesh_lib.devices_needed(config.mesh))
   if note:

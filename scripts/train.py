@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Train a model on a device mesh.
+"""Train a model on a device mesh; re-running with the same --workdir resumes.
 
   python scripts/train.py --config configs/dp4_tp2.py --workdir runs/dp4_tp2 --config.train.steps=20
+  python scripts/train.py --config configs/tp8.py --workdir runs/tp8 --restore_from runs/dp4_tp2
 """
 
 from __future__ import annotations
@@ -15,24 +16,36 @@ import _bootstrap
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--config', default='configs/dp4_tp2.py', help='ml_collections config file')
-  parser.add_argument('--workdir', default=None, help='where metrics.jsonl is written')
+  parser.add_argument('--workdir', default=None, help='metrics.jsonl and checkpoints/ go here')
+  parser.add_argument('--restore_from', default=None,
+                      help="start from another run's checkpoint: a run directory or one step inside it")
+  parser.add_argument('--restore_params_only', action='store_true',
+                      help='with --restore_from: parameters only, fresh optimizer state and step 0')
   args, config = _bootstrap.parse(parser)
+  if args.restore_params_only and not args.restore_from:
+    parser.error('--restore_params_only needs --restore_from PATH')
   devices = _bootstrap.devices_for(config)
 
   from mintrain import train_loop
+  from mintrain.checkpoint import CheckpointError
   from mintrain.config import ConfigError
   from mintrain.mesh import MeshError
   from mintrain.metrics import NonFiniteLossError
   from mintrain.partitioning import PartitioningError
   try:
-    result = train_loop.run(config, args.workdir, devices=devices)
-  except (MeshError, PartitioningError, ConfigError) as e:
+    result = train_loop.run(config, args.workdir, devices=devices, restore_from=args.restore_from,
+                            restore_params_only=args.restore_params_only)
+  except (MeshError, PartitioningError, ConfigError, CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   except NonFiniteLossError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
-  print(f'done: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}')
+  if result.losses:
+    print(f'done: steps {result.first_step}..{result.first_step + len(result.losses)}, '
+          f'final loss {result.losses[-1]:.4f}')
+  else:
+    print(f'done: nothing to do, the run is already at step {result.first_step} of {config.train.steps}')
   return 0
 
 

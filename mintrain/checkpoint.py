@@ -1,0 +1,248 @@
+"""Sharded, asynchronous checkpoints with Orbax's CheckpointManager.
+
+A run directory holds `checkpoints/<step>/` with three items:
+  state     params, optimizer state, step and PRNG key (arrays, OCDBT)
+  data      the input pipeline's iterator state (JSON)
+  metadata  the full config, the mesh it was saved on, library versions (JSON)
+
+Orbax writes each step into a temporary directory and renames it when every
+item is complete, so a half-written checkpoint is never listed; leftover
+temporary directories are removed when a manager opens the directory.
+Restoring takes the abstract state of the *current* mesh as its target, so
+each device reads only its own shard, whatever mesh the checkpoint came from.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import pathlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+import mintrain
+from mintrain.train_state import TrainState, path_str
+
+CHECKPOINTS = 'checkpoints'
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that is missing, damaged or does not fit the model; one line, names what to do."""
+
+
+class DamagedCheckpointError(CheckpointError):
+  """A checkpoint whose files cannot be read; an older one may still be intact."""
+
+
+def versions() -> dict[str, str]:
+  names = ('mintrain', 'jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint')
+  out = {}
+  for name in names:
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      out[name] = mintrain.__version__ if name == 'mintrain' else 'unknown'
+  return out
+
+
+def state_tree(state: TrainState) -> dict[str, Any]:
+  """The saved form of a state: a plain dict, so that parts of it can be restored alone."""
+  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state, 'rng': state.rng}
+
+
+def _leaves(tree: Any) -> dict[str, Any]:
+  return {path_str(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _nest(flat: Mapping[str, Any]) -> dict:
+  """{'a.b.c': x} -> {'a': {'b': {'c': x}}}: a partial restore target in the saved key layout."""
+  root: dict = {}
+  for path, leaf in flat.items():
+    *parents, last = path.split('.')
+    node = root
+    for key in parents:
+      node = node.setdefault(key, {})
+    node[last] = leaf
+  return root
+
+
+def find_run_checkpoints(path: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
+  """(checkpoints directory, step or None for the newest) for a run, checkpoints or step directory."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    raise CheckpointError(f'{path}: no such file or directory.')
+  if not path.is_dir():
+    raise CheckpointError(f'{path} is a file, not a run directory or a checkpoint step directory.')
+  if (path / CHECKPOINTS).is_dir():
+    path = path / CHECKPOINTS
+  if path.name.isdigit() and (path / 'state').is_dir():
+    return path.parent, int(path.name)
+  if any(child.name.isdigit() and (child / 'state').is_dir() for child in path.iterdir()):
+    return path, None
+  if path.name == CHECKPOINTS or not any(path.iterdir()):
+    raise CheckpointError(f'{path} holds no complete checkpoint (no step directories with saved state).')
+  raise CheckpointError(
+      f'{path} is not a mintrain checkpoint: expected a run directory (with {CHECKPOINTS}/), '
+      f'its {CHECKPOINTS}/ directory, or one step directory inside it.')
+
+
+class Checkpoints:
+  """The checkpoints of one run directory: when to save, how many to keep, how to restore."""
+
+  def __init__(self, directory: str | pathlib.Path, *, every_steps: int = 0, keep: int = 1,
+               read_only: bool = False):
+    self.directory = pathlib.Path(directory)
+    save_policy = policies.AnySavePolicy([
+        policies.FixedIntervalPolicy(every_steps if every_steps > 0 else 2**62),
+        # A policy of our own replaces the default, which would have included this one.
+        policies.PreemptionCheckpointingPolicy(),
+    ])
+    # `read_only` here means: never create, clean up or save (Orbax's own flag only warns).
+    options = ocp.CheckpointManagerOptions(
+        save_decision_policy=save_policy,
+        preservation_policy=policies.LatestN(max(keep, 1)),
+        enable_async_checkpointing=True,
+        cleanup_tmp_directories=not read_only,
+        create=not read_only,
+    )
+    # Handlers named up front, so metadata can be read before (or without) any restore.
+    handlers = {'state': ocp.PyTreeCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+                'metadata': ocp.JsonCheckpointHandler()}
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    return self.manager.should_save(step)
+
+  def save(self, step: int, state: TrainState, *, data_state: Mapping[str, Any],
+           metadata: Mapping[str, Any]) -> None:
+    """Starts an asynchronous save; returns once the arrays are copied off the devices."""
+    args = ocp.args.Composite(
+        state=ocp.args.PyTreeSave(state_tree(state)),
+        data=ocp.args.JsonSave(dict(data_state)),
+        metadata=ocp.args.JsonSave(dict(metadata)))
+    self.manager.save(step, args=args, force=True)
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+  def step_dir(self, step: int) -> pathlib.Path:
+    return self.directory / str(step)
+
+  def metadata(self, step: int) -> dict[str, Any]:
+    restored = self.manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+    return dict(restored.metadata)
+
+  def array_metadata(self, step: int) -> dict[str, Any]:
+    """Path -> Orbax ArrayMetadata (shape, dtype, saved sharding) of every saved array; reads no array."""
+    try:
+      tree = self.manager.item_metadata(step)['state']
+    except Exception as e:
+      raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: its array '
+                            f'metadata cannot be read ({_first_line(e)}).') from e
+    if tree is None:
+      raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: '
+                                   'no state metadata.')
+    return _leaves(tree.tree if hasattr(tree, 'tree') else tree)
+
+  def check_shapes(self, step: int, target: Any) -> None:
+    """Raises listing every parameter whose saved shape or presence differs from the target's."""
+    saved = self.array_metadata(step)
+    expected = _leaves(target)
+    problems = {}
+    for path, x in expected.items():
+      if path not in saved:
+        problems[path] = f'{path}: not in the checkpoint, expected {tuple(x.shape)}'
+      elif tuple(saved[path].shape) != tuple(x.shape):
+        problems[path] = f'{path}: saved {tuple(saved[path].shape)}, expected {tuple(x.shape)}'
+    top = {p.split('.')[0] for p in expected}
+    problems.update({path: f'{path}: saved {tuple(m.shape)}, not in the configured model'
+                     for path, m in saved.items() if path not in expected and path.split('.')[0] in top})
+    # Parameters first: the optimizer state only mirrors them.
+    problems = [problems[p] for p in sorted(problems, key=lambda p: (not p.startswith('params.'), p))]
+    if problems:
+      listing = '; '.join(problems[:12]) + (f'; and {len(problems) - 12} more' if len(problems) > 12 else '')
+      raise CheckpointError(
+          f'Checkpoint step {step} at {self.step_dir(step)} does not match the configured model '
+          f'({len(problems)} mismatched arrays): {listing}. Use the model config it was saved with '
+          f'(scripts/inspect_checkpoint.py {self.step_dir(step)} shows it).')
+
+  def restore(self, step: int, abstract_state: TrainState, *,
+              params_only: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(state tree, data state, metadata) of `step`, laid out as `abstract_state` (the current mesh)."""
+    target = state_tree(abstract_state)
+    if params_only:
+      target = {'params': target['params']}
+    self.check_shapes(step, target)
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=_restore_args(target, partial=params_only),
+          data=ocp.args.JsonRestore(),
+          metadata=ocp.args.JsonRestore()))
+    except Exception as e:
+      bad = self._unreadable_arrays(step, target)
+      what = f'array(s) {", ".join(bad)}' if bad else 'its data or metadata files'
+      raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: cannot read '
+                            f'{what} ({_first_line(e)}).') from e
+    return dict(restored.state), dict(restored.data or {}), dict(restored.metadata or {})
+
+  def _unreadable_arrays(self, step: int, target: Any) -> list[str]:
+    """Restores arrays one at a time to name the ones that fail (only after a failed restore)."""
+    bad = []
+    for path, leaf in _leaves(target).items():
+      try:
+        self.manager.restore(step, args=ocp.args.Composite(state=_restore_args(_nest({path: leaf}), True)))
+      except Exception:
+        bad.append(path)
+    return bad
+
+  def restore_newest(self, abstract_state: TrainState, *, params_only: bool, fallback: bool,
+                     warn: Callable[[str], None]) -> tuple[int, tuple[dict, dict, dict]]:
+    """The newest intact checkpoint; older ones are tried, with a warning, only if `fallback`."""
+    steps = self.steps()
+    if not steps:
+      raise CheckpointError(f'{self.directory} holds no complete checkpoint.')
+    *older, newest = steps
+    while True:
+      try:
+        return newest, self.restore(newest, abstract_state, params_only=params_only)
+      except DamagedCheckpointError as e:
+        if not older:
+          raise CheckpointError(f'{e} There is no older checkpoint to fall back to.') from e
+        if not fallback:
+          raise CheckpointError(f'{e} Set checkpoint.fallback_to_previous=True to restore step '
+                                f'{older[-1]} instead.') from e
+        warn(f'warning: {e} Falling back to step {older[-1]}.')
+        newest = older.pop()
+
+
+def _restore_args(target: Any, partial: bool) -> ocp.args.PyTreeRestore:
+  return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                partial_restore=partial)
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return (text[0] if text else type(e).__name__)[:200]
+
+
+def summarize_config(config: Mapping[str, Any]) -> str:
+  """A few lines of the saved config for inspection."""
+  model, train = config.get('model', {}), config.get('train', {})
+  sizes = ', '.join(f'{k}={v}' for k, v in model.items() if k != 'name')
+  return '\n'.join([
+      f"model: {model.get('name')} ({sizes})",
+      f"train: steps={train.get('steps')} global_batch_size={train.get('global_batch_size')} "
+      f"seq_len={train.get('seq_len')} grad_accum_steps={train.get('grad_accum_steps')}",
+      f"data: {json.dumps(config.get('data', {}))}",
+      f"seed: {config.get('seed')}",
+  ])

@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""List the steps of a run's checkpoints and describe one, without loading any array.
+
+  python scripts/inspect_checkpoint.py runs/dp4_tp2              # steps, then the newest one
+  python scripts/inspect_checkpoint.py runs/dp4_tp2/checkpoints/200
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import _bootstrap
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('path', help='a run directory, its checkpoints/ directory, or one step directory')
+  parser.add_argument('--step', type=int, default=None, help='which step to describe (default: newest)')
+  args = parser.parse_args()
+
+  _bootstrap.quiet_libraries()
+  from mintrain import checkpoint as ckpt_lib
+  try:
+    directory, step = ckpt_lib.find_run_checkpoints(args.path)
+    checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
+    steps = checkpoints.steps()
+    step = args.step if args.step is not None else step if step is not None else steps[-1]
+    if step not in steps:
+      raise ckpt_lib.CheckpointError(f'{directory} has no complete step {step}; steps: {steps}.')
+    meta = checkpoints.metadata(step)
+    arrays = checkpoints.array_metadata(step)
+  except ckpt_lib.CheckpointError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+
+  print(f'{directory}: steps {", ".join(map(str, steps))}')
+  print(f'\nstep {step} ({checkpoints.step_dir(step)})')
+  mesh = ' x '.join(f'{k}={v}' for k, v in meta.get('mesh', {}).items())
+  print(f"saved on mesh {mesh} by {meta.get('process_count', '?')} process(es); versions: "
+        + ', '.join(f'{k} {v}' for k, v in meta.get('versions', {}).items()))
+  print(ckpt_lib.summarize_config(meta.get('config', {})))
+  rows = [('array', 'shape', 'dtype', 'saved sharding')]
+  for path, m in arrays.items():
+    spec = getattr(getattr(m, 'sharding', None), 'partition_spec', None)
+    rows.append((path, str(tuple(m.shape)), str(m.dtype), str(tuple(spec)) if spec is not None else '-'))
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  print()
+  for row in rows:
+    print('  '.join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+  total = sum(m.dtype.itemsize * math.prod(m.shape) for m in arrays.values())
+  print(f'\n{len(arrays)} arrays, {total / 2**20:.1f} MiB')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,240 @@
+"""Checkpoints: exact resume, restore onto other meshes, faults and bad input."""
+
+import itertools
+import json
+import signal
+
+import jax
+import numpy as np
+import pytest
+from conftest import MESH_CONFIGS, load_config, mesh_devices, quiet
+
+from mintrain import checkpoint as ckpt_lib
+from mintrain import train_loop, train_state
+from mintrain.mesh import make_mesh
+from mintrain.metrics import NonFiniteLossError
+from mintrain.partitioning import AxisRules
+
+# A small model keeps the many compiles of this file cheap; N steps, then N more.
+SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
+         'train.seq_len=32', 'train.log_every=1', 'optimizer.warmup_steps=2', 'checkpoint.keep=5')
+N = 4
+TWO_BY_FOUR = ('mesh.data=2', 'mesh.fsdp=1', 'mesh.model=4')  # A mesh no config file names.
+
+
+def small(name, *overrides):
+  return load_config(name, *SMALL, *overrides)
+
+
+def train(config, workdir=None, *, stop_at=None, **kwargs):
+  """Runs in-process; `stop_at` raises SIGTERM during step `stop_at`, like a preemption.
+
+  The signal is raised while step `stop_at - 1` is logged; the loop then finishes the step in
+  flight (`stop_at`), saves and stops, as it does for a signal that arrives mid-step.
+  """
+  def print_fn(line):
+    if stop_at is not None and line.startswith(f'step {stop_at - 1} |'):
+      signal.raise_signal(signal.SIGTERM)
+  return train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=print_fn, **kwargs)
+
+
+def host(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def assert_bitwise_equal(a, b):
+  a, b = host(a), host(b)
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+
+
+def restore_on(config, path, params_only=False):
+  """The state `train.py --restore_from path` would start from, on the config's mesh."""
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  with jax.set_mesh(mesh):
+    state, _ = train_loop.initial_state(config, setup, None, restore_from=str(path),
+                                        params_only=params_only, print_fn=quiet)
+  return state, setup
+
+
+class Source:
+  """A run on `name` stopped by SIGTERM after N steps, then resumed to 2N in the same workdir."""
+
+  def __init__(self, name, workdir, *overrides):
+    self.config = small(name, f'train.steps={2 * N}', f'checkpoint.every_steps={N}', *overrides)
+    self.workdir = workdir
+    first = train(self.config, workdir, stop_at=N)
+    assert first.stopped_by == 'SIGTERM' and int(first.state.step) == N
+    self.state_at_n = jax.device_get(first.state)
+    self.resumed = train(self.config, workdir)
+    self.losses = first.losses + self.resumed.losses
+
+  @property
+  def checkpoint_n(self):
+    return self.workdir / 'checkpoints' / str(N)
+
+
+@pytest.fixture(scope='module')
+def sources(tmp_path_factory):
+  cache = {}
+
+  def get(name):
+    if name not in cache:
+      cache[name] = Source(name, tmp_path_factory.mktemp(name))
+    return cache[name]
+  return get
+
+
+def test_resume_after_sigterm_is_bit_identical_to_a_straight_run(sources, tmp_path):
+  source = sources('dp4_tp2')
+  straight = train(source.config, tmp_path)
+  assert source.resumed.first_step == N
+  assert source.losses == straight.losses  # Exact float equality, step by step.
+  assert_bitwise_equal(source.resumed.state, straight.state)
+
+
+def test_checkpoint_holds_state_data_position_and_metadata(sources):
+  source = sources('dp4_tp2')
+  checkpoints = ckpt_lib.Checkpoints(source.workdir / 'checkpoints', read_only=True)
+  assert checkpoints.steps() == [N, 2 * N]
+  meta = checkpoints.metadata(N)
+  assert meta['mesh'] == {'data': 4, 'fsdp': 1, 'model': 2}
+  assert meta['config']['model']['embed_dim'] == 64 and meta['config']['train']['steps'] == 2 * N
+  assert set(meta['versions']) >= {'mintrain', 'jax', 'flax', 'optax', 'orbax-checkpoint'}
+  data_file = checkpoints.step_dir(N) / 'data' / 'metadata'
+  assert json.loads(data_file.read_text()) == {'source': 'synthetic', 'next_step': N}
+  arrays = checkpoints.array_metadata(N)
+  assert tuple(arrays['params.embedding_VD.value'].shape) == (256, 64)
+  assert {'step', 'rng', 'opt_state.1.0.count'} <= set(arrays)
+
+
+REPRESENTATIVE = [('dp4_tp2', 'fsdp8'), ('dp4_tp2', 'tp8'), ('dp4_tp2', 'single'), ('dp4_tp2', '2x4'),
+                  ('fsdp4_tp2', 'dp8')]
+ALL_PAIRS = [pair for pair in itertools.permutations(MESH_CONFIGS + ('2x4',), 2)
+             if pair[0] != '2x4' and pair not in REPRESENTATIVE]
+
+
+def _target(name, *overrides):
+  return small('dp4_tp2', *TWO_BY_FOUR, *overrides) if name == '2x4' else small(name, *overrides)
+
+
+def check_restore_onto(sources, source_name, target_name):
+  source = sources(source_name)
+  target = _target(target_name, f'train.steps={2 * N}')
+  state, setup = restore_on(target, source.checkpoint_n)
+  assert_bitwise_equal(state.params, source.state_at_n.params)
+  assert_bitwise_equal(state.opt_state, source.state_at_n.opt_state)
+  assert int(state.step) == N
+  for restored, wanted in zip(jax.tree.leaves(state), jax.tree.leaves(setup.abstract_state)):
+    assert restored.sharding == wanted.sharding  # The target mesh's layout, not the saved one.
+  continued = train(target, restore_from=str(source.checkpoint_n))
+  np.testing.assert_allclose(continued.losses, source.resumed.losses, rtol=1e-4)
+
+
+@pytest.mark.parametrize('source_name,target_name', REPRESENTATIVE)
+def test_restore_onto_another_mesh_gives_saved_state_and_same_losses(sources, source_name, target_name):
+  check_restore_onto(sources, source_name, target_name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('source_name,target_name', ALL_PAIRS)
+def test_restore_between_every_pair_of_meshes(sources, source_name, target_name):
+  check_restore_onto(sources, source_name, target_name)
+
+
+def test_params_only_restore_starts_fresh_optimizer_and_step(sources):
+  source = sources('dp4_tp2')
+  config = small('fsdp8', f'train.steps={2 * N}')
+  state, setup = restore_on(config, source.checkpoint_n, params_only=True)
+  assert_bitwise_equal(state.params, source.state_at_n.params)
+  assert int(state.step) == 0
+  with jax.set_mesh(setup.abstract_state.step.sharding.mesh):
+    fresh = setup.init()
+  assert_bitwise_equal(state.opt_state, fresh.opt_state)
+
+
+def test_keep_deletes_older_checkpoints_and_zero_disables_saving(tmp_path):
+  train(small('single', 'train.steps=8', 'checkpoint.every_steps=2', 'checkpoint.keep=2'), tmp_path / 'a')
+  assert ckpt_lib.Checkpoints(tmp_path / 'a' / 'checkpoints').steps() == [6, 8]
+  train(small('single', 'train.steps=2', 'checkpoint.keep=0'), tmp_path / 'b')
+  assert not (tmp_path / 'b' / 'checkpoints').exists()
+
+
+def test_leftover_temporary_directories_are_removed_and_never_read(tmp_path):
+  train(small('single', 'train.steps=2', 'checkpoint.every_steps=2'), tmp_path)
+  leftover = tmp_path / 'checkpoints' / '3.orbax-checkpoint-tmp-1234567890'
+  (leftover / 'state').mkdir(parents=True)
+  result = train(small('single', 'train.steps=3', 'checkpoint.every_steps=2'), tmp_path)
+  assert result.first_step == 2
+  assert not leftover.exists()
+
+
+def _damage(step_dir, how):
+  files = sorted((step_dir / 'state').rglob('ocdbt.process_0/d/*'), key=lambda p: p.stat().st_size)
+  biggest = files[-1]
+  if how == 'truncate':
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+  else:
+    biggest.unlink()
+
+
+@pytest.mark.parametrize('how', ['truncate', 'delete'])
+def test_damaged_checkpoint_is_an_error_naming_step_and_array(tmp_path, how):
+  config = small('dp8', 'train.steps=4', 'checkpoint.every_steps=2', 'checkpoint.fallback_to_previous=False')
+  train(config, tmp_path)
+  _damage(tmp_path / 'checkpoints' / '4', how)
+  with pytest.raises(ckpt_lib.CheckpointError) as e:
+    train(small('dp8', 'train.steps=6', 'checkpoint.every_steps=2', 'checkpoint.fallback_to_previous=False'),
+          tmp_path)
+  message = str(e.value)
+  assert 'step 4' in message and 'is damaged' in message
+  assert 'params.' in message or 'opt_state.' in message  # Names at least one array.
+  assert 'fallback_to_previous=True to restore step 2' in message
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_path):
+  train(small('dp8', 'train.steps=4', 'checkpoint.every_steps=2'), tmp_path)
+  _damage(tmp_path / 'checkpoints' / '4', 'truncate')
+  lines = []
+  result = train_loop.run(small('dp8', 'train.steps=6', 'checkpoint.every_steps=2'), tmp_path,
+                          print_fn=lines.append)
+  assert result.first_step == 2
+  assert any(line.startswith('warning: Checkpoint step 4') and 'Falling back to step 2' in line for line in lines)
+
+
+def test_shape_mismatch_lists_the_mismatched_parameters(tmp_path):
+  train(small('dp8', 'train.steps=2'), tmp_path)
+  config = small('dp8', 'train.steps=4', 'model.embed_dim=32')
+  with pytest.raises(ckpt_lib.CheckpointError) as e:
+    restore_on(config, tmp_path)
+  message = str(e.value)
+  assert 'does not match the configured model' in message
+  assert 'params.embedding_VD.value: saved (256, 64), expected (256, 32)' in message
+  assert 'Traceback' not in message and '\n' not in message
+
+
+def test_bad_restore_paths_give_one_line_errors(tmp_path):
+  (tmp_path / 'empty').mkdir()
+  (tmp_path / 'other').mkdir()
+  (tmp_path / 'other' / 'notes.txt').write_text('hello')
+  cases = {tmp_path / 'missing': 'no such file or directory',
+           tmp_path / 'empty': 'holds no complete checkpoint',
+           tmp_path / 'other': 'is not a mintrain checkpoint'}
+  for path, expected in cases.items():
+    with pytest.raises(ckpt_lib.CheckpointError, match=expected) as e:
+      ckpt_lib.find_run_checkpoints(path)
+    assert '\n' not in str(e.value)
+
+
+def test_nan_stops_the_run_and_keeps_the_newest_good_checkpoint(tmp_path):
+  train(small('dp8', 'train.steps=2', 'checkpoint.every_steps=2'), tmp_path)
+  poisoned = small('dp8', 'train.steps=6', 'checkpoint.every_steps=1')
+  poisoned.optimizer.learning_rate = float('nan')
+  with pytest.raises(NonFiniteLossError, match='at step 3'):
+    train(poisoned, tmp_path)
+  checkpoints = ckpt_lib.Checkpoints(tmp_path / 'checkpoints', read_only=True)
+  assert checkpoints.steps() == [2]
+  state, _ = restore_on(small('dp8', 'train.steps=6'), tmp_path)
+  assert all(np.isfinite(x).all() for x in host(state.params))
