@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.log_every = 25  # Steps between progress lines and metrics.jsonl records.
 
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every_steps = 100  # Save every N steps (asynchronously); also at the end and on SIGTERM/SIGINT.
+  c.checkpoint.every_steps = 100  # Save every N steps (asynchronously), at the end, and on SIGTERM/SIGINT.
   c.checkpoint.keep = 3  # Newest checkpoints kept in WORKDIR/checkpoints; 0 disables checkpointing.
   c.checkpoint.fallback_to_previous = True  # If the newest checkpoint is damaged, restore the previous one.
 

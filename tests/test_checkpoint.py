@@ -201,7 +201,8 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_pa
   result = train_loop.run(small('dp8', 'train.steps=6', 'checkpoint.every_steps=2'), tmp_path,
                           print_fn=lines.append)
   assert result.first_step == 2
-  assert any(line.startswith('warning: Checkpoint step 4') and 'Falling back to step 2' in line for line in lines)
+  warnings = [line for line in lines if line.startswith('warning: Checkpoint step 4')]
+  assert len(warnings) == 1 and 'Falling back to step 2' in warnings[0]
 
 
 def test_shape_mismatch_lists_the_mismatched_parameters(tmp_path):

@@ -21,8 +21,9 @@ BIG = ['--config.model.embed_dim=512', '--config.model.mlp_dim=2048', '--config.
 
 def start(workdir, *args):
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  command = [sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir)]
   return subprocess.Popen(
-      [sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir), *args],
+      [*command, *args],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
