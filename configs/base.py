@@ -2,6 +2,8 @@
 
 import ml_collections
 
+from mintrain.data import tokenizer
+
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -30,7 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.name = 'transformer'  # 'transformer' (decoder-only LM) or 'mlp' (classifier).
-  c.model.vocab_size = 256  # Token vocabulary.
+  c.model.vocab_size = tokenizer.padded_vocab_size()  # Byte tokenizer's 257 ids, padded to 384 to split.
   c.model.embed_dim = 128  # Width of the residual stream (D).
   c.model.num_layers = 2  # Transformer blocks.
   c.model.num_heads = 8  # Attention heads (H); split over `model`.
@@ -43,7 +45,19 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.compute_dtype = 'float32'  # Dtype of matmuls and activations ('bfloat16' for speed).
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = 'synthetic'  # 'synthetic': deterministic token sequences from the seed.
+  # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of
+  # data.path; 'tokens': flat uint16/uint32 token files of data.path; 'synthetic': sequences from the seed.
+  c.data.source = 'stdlib'
+  c.data.path = ''  # Glob for 'text' and 'tokens', e.g. 'data/*.txt'.
+  c.data.eval_fraction = 0.05  # Held-out share: files by a stable hash of their path; a token file's tail.
+  c.data.token_dtype = 'uint16'  # Element type of 'tokens' files: 'uint16' or 'uint32'.
+  c.data.max_bytes = 0  # Read only the first files (in sorted order) up to about this many bytes; 0: all.
+  c.data.num_threads = 1  # Grain reader threads (no worker processes).
+  c.data.prefetch = 4  # Batches each process reads ahead of the train step; 0 turns prefetching off.
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 100  # Evaluate on the held-out split every N steps and at the end; 0: only at the end.
+  c.eval.steps = 8  # Batches of the held-out split per evaluation.
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 300  # Optimizer steps.

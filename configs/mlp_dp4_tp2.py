@@ -15,6 +15,7 @@ def get_config():
       param_dtype='float32',
       compute_dtype='float32',
   ))
+  c.data.source = 'synthetic'  # Noisy class prototypes from the seed; no image dataset is bundled.
   c.train.steps = 100
   c.train.log_every = 10
   c.optimizer.learning_rate = 1e-3

@@ -15,7 +15,8 @@ class NonFiniteLossError(FloatingPointError):
 def format_line(record: Mapping[str, Any]) -> str:
   parts = [f"step {record['step']}"]
   for key, fmt in (('loss', '.4f'), ('grad_norm', '.3f'), ('learning_rate', '.2e'),
-                   ('steps_per_sec', '.2f'), ('tokens_per_sec', ',.0f')):
+                   ('steps_per_sec', '.2f'), ('tokens_per_sec', ',.0f'), ('data_wait_fraction', '.1%'),
+                   ('eval_loss', '.4f'), ('eval_perplexity', '.2f'), ('eval_bits_per_byte', '.3f')):
     if key in record:
       parts.append(f'{key} {record[key]:{fmt}}')
   return ' | '.join(parts)
@@ -32,10 +33,11 @@ class MetricsLog:
       self.path = pathlib.Path(workdir) / 'metrics.jsonl'
       self.path.parent.mkdir(parents=True, exist_ok=True)
 
-  def write(self, record: Mapping[str, Any]) -> None:
+  def write(self, record: Mapping[str, Any], *, echo: bool = True) -> None:
     if not self.is_main:
       return
-    self.print_fn(format_line(record))
+    if echo:
+      self.print_fn(format_line(record))
     if self.path is not None:
       with self.path.open('a') as f:
         f.write(json.dumps(dict(record)) + '\n')

@@ -23,11 +23,12 @@ from mintrain import checkpoint as ckpt_lib
 from mintrain import config as config_lib
 from mintrain import mesh as mesh_lib
 from mintrain import train_state
-from mintrain.data import make_batches
+from mintrain.data import pipeline, tokenizer
+from mintrain.data.batches import GlobalBatches, make_batches
 from mintrain.metrics import MetricsLog, NonFiniteLossError
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
-from mintrain.train_step import make_train_step
+from mintrain.train_step import make_eval_step, make_train_step
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -117,6 +118,18 @@ def initial_state(config, setup: train_state.Setup, checkpoints: ckpt_lib.Checkp
   return train_state.TrainState(**tree), data_state
 
 
+def evaluate(eval_step, params, batches: GlobalBatches, start_state: dict, steps: int,
+             config: ml_collections.ConfigDict) -> dict[str, float]:
+  """Mean loss on the first `steps` held-out batches (the same ones every time), and what follows from it."""
+  batches.set_state(start_state)
+  losses = [eval_step(params, next(batches)) for _ in range(steps)]
+  loss = float(sum(jax.device_get(losses)) / steps)
+  out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
+  if config.model.name == 'transformer':
+    out['eval_bits_per_byte'] = tokenizer.bits_per_byte(loss)
+  return out
+
+
 def _mesh_str(meta: dict) -> str:
   return ' x '.join(f'{k}={v}' for k, v in meta.get('mesh', {}).items()) or 'unknown'
 
@@ -139,18 +152,36 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, *
                                        every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep)
 
   total, log_every = config.train.steps, config.train.log_every
+  eval_every = config.eval.every_steps
   with jax.set_mesh(mesh):
-    state, _ = initial_state(config, setup, checkpoints, restore_from=restore_from,
-                             params_only=restore_params_only, print_fn=print_fn)
+    batches = make_batches(config, mesh, rules)
+    eval_batches = make_batches(config, mesh, rules, split='eval')
+    eval_start = eval_batches.get_state()
+    state, data_state = initial_state(config, setup, checkpoints, restore_from=restore_from,
+                                      params_only=restore_params_only, print_fn=print_fn)
+    if data_state.get('source') == config.data.source:
+      batches.set_state(data_state)
+    elif data_state:
+      print_fn(f"note: the checkpoint's data position is for data.source={data_state.get('source')!r}; "
+               f'starting data.source={config.data.source!r} from its beginning.')
     step_fn = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, total),
                               use_dropout=config.model.dropout_rate > 0)
-    batches = make_batches(config, mesh, rules)
+    eval_step = make_eval_step(setup.graphdef)
     first_step = int(state.step)
     records, losses, pending = [], [], []
-    interval_start, interval_steps = None, 0
+    if config.data.source != 'synthetic' and is_main:
+      baseline = pipeline.unigram_bits_per_byte(config.data)
+      print_fn(f'data: {config.data.source}; unigram entropy of the eval split {baseline:.3f} bits/byte '
+               '(the baseline a model must beat)')
+      records.append({'step': first_step, 'unigram_bits_per_byte': baseline})
+      log.write(records[-1], echo=False)
+    interval_start, interval_steps, data_wait = None, 0, 0.0
     with StopSignals() as stop:
       for step in range(first_step, total):
-        state, metrics = step_fn(state, batches(step))
+        wait_start = time.perf_counter()
+        batch = next(batches)
+        data_wait += time.perf_counter() - wait_start
+        state, metrics = step_fn(state, batch)
         pending.append(metrics)
         done = step + 1
         if interval_start is None:  # Rates exclude the first (compiling) step.
@@ -161,23 +192,32 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, *
         stopping = stop.received is not None  # Decided once, so a stop always comes with its save.
         save = checkpoints is not None and (checkpoints.should_save(done) or done == total or stopping)
         log_now = done % log_every == 0 or done == total
-        if not (save or log_now or stopping):
+        eval_now = done == total or (eval_every and done % eval_every == 0)
+        if not (save or log_now or eval_now or stopping):
           continue
         fetched = jax.device_get(pending)
         _check_finite(done - len(fetched), fetched)
         losses += [float(m['loss']) for m in fetched]
         pending = []
         if save:
-          checkpoints.save(done, state, data_state={'source': config.data.source, 'next_step': done},
+          checkpoints.save(done, state, data_state=batches.get_state(),
                            metadata=checkpoint_metadata(config, mesh, done))
         if log_now:
           record = {'step': done, **{k: float(v) for k, v in fetched[-1].items()}}
           if interval_steps:
-            record['steps_per_sec'] = interval_steps / (time.perf_counter() - interval_start)
+            elapsed = time.perf_counter() - interval_start
+            record['steps_per_sec'] = interval_steps / elapsed
             record['tokens_per_sec'] = record['steps_per_sec'] * tokens_per_step(config)
-          interval_start, interval_steps = time.perf_counter(), 0
+            record['data_wait_fraction'] = min(data_wait / elapsed, 1.0)
+          interval_start, interval_steps, data_wait = time.perf_counter(), 0, 0.0
           records.append(record)
           log.write(record)
+        if eval_now:
+          record = {'step': done, **evaluate(eval_step, state.params, eval_batches, eval_start,
+                                             config.eval.steps, config)}
+          records.append(record)
+          log.write(record)
+          interval_start = time.perf_counter()  # Step rates leave the evaluation out.
         if stopping:
           break
     if checkpoints is not None:

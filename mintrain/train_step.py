@@ -63,3 +63,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     return new_state, metrics
 
   return jax.jit(step_fn, donate_argnums=0)
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, Batch], jax.Array]:
+  """Jitted mean loss of params on one (accum, micro, ...) batch; no gradients, no dropout."""
+  def eval_fn(params: nnx.State, batch: Batch) -> jax.Array:
+    losses = jax.lax.map(lambda micro: loss_fn(params, graphdef, micro, None), batch)
+    return jnp.mean(losses)
+  return jax.jit(eval_fn)

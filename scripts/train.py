@@ -29,13 +29,14 @@ def main() -> int:
   from mintrain import train_loop
   from mintrain.checkpoint import CheckpointError
   from mintrain.config import ConfigError
+  from mintrain.data.sources import DataError
   from mintrain.mesh import MeshError
   from mintrain.metrics import NonFiniteLossError
   from mintrain.partitioning import PartitioningError
   try:
     result = train_loop.run(config, args.workdir, devices=devices, restore_from=args.restore_from,
                             restore_params_only=args.restore_params_only)
-  except (MeshError, PartitioningError, ConfigError, CheckpointError) as e:
+  except (MeshError, PartitioningError, ConfigError, CheckpointError, DataError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   except NonFiniteLossError as e:

@@ -7,7 +7,7 @@ from conftest import MESH_CONFIGS, load_config, mesh_devices, quiet
 from flax import nnx
 
 from mintrain import train_loop, train_state
-from mintrain.data import make_batches
+from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.metrics import NonFiniteLossError
 from mintrain.optimizer import schedule
@@ -47,7 +47,7 @@ def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time
 
   with jax.set_mesh(mesh):
     state = setup.init()
-    jax.jit(check).trace(state, make_batches(config, mesh, rules)(0))
+    jax.jit(check).trace(state, next(make_batches(config, mesh, rules)))
   assert len(seen) == 4 * len(expected)
   for (kind, path), spec in seen.items():
     assert spec == expected[path], (kind, path, spec)
@@ -80,10 +80,11 @@ def test_four_micro_batches_equal_one_four_times_larger_batch():
     with jax.set_mesh(mesh):
       state = setup.init()
       step = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, 10), use_dropout=False)
-      batch = make_batches(config, mesh, rules)(0)
+      batches = make_batches(config, mesh, rules)
+      batch = next(batches)
       assert batch['inputs'].shape[:2] == (accum, 32 // accum)
       state, _ = step(state, batch)
-      state, metrics = step(state, make_batches(config, mesh, rules)(1))
+      state, metrics = step(state, next(batches))
       results[accum] = (float(metrics['loss']), float(metrics['grad_norm']),
                         [np.asarray(x) for x in jax.tree.leaves(state.params)])
   (loss1, norm1, params1), (loss4, norm4, params4) = results[1], results[4]

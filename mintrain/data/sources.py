@@ -1,0 +1,206 @@
+"""Corpora as token streams for one split: the Python standard library, text files, or token files.
+
+A stream is a 1-D array of token ids (uint16 or uint32, in memory or memory-mapped).
+
+- 'stdlib': the running interpreter's standard library `.py` files (tests and site-packages left
+  out), so a real corpus exists wherever Python runs, with no download.
+- 'text': UTF-8 files matching the glob `path`.
+- 'tokens': flat binary files of `token_dtype` ids matching the glob `path`, memory-mapped.
+
+Text sources give one stream per split: each file is a document and each document is preceded by
+BOS. A file belongs to the eval split when the SHA-256 of its path (relative to the stdlib root or
+to the glob's fixed prefix) falls in the first `eval_fraction` of the hash range, so the split is
+the same on every run, machine and process, and adding files never moves the others.
+Token files are taken as they are (their own BOS ids, if any, separate documents); each file is
+one stream whose last `eval_fraction` of tokens is the eval split, so no sequence straddles both.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import pathlib
+import sysconfig
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mintrain.data import tokenizer
+
+SOURCES = ('stdlib', 'text', 'tokens')
+SPLITS = ('train', 'eval')
+TOKEN_DTYPES = ('uint16', 'uint32')
+DEFAULTS = {'source': 'stdlib', 'path': '', 'eval_fraction': 0.05, 'token_dtype': 'uint16', 'max_bytes': 0}
+STDLIB_EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages', 'dist-packages',
+                                  '__pycache__'})
+_SCAN_CHUNK = 1 << 24  # Tokens checked per step when validating a token file.
+
+
+class DataError(ValueError):
+  """Unusable data or data settings; the message names the file or key and what to change."""
+
+
+def option(data_cfg: Mapping[str, Any], key: str) -> Any:
+  """`data_cfg[key]`, or its default when the config does not set it."""
+  return data_cfg[key] if key in data_cfg else DEFAULTS[key]
+
+
+def describe(data_cfg: Mapping[str, Any]) -> str:
+  """The source as the config names it, for error messages."""
+  source = option(data_cfg, 'source')
+  return f'data.source={source!r}' if source == 'stdlib' else f'data.path={option(data_cfg, "path")!r}'
+
+
+def in_eval(key: str, eval_fraction: float) -> bool:
+  """Whether a document goes to eval; SHA-256 of its key, never Python's salted `hash()`."""
+  h = int.from_bytes(hashlib.sha256(key.encode('utf-8')).digest()[:8], 'big')
+  return h / 2**64 < eval_fraction
+
+
+def stdlib_files() -> list[tuple[str, pathlib.Path]]:
+  """(path relative to the stdlib root, path) of its `.py` files without tests, sorted."""
+  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
+  files = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS]
+    for name in filenames:
+      if name.endswith('.py') and not name.startswith('test_'):
+        path = pathlib.Path(dirpath) / name
+        files.append((path.relative_to(root).as_posix(), path))
+  if not files:
+    raise DataError(f"data.source='stdlib': no .py files under {root} (a zipped standard library?); "
+                    f"use data.source='text' with data.path set to a glob of text files.")
+  return sorted(files)
+
+
+def glob_files(pattern: str) -> list[tuple[str, pathlib.Path]]:
+  """(path relative to the glob's fixed prefix, path) of the files matching `pattern`, sorted."""
+  if not pattern:
+    raise DataError("data.path is empty; set it to a glob of files, e.g. 'data/*.txt'.")
+  pattern = os.path.expanduser(pattern)
+  parts = pathlib.PurePath(pattern).parts
+  fixed = next((i for i, p in enumerate(parts) if any(c in p for c in '*?[')), len(parts) - 1)
+  base = pathlib.Path(*parts[:fixed]) if fixed else pathlib.Path('.')
+  paths = [pathlib.Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+  if not paths:
+    raise DataError(f'data.path={pattern!r} matches no files (relative to {os.getcwd()}); '
+                    f'check the pattern.')
+  return sorted((os.path.relpath(p, base).replace(os.sep, '/'), p) for p in paths)
+
+
+def _first_bytes(files: list[tuple[str, pathlib.Path]], max_bytes: int) -> list[tuple[str, pathlib.Path]]:
+  """The leading files, in order, until their total size reaches `max_bytes` (0: all)."""
+  if not max_bytes:
+    return files
+  kept, total = [], 0
+  for key, path in files:
+    if total >= max_bytes:
+      break
+    kept.append((key, path))
+    total += path.stat().st_size
+  return kept
+
+
+def read_text(path: pathlib.Path, where: str) -> bytes:
+  """The UTF-8 bytes of a text file, or a DataError naming the file."""
+  try:
+    raw = path.read_bytes()
+  except OSError as e:
+    raise DataError(f'{where}: cannot read {path} ({e.strerror}); fix it or leave it out.') from e
+  nul = raw.find(b'\0')
+  if nul >= 0:
+    raise DataError(f'{where}: {path} is binary (NUL byte at offset {nul}); leave it out of data.path.')
+  try:
+    raw.decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise DataError(f'{where}: {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset '
+                    f'{e.start}); convert it to UTF-8 or leave it out of data.path.') from None
+  return raw
+
+
+def join_documents(docs: list[bytes]) -> np.ndarray:
+  """uint16 stream [BOS, doc0..., BOS, doc1..., ...]: byte-level, so a document's ids are its bytes."""
+  out = np.empty(sum(len(d) for d in docs) + len(docs), np.uint16)
+  pos = 0
+  for doc in docs:
+    out[pos] = tokenizer.BOS
+    out[pos + 1:pos + 1 + len(doc)] = np.frombuffer(doc, np.uint8)
+    pos += 1 + len(doc)
+  return out
+
+
+def _text_streams(data_cfg: Mapping[str, Any], split: str) -> list[np.ndarray]:
+  where, fraction = describe(data_cfg), option(data_cfg, 'eval_fraction')
+  files = stdlib_files() if option(data_cfg, 'source') == 'stdlib' else glob_files(option(data_cfg, 'path'))
+  files = _first_bytes(files, option(data_cfg, 'max_bytes'))
+  mine = [path for key, path in files if in_eval(key, fraction) == (split == 'eval')]
+  if not mine:
+    owner = 'eval' if split == 'train' else 'train'
+    change = 'lower' if split == 'train' else 'raise'
+    more = ', raise data.max_bytes' if option(data_cfg, 'max_bytes') else ''
+    raise DataError(f'The {split} split of {where} is empty: all {len(files)} file(s) hash into {owner} at '
+                    f'data.eval_fraction={fraction}; {change} it{more} or add files.')
+  return [join_documents([read_text(path, where) for path in mine])]
+
+
+def _check_ids(part: np.ndarray, path: pathlib.Path, offset: int) -> None:
+  for start in range(0, len(part), _SCAN_CHUNK):
+    chunk = np.asarray(part[start:start + _SCAN_CHUNK])
+    if chunk.max() >= tokenizer.VOCAB_SIZE:
+      at = int(np.argmax(chunk >= tokenizer.VOCAB_SIZE))
+      raise DataError(f'data.path: {path} holds token id {int(chunk[at])} at token {offset + start + at}, '
+                      f'outside the byte vocabulary [0, {tokenizer.VOCAB_SIZE}); re-tokenize it with '
+                      f'mintrain.data.tokenizer or check data.token_dtype.')
+
+
+def _token_streams(data_cfg: Mapping[str, Any], split: str) -> list[np.ndarray]:
+  dtype_name, fraction = option(data_cfg, 'token_dtype'), option(data_cfg, 'eval_fraction')
+  if dtype_name not in TOKEN_DTYPES:
+    raise DataError(f'data.token_dtype={dtype_name!r}; choose one of {TOKEN_DTYPES}.')
+  dtype = np.dtype(dtype_name)
+  max_bytes = option(data_cfg, 'max_bytes')
+  budget = max_bytes // dtype.itemsize if max_bytes else None
+  streams = []
+  for _, path in glob_files(option(data_cfg, 'path')):
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+      raise DataError(f'data.path: {path} is {size} bytes, not a positive multiple of {dtype.itemsize} '
+                      f'(data.token_dtype={dtype_name!r}); fix data.token_dtype or the file.')
+    try:
+      tokens = np.memmap(path, dtype=dtype, mode='r')
+    except OSError as e:
+      raise DataError(f'data.path: cannot read {path} ({e.strerror}); fix it or leave it out.') from e
+    if budget is not None:
+      tokens = tokens[:budget]
+      budget -= len(tokens)
+    cut = len(tokens) - int(len(tokens) * fraction)
+    part, offset = (tokens[:cut], 0) if split == 'train' else (tokens[cut:], cut)
+    if len(part):
+      _check_ids(part, path, offset)
+      streams.append(part)
+    if budget == 0:
+      break
+  if not streams:
+    raise DataError(f'The {split} split of {describe(data_cfg)} is empty: data.eval_fraction={fraction} '
+                    f'of each file rounds to no tokens; raise it or add data.')
+  return streams
+
+
+def load_split(data_cfg: Mapping[str, Any], split: str) -> list[np.ndarray]:
+  """The token streams of `split` ('train' or 'eval'), validated; DataError names what to change."""
+  source, fraction = option(data_cfg, 'source'), option(data_cfg, 'eval_fraction')
+  if source not in SOURCES:
+    raise DataError(f'data.source={source!r} is not a file source; choose one of {SOURCES}.')
+  if split not in SPLITS:
+    raise DataError(f'split={split!r}; choose one of {SPLITS}.')
+  if not 0.0 <= fraction < 1.0:
+    raise DataError(f'data.eval_fraction={fraction} must be in [0, 1).')
+  if split == 'eval' and fraction == 0.0:
+    raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
+  if not isinstance(option(data_cfg, 'max_bytes'), int) or option(data_cfg, 'max_bytes') < 0:
+    raise DataError(f'data.max_bytes={option(data_cfg, "max_bytes")!r} must be an integer >= 0 (0: no cap).')
+  if source == 'tokens':
+    return _token_streams(data_cfg, split)
+  return _text_streams(data_cfg, split)

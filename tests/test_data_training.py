@@ -1,0 +1,107 @@
+"""Real data in the training loop: iterator state in checkpoints, evaluation, bad input end to end."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from conftest import REPO, load_config, mesh_devices, quiet
+from flax import nnx
+
+from mintrain import train_loop, train_state
+from mintrain.checkpoint import Checkpoints
+from mintrain.data import pipeline
+from mintrain.data.batches import make_batches
+from mintrain.mesh import make_mesh
+from mintrain.partitioning import AxisRules
+from mintrain.train_step import make_eval_step
+
+TINY = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4', 'model.head_dim=8',
+        'train.global_batch_size=8', 'train.seq_len=16', 'train.log_every=1')
+
+
+def tiny_corpus(tmp_path):
+  root = tmp_path / 'corpus'
+  root.mkdir()
+  for i in range(40):
+    (root / f'doc{i:02d}.txt').write_text(f'document {i}: ' + 'the quick brown fox jumps. ' * (3 + i % 5))
+  return str(root / '*.txt')
+
+
+def test_checkpointed_iterator_state_continues_the_exact_stream(tmp_path):
+  config = load_config('dp8', *TINY, 'train.steps=3', 'checkpoint.every_steps=3')
+  train_loop.run(config, tmp_path, devices=mesh_devices(config), print_fn=quiet)
+  saved = json.loads((tmp_path / 'checkpoints' / '3' / 'data' / 'metadata').read_text())
+  mesh = make_mesh(config.mesh)
+  rules = AxisRules.from_config(config.partitioning)
+  with jax.set_mesh(mesh):
+    straight = make_batches(config, mesh, rules)
+    for _ in range(3):
+      next(straight)
+    resumed = make_batches(config, mesh, rules)
+    resumed.set_state(saved)
+    for _ in range(2):
+      a, b = next(straight), next(resumed)
+      np.testing.assert_array_equal(np.asarray(a['inputs']), np.asarray(b['inputs']))
+      np.testing.assert_array_equal(np.asarray(a['targets']), np.asarray(b['targets']))
+
+
+def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path):
+  config = load_config('single', *TINY, 'data.source=text', f'data.path={tiny_corpus(tmp_path)}',
+                       'data.eval_fraction=0.3', 'eval.steps=2')
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  rules = AxisRules.from_config(config.partitioning)
+  setup = train_state.setup(config, rules, mesh)
+  with jax.set_mesh(mesh):
+    state = setup.init()
+    batches = make_batches(config, mesh, rules, split='eval')
+    metrics = train_loop.evaluate(make_eval_step(setup.graphdef), state.params, batches,
+                                  batches.get_state(), 2, config)
+    model = nnx.merge(setup.graphdef, state.params)
+    local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8, seed=0,
+                                   process_index=0, process_count=1)
+    nats = []
+    for _ in range(2):
+      batch = next(local)
+      logits = np.asarray(model(jax.numpy.asarray(batch['inputs'])), np.float64)
+      log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+      picked = np.take_along_axis(logits, batch['targets'][..., None], -1)[..., 0]
+      nats.append(np.mean(log_z - picked))
+  loss = float(np.mean(nats))
+  np.testing.assert_allclose(metrics['eval_loss'], loss, rtol=1e-5)
+  np.testing.assert_allclose(metrics['eval_perplexity'], math.exp(loss), rtol=1e-5)
+  np.testing.assert_allclose(metrics['eval_bits_per_byte'], loss / math.log(2), rtol=1e-5)
+
+
+def test_training_logs_baseline_eval_and_data_wait(tmp_path):
+  config = load_config('dp8', *TINY, 'train.steps=4', 'eval.every_steps=2', 'eval.steps=1',
+                       'checkpoint.keep=0')
+  train_loop.run(config, tmp_path, devices=mesh_devices(config), print_fn=quiet)
+  records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  baseline = [r for r in records if 'unigram_bits_per_byte' in r]
+  assert len(baseline) == 1 and 3.0 < baseline[0]['unigram_bits_per_byte'] < 6.0
+  assert [r['step'] for r in records if 'eval_loss' in r] == [2, 4]
+  assert all(0.0 <= r['data_wait_fraction'] <= 1.0 for r in records if 'data_wait_fraction' in r)
+
+
+def test_bad_data_path_is_a_one_line_error_from_the_script(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  proc = subprocess.run([sys.executable, 'scripts/train.py', '--config', 'configs/single.py',
+                         '--config.data.source=text', f'--config.data.path={tmp_path}/none/*.txt'],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error:') and 'none/*.txt' in lines[0], proc.stderr
+
+
+def test_restored_checkpoint_with_another_source_does_not_reuse_its_stream(tmp_path):
+  config = load_config('single', *TINY, 'train.steps=2', 'data.source=synthetic', 'model.vocab_size=384')
+  train_loop.run(config, tmp_path / 'synthetic', devices=mesh_devices(config), print_fn=quiet)
+  assert Checkpoints(tmp_path / 'synthetic' / 'checkpoints', read_only=True).steps() == [2]
+  other = load_config('single', *TINY, 'train.steps=3')
+  result = train_loop.run(other, tmp_path / 'stdlib', devices=mesh_devices(other), print_fn=quiet,
+                          restore_from=str(tmp_path / 'synthetic'))
+  assert result.first_step == 2 and len(result.losses) == 1
