@@ -19,8 +19,8 @@ from mintrain.mesh import make_mesh
 from mintrain.partitioning import AxisRules
 from mintrain.train_step import make_eval_step
 
-TINY = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4', 'model.head_dim=8',
-        'train.global_batch_size=8', 'train.seq_len=16', 'train.log_every=1')
+TINY = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4',
+        'model.head_dim=8', 'train.global_batch_size=8', 'train.seq_len=16', 'train.log_every=1')
 
 
 def tiny_corpus(tmp_path):
