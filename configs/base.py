@@ -66,6 +66,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.grad_accum_steps = 1  # Micro-batches per step; gradients are averaged over them.
   c.train.log_every = 25  # Steps between progress lines and metrics.jsonl records.
 
+  c.metrics = ml_collections.ConfigDict()
+  c.metrics.peak_tflops = 0.0  # Peak TFLOP/s per device for MFU; 0: the device table, or a CPU calibration.
+
+  c.profile = ml_collections.ConfigDict()
+  c.profile.start_step = -1  # Write a JAX profiler trace starting at this step to WORKDIR/profile; -1: off.
+  c.profile.num_steps = 3  # Steps in the trace.
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100  # Save every N steps (asynchronously), at the end, and on SIGTERM/SIGINT.
   c.checkpoint.keep = 3  # Newest checkpoints kept in WORKDIR/checkpoints; 0 disables checkpointing.

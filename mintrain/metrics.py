@@ -1,43 +1,154 @@
-"""Metric records: one console line and one `metrics.jsonl` object per logging interval."""
+"""Metric writers and the figures they report.
+
+Writers are clu's: a console line, TensorBoard event files in WORKDIR/tensorboard
+and WORKDIR/metrics.jsonl, all behind one `MultiWriter`, on process 0 only.
+Throughput follows MaxText's conventions: step time excludes the compiling first
+step, model FLOPs come from the analytic count in `flops.py`, and MFU divides
+the achieved model FLOP/s per device by the device's peak.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from clu import metric_writers
+from clu.metric_writers import interface
+
+from mintrain import hardware
+
+Scalars = Mapping[str, float]
 
 
 class NonFiniteLossError(FloatingPointError):
   """The loss became NaN or Inf; the message names the step."""
 
 
-def format_line(record: Mapping[str, Any]) -> str:
-  parts = [f"step {record['step']}"]
-  for key, fmt in (('loss', '.4f'), ('grad_norm', '.3f'), ('learning_rate', '.2e'),
-                   ('steps_per_sec', '.2f'), ('tokens_per_sec', ',.0f'), ('data_wait_fraction', '.1%'),
-                   ('eval_loss', '.4f'), ('eval_perplexity', '.2f'), ('eval_bits_per_byte', '.3f')):
-    if key in record:
-      parts.append(f'{key} {record[key]:{fmt}}')
+def format_duration(seconds: float) -> str:
+  return str(datetime.timedelta(seconds=round(seconds)))
+
+
+CONSOLE = (('loss', 'loss {:.4f}'), ('grad_norm', 'grad_norm {:.3f}'), ('learning_rate', 'lr {:.2e}'),
+           ('steps_per_sec', '{:.2f} steps/s'), ('tokens_per_sec', '{:,.0f} tok/s'),
+           ('tflops_per_device', '{:.3f} TFLOP/s/dev'), ('mfu', 'MFU {:.1%}'),
+           ('data_wait_fraction', 'data wait {:.1%}'), ('eval_loss', 'eval_loss {:.4f}'),
+           ('eval_perplexity', 'eval_ppl {:.2f}'), ('eval_bits_per_byte', 'eval {:.3f} bits/byte'),
+           ('unigram_bits_per_byte', 'eval split unigram entropy {:.3f} bits/byte: the baseline to beat'))
+
+
+def format_line(step: int, scalars: Scalars, total_steps: int | None = None) -> str:
+  head = f'step {step}' if total_steps is None else f'step {step}/{total_steps} ({step / total_steps:.0%})'
+  parts = [head] + [fmt.format(scalars[key]) for key, fmt in CONSOLE if key in scalars]
+  if 'eta_sec' in scalars:
+    parts.append(f"ETA {format_duration(scalars['eta_sec'])}")
   return ' | '.join(parts)
 
 
-class MetricsLog:
-  """Appends records to `WORKDIR/metrics.jsonl` and prints them (process 0 only)."""
+class ScalarWriter(interface.MetricWriter):
+  """A writer of scalars and hyperparameters only; clu's other kinds of data are dropped."""
 
-  def __init__(self, workdir: str | pathlib.Path | None, *, is_main: bool = True,
-               print_fn: Callable[[str], None] = print):
-    self.is_main, self.print_fn = is_main, print_fn
-    self.path = None
-    if workdir is not None and is_main:
-      self.path = pathlib.Path(workdir) / 'metrics.jsonl'
-      self.path.parent.mkdir(parents=True, exist_ok=True)
+  def write_summaries(self, step, values, metadata=None) -> None:
+    pass
 
-  def write(self, record: Mapping[str, Any], *, echo: bool = True) -> None:
-    if not self.is_main:
-      return
-    if echo:
-      self.print_fn(format_line(record))
-    if self.path is not None:
-      with self.path.open('a') as f:
-        f.write(json.dumps(dict(record)) + '\n')
+  def write_images(self, step, images) -> None:
+    pass
+
+  def write_videos(self, step, videos) -> None:
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate) -> None:
+    pass
+
+  def write_texts(self, step, texts) -> None:
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None) -> None:
+    pass
+
+  def flush(self) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+class ConsoleWriter(ScalarWriter):
+  """One line per record: progress, the figures in CONSOLE, and the ETA."""
+
+  def __init__(self, print_fn: Callable[[str], None], total_steps: int):
+    self.print_fn, self.total_steps = print_fn, total_steps
+
+  def write_scalars(self, step: int, scalars: Scalars) -> None:
+    self.print_fn(format_line(step, scalars, self.total_steps))
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    pass  # The config is in hparams.json and TensorBoard; on the console it would bury the report.
+
+
+class JsonlWriter(ScalarWriter):
+  """`metrics.jsonl`: one JSON object per record; hyperparameters go to `hparams.json`."""
+
+  def __init__(self, workdir: pathlib.Path):
+    self.path = workdir / 'metrics.jsonl'
+    self.hparams_path = workdir / 'hparams.json'
+
+  def write_scalars(self, step: int, scalars: Scalars) -> None:
+    with self.path.open('a') as f:
+      f.write(json.dumps({'step': int(step), **{k: float(v) for k, v in scalars.items()}}) + '\n')
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    self.hparams_path.write_text(json.dumps(dict(hparams), indent=1, sort_keys=True) + '\n')
+
+
+def make_writer(workdir: str | pathlib.Path | None, *, is_main: bool, total_steps: int,
+                print_fn: Callable[[str], None] = print) -> interface.MetricWriter:
+  """Console + TensorBoard + metrics.jsonl on process 0; nothing elsewhere."""
+  if not is_main:
+    return metric_writers.MultiWriter([])
+  writers: list[interface.MetricWriter] = [ConsoleWriter(print_fn, total_steps)]
+  if workdir is not None:
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    writers += [metric_writers.SummaryWriter(str(workdir / 'tensorboard')), JsonlWriter(workdir)]
+  return metric_writers.MultiWriter(writers)
+
+
+def flat_hparams(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+  """Nested config -> {'model.embed_dim': 128, ...} with TensorBoard-friendly values."""
+  out = {}
+  for key, value in config.items():
+    name = f'{prefix}{key}'
+    if isinstance(value, Mapping):
+      out.update(flat_hparams(value, f'{name}.'))
+    elif isinstance(value, (bool, int, float, str)):
+      out[name] = value
+    else:
+      out[name] = str(value)
+  return out
+
+
+def format_summary(s: Mapping[str, float]) -> str:
+  parts = [f"total {format_duration(s['total_time_sec'])}", f"compile {s['compile_time_sec']:.1f} s"]
+  if 'step_time' in s:
+    parts += [f"mean step {s['step_time'] * 1e3:.1f} ms", f"{s['tokens_per_sec']:,.0f} tok/s",
+              f"{s['tflops_per_device']:.3f} TFLOP/s/dev", f"MFU {s['mfu']:.1%}"]
+  if 'final_loss' in s:
+    parts.append(f"final loss {s['final_loss']:.4f}")
+  if 'final_eval_loss' in s:
+    bpb = f" ({s['final_eval_bits_per_byte']:.3f} bits/byte)" if 'final_eval_bits_per_byte' in s else ''
+    parts.append(f"final eval loss {s['final_eval_loss']:.4f}{bpb}")
+  return 'summary: ' + ', '.join(parts)
+
+
+def throughput(steps: int, seconds: float, *, tokens_per_step: int, flops_per_step: float,
+               num_devices: int, peak_tflops: float) -> dict[str, float]:
+  """Rates of an interval of `steps` steps that took `seconds`."""
+  step_time = seconds / steps
+  flops_per_device = flops_per_step / step_time / num_devices
+  return {'step_time': step_time, 'steps_per_sec': 1 / step_time,
+          'tokens_per_sec': tokens_per_step / step_time,
+          'tokens_per_sec_per_device': tokens_per_step / step_time / num_devices,
+          'tflops_per_device': flops_per_device / 1e12, 'mfu': hardware.mfu(flops_per_device, peak_tflops)}

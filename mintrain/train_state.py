@@ -135,30 +135,3 @@ def state_bytes_per_device(tree) -> int:
     shape = x.sharding.shard_shape(x.shape) if getattr(x, 'sharding', None) is not None else x.shape
     total += math.prod(shape) * np.dtype(x.dtype).itemsize
   return total
-
-
-def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mesh) -> str:
-  """One row per parameter, then per-device totals for parameters and optimizer state."""
-  def fmt_bytes(n: int) -> str:
-    for unit in ('B', 'KiB', 'MiB', 'GiB'):
-      if n < 1024 or unit == 'GiB':
-        return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
-      n /= 1024
-    raise AssertionError
-
-  header = ('parameter', 'global shape', 'logical axes', 'PartitionSpec', 'per-device shape', 'bytes/device')
-  rows = [header] + [
-      (p.path, str(p.shape), str(p.logical_axes), partitioning.format_spec(p.spec),
-       str(p.shard_shape), fmt_bytes(p.bytes_per_device)) for p in layout]
-  widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-  lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-  lines.insert(1, '  '.join('-' * w for w in widths))
-  n_params = sum(math.prod(p.shape) for p in layout)
-  param_bytes = sum(p.bytes_per_device for p in layout)
-  opt_bytes = state_bytes_per_device(abstract_state.opt_state)
-  mesh_desc = ' x '.join(f'{k}={v}' for k, v in mesh.shape.items())
-  lines += ['',
-            f'mesh {mesh_desc} ({mesh.size} devices), {n_params:,} parameters',
-            f'per device: parameters {fmt_bytes(param_bytes)}, optimizer state {fmt_bytes(opt_bytes)}, '
-            f'total {fmt_bytes(param_bytes + opt_bytes)}']
-  return '\n'.join(lines)

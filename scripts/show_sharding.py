@@ -18,17 +18,19 @@ def main() -> int:
   _, config = _bootstrap.parse(parser)
   devices = _bootstrap.devices_for(config)
 
+  from mintrain import memory, report, train_state
   from mintrain import mesh as mesh_lib
-  from mintrain import train_state
   from mintrain.config import ConfigError
   from mintrain.partitioning import AxisRules, PartitioningError
   try:
     mesh = mesh_lib.make_mesh(config.mesh, devices)
-    setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+    rules = AxisRules.from_config(config.partitioning)
+    setup = train_state.setup(config, rules, mesh)
+    plan = memory.plan(config, rules, mesh, setup.layout, setup.abstract_state)
   except (mesh_lib.MeshError, PartitioningError, ConfigError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  print(train_state.format_report(setup.layout, setup.abstract_state, mesh))
+  print(report.format_report(setup.layout, setup.abstract_state, mesh, plan))
   return 0
 
 

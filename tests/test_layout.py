@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from mintrain import train_state
 from mintrain.mesh import make_mesh
 from mintrain.partitioning import AxisRules, PartitioningError
+from mintrain.report import format_report
 
 # Storage layout under the default rules, written out by hand per logical-axes tuple.
 EXPECTED = {
@@ -72,7 +73,7 @@ def test_layout_and_report_allocate_nothing():
   mesh = make_mesh(config.mesh)
   before = len(jax.live_arrays())
   setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
-  report = train_state.format_report(setup.layout, setup.abstract_state, mesh)
+  report = format_report(setup.layout, setup.abstract_state, mesh)
   assert len(jax.live_arrays()) == before
   assert 'blocks.0.mlp.wi_gate_DF' in report and '(fsdp, model)' in report
   assert 'optimizer state' in report

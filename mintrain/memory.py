@@ -1,0 +1,81 @@
+"""Memory plan per device: what training will hold, known before anything is compiled.
+
+Parameters, gradients and optimizer state are exact (their resolved layouts);
+activations are an estimate of what the backward pass keeps for one
+micro-batch: per layer, the inputs of every matmul, norm and nonlinearity, and
+the attention probabilities; plus the float32 logits. XLA may keep less (it
+fuses) or more (temporaries); the compiled step's own memory analysis is the
+final word, and the benchmarks print it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh
+
+from mintrain.config import micro_batch_size
+from mintrain.partitioning import AxisRules, spec_axes
+from mintrain.train_state import ParamInfo, TrainState, state_bytes_per_device
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  params: int
+  grads: int
+  opt_state: int
+  activations: int
+  device_limit: int | None  # What the device reports it can hold; None where it reports nothing.
+
+  @property
+  def total(self) -> int:
+    return self.params + self.grads + self.opt_state + self.activations
+
+  @property
+  def fits(self) -> bool:
+    return self.device_limit is None or self.total <= self.device_limit
+
+
+def _ways(rules: AxisRules, name: str, mesh: Mesh) -> int:
+  """How many ways the activation spec splits the logical axis `name`."""
+  entry = rules.activation_spec((name,))[0]
+  return math.prod(mesh.shape[a] for a in spec_axes(entry))
+
+
+def activation_bytes(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) -> int:
+  """Estimated activations kept for the backward pass of one micro-batch, per device."""
+  m = config.model
+  c = np.dtype(m.compute_dtype).itemsize
+  rows = micro_batch_size(config) // _ways(rules, 'batch', mesh)
+  if m.name == 'mlp':
+    widths = (m.input_dim, *m.hidden_dims, m.num_classes)
+    return rows * sum(2 * w * c for w in widths)  # Each layer's input and its pre-activation.
+  seq, d = config.train.seq_len, m.embed_dim
+  heads = m.num_heads / _ways(rules, 'heads', mesh)
+  mlp = m.mlp_dim / _ways(rules, 'mlp', mesh)
+  per_token_layer = (c * (4 * d + 4 * heads * m.head_dim + 3 * mlp)  # Norms, q/k/v/out, gate/up/product.
+                     + heads * seq * (4 + c))  # Attention scores (float32) and probabilities.
+  logits = 2 * 4 * m.vocab_size / _ways(rules, 'vocab', mesh)  # Float32 logits and their softmax.
+  return int(rows * seq * (m.num_layers * per_token_layer + logits + c * d))
+
+
+def device_memory_limit(device: jax.Device) -> int | None:
+  try:
+    stats = device.memory_stats()
+  except Exception:  # Some backends (CPU) do not implement it.
+    return None
+  return int(stats['bytes_limit']) if stats and 'bytes_limit' in stats else None
+
+
+def plan(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh, layout: list[ParamInfo],
+         abstract_state: TrainState) -> MemoryPlan:
+  params = sum(p.bytes_per_device for p in layout)
+  grads = params * (2 if config.train.grad_accum_steps > 1 else 1)  # Plus the accumulation buffer.
+  return MemoryPlan(params=params, grads=grads,
+                    opt_state=state_bytes_per_device(abstract_state.opt_state),
+                    activations=activation_bytes(config, rules, mesh),
+                    device_limit=device_memory_limit(mesh.devices.flat[0]))

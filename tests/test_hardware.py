@@ -1,0 +1,69 @@
+"""Peak FLOP/s: table lookup by device kind, config override, CPU calibration."""
+
+import math
+import time
+import types
+
+import jax
+import pytest
+
+from mintrain import hardware
+
+
+def fake_device(kind: str, platform: str = 'gpu'):
+  return types.SimpleNamespace(device_kind=kind, platform=platform)
+
+
+@pytest.mark.parametrize('kind,name,bf16', [
+    ('NVIDIA H100 80GB HBM3', 'H100 SXM', 989.4),
+    ('NVIDIA H100 PCIe', 'H100 PCIe', 756.0),
+    ('NVIDIA H100 NVL', 'H100 NVL', 835.0),
+    ('NVIDIA H200', 'H200 SXM', 989.4),
+    ('NVIDIA GH200 480GB', 'GH200', 989.4),
+    ('NVIDIA A100-SXM4-40GB', 'A100', 312.0),
+    ('NVIDIA A100 80GB PCIe', 'A100', 312.0),
+    ('NVIDIA L4', 'L4', 121.0),
+    ('TPU v4', 'TPU v4', 275.0),
+    ('TPU v5 lite', 'TPU v5e', 197.0),
+    ('TPU v5', 'TPU v5p', 459.0),
+    ('TPU v6 lite', 'TPU v6e', 918.0),
+])
+def test_known_device_kinds_find_their_bf16_peak(kind, name, bf16):
+  assert hardware.peak_tflops(fake_device(kind), 'bfloat16') == (bf16, f'table: {name}')
+
+
+@pytest.mark.parametrize('kind', ['NVIDIA L40S', 'NVIDIA GeForce RTX 4090', 'cpu'])
+def test_unknown_device_kinds_are_not_in_the_table(kind):
+  assert hardware.lookup(kind) is None
+
+
+def test_float32_peak_is_tf32_at_default_precision_and_fp32_at_highest():
+  h100 = fake_device('NVIDIA H100 80GB HBM3')
+  assert hardware.peak_tflops(h100, 'float32') == (494.7, 'table: H100 SXM')
+  with jax.default_matmul_precision('highest'):
+    assert hardware.peak_tflops(h100, 'float32') == (66.9, 'table: H100 SXM (full float32)')
+
+
+def test_config_override_wins_over_the_table():
+  h100 = fake_device('NVIDIA H100 80GB HBM3')
+  assert hardware.peak_tflops(h100, 'bfloat16', override=400.0) == (400.0, 'config: metrics.peak_tflops')
+
+
+def test_cpu_falls_back_to_a_measurement_shared_by_the_simulated_devices(monkeypatch):
+  monkeypatch.setattr(hardware, 'measure_matmul_tflops', lambda dtype, device: 0.25)
+  assert jax.local_device_count() == 8
+  assert hardware.peak_tflops(jax.devices('cpu')[0], 'float32') == (
+      0.25 / 8, 'measured: CPU matmul calibration / 8 simulated devices')
+
+
+def test_calibration_is_positive_finite_and_quick():
+  start = time.perf_counter()
+  tflops = hardware.measure_matmul_tflops('float32', size=512, seconds=0.5, device=jax.devices()[0])
+  assert time.perf_counter() - start < 5
+  assert tflops > 0 and math.isfinite(tflops)
+
+
+def test_mfu_is_model_flops_over_peak():
+  assert hardware.mfu(494.7e12, 989.4) == pytest.approx(0.5)
+  with pytest.raises(ValueError, match='positive'):
+    hardware.mfu(1e12, 0.0)

@@ -1,0 +1,114 @@
+"""What a run reports: writers that agree, progress and MFU, compile time, profile, memory plan."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import load_config, mesh_devices
+from tensorboard.backend.event_processing import event_accumulator
+from tensorflow import make_ndarray
+
+from mintrain import memory, train_loop, train_state
+from mintrain.mesh import make_mesh
+from mintrain.partitioning import AxisRules
+
+SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
+         'train.seq_len=32', 'checkpoint.keep=0')
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('run')
+  config = load_config('dp4_tp2', *SMALL, 'train.steps=8', 'train.log_every=2', 'eval.every_steps=4',
+                       'eval.steps=1', 'profile.start_step=5', 'profile.num_steps=2')
+  lines = []
+  result = train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=lines.append)
+  records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  return workdir, result, records, lines
+
+
+def tensorboard_scalars(directory):
+  """{tag: {step: value}} of the scalar summaries, and all tags."""
+  acc = event_accumulator.EventAccumulator(str(directory), size_guidance={'tensors': 0})
+  acc.Reload()
+  tags = acc.Tags()['tensors']
+  scalars = {tag: {e.step: float(make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+             for tag in tags if not tag.startswith('_hparams_')}
+  return scalars, tags
+
+
+def test_metrics_jsonl_and_tensorboard_hold_the_same_values(run):
+  workdir, _, records, _ = run
+  scalars, tags = tensorboard_scalars(workdir / 'tensorboard')
+  assert any(tag.startswith('_hparams_') for tag in tags)  # write_hparams ran once.
+  compared = 0
+  for record in records:
+    for key, value in record.items():
+      if key != 'step':
+        np.testing.assert_allclose(scalars[key][record['step']], value, rtol=1e-6, err_msg=key)
+        compared += 1
+  assert compared > 20
+  assert json.loads((workdir / 'hparams.json').read_text())['model.embed_dim'] == 64
+
+
+def test_every_logged_step_has_throughput_mfu_and_a_positive_eta(run):
+  _, _, records, lines = run
+  train = [r for r in records if 'loss' in r]
+  assert [r['step'] for r in train] == [2, 4, 6, 8]
+  for r in train:
+    for key in ('grad_norm', 'learning_rate', 'step_time', 'tokens_per_sec', 'tokens_per_sec_per_device',
+                'tflops_per_device', 'mfu'):
+      assert r[key] > 0, key
+    assert r['eta_sec'] >= 0
+  assert train[0]['eta_sec'] > 0 and train[-1]['eta_sec'] == 0
+  np.testing.assert_allclose(train[0]['tokens_per_sec_per_device'] * 8, train[0]['tokens_per_sec'])
+  assert any(line.startswith('step 2/8 (25%) | loss') and '| ETA 0:' in line for line in lines)
+
+
+def test_compile_time_is_reported_apart_and_the_summary_closes_the_run(run):
+  _, result, _, lines = run
+  assert any(line.startswith('compiled the train step in') for line in lines)
+  summary = [line for line in lines if line.startswith('summary: ')]
+  assert len(summary) == 1
+  for part in ('compile', 'mean step', 'tok/s', 'MFU', 'final loss', 'final eval loss'):
+    assert part in summary[0]
+  assert result.summary['compile_time_sec'] > 0 and result.summary['mfu'] > 0
+  assert any(line.startswith('model: ') and 'GFLOP per step' in line and 'peak' in line for line in lines)
+
+
+def test_profiler_writes_a_trace_of_the_requested_steps(run):
+  workdir, _, _, lines = run
+  traces = list((workdir / 'profile').rglob('*.xplane.pb'))
+  assert traces and traces[0].stat().st_size > 0
+  assert any(line.startswith('profile: steps 5..6 written to') for line in lines)
+
+
+def bytes_on(device, tree) -> int:
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+
+def test_memory_plan_matches_the_bytes_of_the_real_sharded_arrays():
+  for name in ('fsdp4_tp2', 'dp8'):
+    config = load_config(name, *SMALL, 'train.grad_accum_steps=2')
+    mesh = make_mesh(config.mesh)
+    rules = AxisRules.from_config(config.partitioning)
+    setup = train_state.setup(config, rules, mesh)
+    plan = memory.plan(config, rules, mesh, setup.layout, setup.abstract_state)
+    with jax.set_mesh(mesh):
+      state = setup.init()
+    device = mesh.devices.flat[0]
+    assert plan.params == bytes_on(device, state.params), name
+    assert plan.opt_state == bytes_on(device, state.opt_state), name
+    assert plan.grads == 2 * plan.params  # Gradients plus the accumulation buffer.
+    assert plan.activations > 0
+
+
+def test_a_plan_over_the_device_memory_warns_before_compiling(monkeypatch):
+  monkeypatch.setattr(memory, 'device_memory_limit', lambda device: 1024)
+  config = load_config('single', *SMALL, 'train.steps=1')
+  lines = []
+  train_loop.run(config, None, devices=mesh_devices(config), print_fn=lines.append)
+  warning = [i for i, line in enumerate(lines) if line.startswith('warning: the memory plan')]
+  compiled = [i for i, line in enumerate(lines) if line.startswith('compiled the train step')]
+  assert warning and compiled and warning[0] < compiled[0]

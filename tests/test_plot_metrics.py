@@ -1,0 +1,56 @@
+"""scripts/plot_metrics.py turns runs' metrics.jsonl into one PNG, or fails with one clear line."""
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import REPO
+
+PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+
+
+def write_run(workdir, speed: float) -> None:
+  """Train records every 10 steps, eval records every 50, and a last line cut off mid-write."""
+  workdir.mkdir()
+  lines = []
+  for step in range(10, 201, 10):
+    lines.append({'step': step, 'loss': 5 * math.exp(-step / 60), 'tokens_per_sec': speed + step})
+    if step % 50 == 0:
+      lines.append({'step': step, 'eval_loss': 5.2 * math.exp(-step / 70)})
+  lines.append({'step': 10, 'learning_rate': 1e-3})  # No loss and no throughput: plotted nowhere.
+  text = ''.join(json.dumps(r) + '\n' for r in lines) + '{"step": 210, "lo'
+  (workdir / 'metrics.jsonl').write_text(text)
+
+
+def plot(*args):
+  return subprocess.run([sys.executable, str(REPO / 'scripts' / 'plot_metrics.py'), *map(str, args)],
+                        capture_output=True, text=True, timeout=60)
+
+
+def test_two_runs_plot_to_a_png_in_the_first_workdir(tmp_path):
+  write_run(tmp_path / 'dp8', speed=20000)
+  write_run(tmp_path / 'fsdp4_tp2', speed=15000)
+  result = plot(tmp_path / 'dp8', tmp_path / 'fsdp4_tp2')
+  assert result.returncode == 0, result.stderr
+  out = tmp_path / 'dp8' / 'metrics.png'
+  assert result.stdout.strip() == f'wrote {out}'
+  data = out.read_bytes()
+  assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_out_sets_the_png_path(tmp_path):
+  write_run(tmp_path / 'run', speed=1000)
+  result = plot(tmp_path / 'run', '--out', tmp_path / 'plots' / 'loss.png')
+  assert result.returncode == 0, result.stderr
+  assert (tmp_path / 'plots' / 'loss.png').read_bytes().startswith(PNG_MAGIC)
+
+
+def test_workdir_without_metrics_is_a_one_line_error(tmp_path):
+  write_run(tmp_path / 'good', speed=1000)
+  (tmp_path / 'empty').mkdir()
+  result = plot(tmp_path / 'good', tmp_path / 'empty')
+  assert result.returncode == 2
+  assert result.stderr.strip() == (f'error: {tmp_path / "empty"} has no metrics.jsonl; '
+                                   f'train with --workdir {tmp_path / "empty"} to write one.')
+  assert not (tmp_path / 'good' / 'metrics.png').exists()
