@@ -7,6 +7,8 @@ _FLAGS = os.environ.get('XLA_FLAGS', '')
 os.environ['XLA_FLAGS'] = f'{_FLAGS} --xla_force_host_platform_device_count=8'.strip()
 
 import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -32,6 +34,14 @@ def mesh_devices(config) -> list:
 
 def quiet(*_):
   pass
+
+
+def run_script(*args, timeout=300, env_extra=None) -> subprocess.CompletedProcess:
+  """`python *args` from the repo root, with no device flags: the scripts must set up devices."""
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  env.update(env_extra or {})
+  return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=timeout)
 
 
 @pytest.fixture(scope='session', autouse=True)

@@ -1,19 +1,8 @@
 """The command-line entry points, run as real subprocesses."""
 
 import json
-import os
-import subprocess
-import sys
 
-from conftest import REPO
-
-
-def run_script(*args, timeout=300, env_extra=None):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # The script must set up devices itself.
-  env.pop('JAX_PLATFORMS', None)
-  env.update(env_extra or {})
-  return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=timeout)
+from conftest import run_script
 
 
 def test_train_runs_end_to_end_and_writes_metrics(tmp_path):

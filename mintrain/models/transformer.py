@@ -1,8 +1,12 @@
 """Decoder-only transformer LM: pre-norm blocks of causal attention (RoPE) and gated MLP.
 
-Shape letters: B batch, L length (M for keys), D embed, F mlp, H heads,
-K head dim, V vocab. Heads and the MLP hidden dimension are split over the
-`model`-style mesh axis by the rules; the model itself only names logical axes.
+Shape letters: B batch, L length (M for keys), S cache length, D embed, F mlp,
+H heads, K head dim, V vocab. Heads and the MLP hidden dimension are split over
+the `model`-style mesh axis by the rules; the model itself only names logical axes.
+
+`__call__` is the training forward pass. `decode` is the same computation for
+sampling: it appends the keys and values of new tokens to a per-layer cache and
+attends over it, so each new token costs one step instead of a re-run of the prefix.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from mintrain.models.layers import RMSNorm, dropout, gather, param
 from mintrain.partitioning import AxisRules
 
 BLD = ('batch', 'length', 'embed')
-BLHK = ('batch', 'length', 'heads', 'kv')
+BLHK = ('batch', 'length', 'heads', 'kv')  # Also the layout of the cached keys and values.
+
+# Per layer, (keys_BSHK, values_BSHK) of every position written so far (zeros beyond).
+KVCache = list[tuple[jax.Array, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +42,18 @@ class TransformerConfig:
   compute_dtype: str = 'float32'
 
 
-def rope(x_BLHK: jax.Array, base: float) -> jax.Array:
-  """Rotary position embedding on the last dimension (split-half convention)."""
+def rope(x_BLHK: jax.Array, base: float, positions_L: jax.Array | None = None) -> jax.Array:
+  """Rotary position embedding on the last dimension (split-half convention).
+
+  `positions_L` are the absolute positions of the L tokens (default 0..L-1): a
+  decode step passes its offset, so a token is rotated the same as in training.
+  """
   _, seq_len, _, head_dim = x_BLHK.shape
   half = head_dim // 2
   inv_freq_K = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle_LK = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_K[None, :]
+  if positions_L is None:
+    positions_L = jnp.arange(seq_len)
+  angle_LK = positions_L.astype(jnp.float32)[:, None] * inv_freq_K[None, :]
   sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
   x = x_BLHK.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
@@ -61,19 +74,43 @@ class Attention(nnx.Module):
     self.cfg, self.rules = cfg, rules
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
-    q_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, gather(self.wq_DHK, rules, dtype))
-    k_BMHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, gather(self.wk_DHK, rules, dtype))
-    v_BMHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, gather(self.wv_DHK, rules, dtype))
-    q_BLHK = rules.reshard(rope(q_BLHK, cfg.rope_base), BLHK)
-    k_BMHK = rules.reshard(rope(k_BMHK, cfg.rope_base), BLHK)
-    v_BMHK = rules.reshard(v_BMHK, BLHK)
-
-    scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
-    scores_BHLM = scores_BHLM * cfg.head_dim ** -0.5
+    q_BLHK, k_BMHK, v_BMHK = self._qkv(x_BLD, None)
     seq_len = x_BLD.shape[1]
     causal_LM = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-    scores_BHLM = jnp.where(causal_LM, scores_BHLM, jnp.finfo(jnp.float32).min)
+    return self._attend(q_BLHK, k_BMHK, v_BMHK, causal_LM)
+
+  def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
+             start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Attention of L new tokens at positions start.. over the cache, which they are written into first."""
+    rules = self.rules
+    positions_L = start + jnp.arange(x_BLD.shape[1])
+    q_BLHK, k_BLHK, v_BLHK = self._qkv(x_BLD, positions_L)
+    keys_BSHK, values_BSHK = kv
+    keys_BSHK = rules.reshard(jax.lax.dynamic_update_slice(
+        keys_BSHK, k_BLHK.astype(keys_BSHK.dtype), (0, start, 0, 0)), BLHK)
+    values_BSHK = rules.reshard(jax.lax.dynamic_update_slice(
+        values_BSHK, v_BLHK.astype(values_BSHK.dtype), (0, start, 0, 0)), BLHK)
+    # Causal over absolute positions; the unwritten (zero) slots beyond are never visible.
+    visible_LS = jnp.arange(keys_BSHK.shape[1])[None, :] <= positions_L[:, None]
+    return self._attend(q_BLHK, keys_BSHK, values_BSHK, visible_LS), (keys_BSHK, values_BSHK)
+
+  def _qkv(self, x_BLD: jax.Array, positions_L: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries and keys rotated for their positions, and values; all laid out as BLHK."""
+    cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
+    q_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, gather(self.wq_DHK, rules, dtype))
+    k_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, gather(self.wk_DHK, rules, dtype))
+    v_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, gather(self.wv_DHK, rules, dtype))
+    q_BLHK = rules.reshard(rope(q_BLHK, cfg.rope_base, positions_L), BLHK)
+    k_BLHK = rules.reshard(rope(k_BLHK, cfg.rope_base, positions_L), BLHK)
+    return q_BLHK, k_BLHK, rules.reshard(v_BLHK, BLHK)
+
+  def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
+              visible_LM: jax.Array) -> jax.Array:
+    """Softmax attention of each query over the keys it may see, then the output projection."""
+    cfg, rules, dtype = self.cfg, self.rules, q_BLHK.dtype
+    scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
+    scores_BHLM = scores_BHLM * cfg.head_dim ** -0.5
+    scores_BHLM = jnp.where(visible_LM, scores_BHLM, jnp.finfo(jnp.float32).min)
     probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(dtype)
     out_BLHK = rules.reshard(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK), BLHK)
     # Contracting the sharded heads needs an explicit output layout (a reduce over `model`).
@@ -116,6 +153,14 @@ class Block(nnx.Module):
     x_BLD = x_BLD + dropout(self.mlp(self.mlp_norm(x_BLD)), self.dropout_rate, keys[1])
     return self.rules.reshard(x_BLD, BLD)
 
+  def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
+             start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The block without dropout, attending over (and updating) its layer's cache."""
+    attn_BLD, kv = self.attn.decode(self.attn_norm(x_BLD), kv, start)
+    x_BLD = x_BLD + attn_BLD
+    x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+    return self.rules.reshard(x_BLD, BLD), kv
+
 
 class Transformer(nnx.Module):
   """tokens_BL -> logits_BLV (float32)."""
@@ -133,16 +178,38 @@ class Transformer(nnx.Module):
     self.cfg, self.rules = cfg, rules
 
   def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-    cfg, rules = self.cfg, self.rules
-    dtype = jnp.dtype(cfg.compute_dtype)
-    table_VD = gather(self.embedding_VD, rules, dtype)
-    x_BLD = table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD))
+    table_VD, x_BLD = self._embed(tokens_BL)
     for i, block in enumerate(self.blocks):
       key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None
       x_BLD = block(x_BLD, key)
+    return self._logits(x_BLD, table_VD)
+
+  def decode(self, tokens_BL: jax.Array, cache: KVCache,
+             start: jax.Array | int) -> tuple[jax.Array, KVCache]:
+    """(logits_BLV, cache) for L new tokens at positions start..start+L-1, no dropout.
+
+    Each token attends to the cached positions before it and to the new tokens up to
+    itself, exactly as in `__call__` on the whole sequence. Prefill passes the prompt
+    with start=0; each sampling step then passes one token.
+    """
+    table_VD, x_BLD = self._embed(tokens_BL)
+    new_cache = []
+    for block, kv in zip(self.blocks, cache, strict=True):
+      x_BLD, kv = block.decode(x_BLD, kv, start)
+      new_cache.append(kv)
+    return self._logits(x_BLD, table_VD), new_cache
+
+  def _embed(self, tokens_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(table_VD in its compute layout, x_BLD); the table is reused by a tied output layer."""
+    rules = self.rules
+    table_VD = gather(self.embedding_VD, rules, jnp.dtype(self.cfg.compute_dtype))
+    return table_VD, table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD))
+
+  def _logits(self, x_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
+    cfg, rules = self.cfg, self.rules
     x_BLD = self.final_norm(x_BLD)
     if cfg.tie_embeddings:
       logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, table_VD)
     else:
-      logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, gather(self.unembed_DV, rules, dtype))
+      logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, gather(self.unembed_DV, rules, table_VD.dtype))
     return rules.reshard(logits_BLV.astype(jnp.float32), ('batch', 'length', 'vocab'))

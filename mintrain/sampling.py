@@ -1,0 +1,150 @@
+"""Autoregressive sampling from a Transformer with a KV cache.
+
+Shape letters: B batch, P prompt length, N new tokens, S cache length (P + N), V vocab.
+
+`generate` runs the prompt through the model once (prefill), then one decode step per
+new token inside a single jitted `scan`: each step attends over the cached keys and
+values instead of re-running the prefix. `generate_without_cache` is the reference it
+must agree with: the training forward pass over the whole sequence at every step.
+Call both under the mesh the model's parameters live on (`jax.set_mesh`).
+
+Token i of the result is drawn with `fold_in(key, i)` from logits replicated on every
+device, so a seed gives the same draws on every mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mintrain.models.transformer import BLHK, KVCache, Transformer, TransformerConfig
+from mintrain.partitioning import AxisRules
+
+# RoPE angles come from float32 positions, which are exact integers only up to 2**24.
+MAX_POSITIONS = 2**24
+
+
+def init_cache(cfg: TransformerConfig, batch: int, max_len: int, dtype: jnp.dtype,
+               rules: AxisRules | None = None) -> KVCache:
+  """Zero keys and values for `max_len` positions in every layer.
+
+  With `rules` (and a mesh set) they are laid out as the attention's (batch, length, heads, kv),
+  so the cache is split like the activations that fill it.
+  """
+  shape = (batch, max_len, cfg.num_heads, cfg.head_dim)
+  spec = None if rules is None or jax.sharding.get_abstract_mesh().empty else rules.activation_spec(BLHK)
+  return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
+          for _ in range(cfg.num_layers)]
+
+
+def sample_token(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_k: int) -> jax.Array:
+  """int32 (B,) next tokens: argmax at temperature 0, else a draw from softmax(logits / temperature).
+
+  `top_k` > 0 keeps only the k largest logits of each row (ties with the k-th are kept too).
+  """
+  if temperature == 0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = logits_BV / temperature
+  if top_k:
+    kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+    logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+  return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+def _check(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, temperature: float,
+           top_k: int) -> None:
+  """Argument errors before tracing, each naming the fix."""
+  shape = np.shape(prompt_BP)
+  if len(shape) != 2 or shape[1] < 1:
+    raise ValueError(f'prompt tokens must be (batch, length) with length >= 1 (e.g. just BOS); '
+                     f'got shape {shape}.')
+  if max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens={max_new_tokens} must be at least 1.')
+  if shape[1] + max_new_tokens > MAX_POSITIONS:
+    raise ValueError(f'prompt length {shape[1]} + max_new_tokens {max_new_tokens} exceeds '
+                     f'{MAX_POSITIONS} positions, beyond which float32 RoPE angles are inexact.')
+  if temperature < 0:
+    raise ValueError(f'temperature={temperature} must be >= 0 (0 means greedy).')
+  if not 0 <= top_k <= model.cfg.vocab_size:
+    raise ValueError(f'top_k={top_k} must be in [0, vocab_size={model.cfg.vocab_size}] (0 means no limit).')
+
+
+def _replicated(prompt_BP: jax.Array) -> jax.Array:
+  """The prompt as int32 on every device of the current mesh, where the model's arrays live."""
+  return jax.sharding.reshard(jnp.asarray(prompt_BP, jnp.int32), jax.P())
+
+
+def _next_token(logits_BLV: jax.Array, key: jax.Array, i: jax.Array | int, temperature: float,
+                top_k: int) -> jax.Array:
+  """Token i from the logits of the last position, replicated so every mesh draws the same."""
+  logits_BV = jax.sharding.reshard(logits_BLV[:, -1], jax.P())
+  return sample_token(logits_BV, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k)
+
+
+def generate(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int = 0, key: jax.Array | None = None) -> jax.Array:
+  """int32 (B, N) tokens that follow each prompt row: one prefill, then one cached step per token."""
+  _check(model, prompt_BP, max_new_tokens, temperature, top_k)
+  prompt_BP = _replicated(prompt_BP)
+  key = jax.random.key(0) if key is None else key
+  graphdef, params = nnx.split(model)
+  return _generate(graphdef, params, prompt_BP, key, max_new_tokens=max_new_tokens,
+                   temperature=float(temperature), top_k=int(top_k))
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'max_new_tokens', 'temperature', 'top_k'))
+def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, key: jax.Array, *,
+              max_new_tokens: int, temperature: float, top_k: int) -> jax.Array:
+  model = nnx.merge(graphdef, params)
+  batch, prompt_len = prompt_BP.shape
+  cache = init_cache(model.cfg, batch, prompt_len + max_new_tokens, jnp.dtype(model.cfg.compute_dtype),
+                     model.rules)
+  logits_BPV, cache = model.decode(prompt_BP, cache, 0)
+  first_B = _next_token(logits_BPV, key, 0, temperature, top_k)
+
+  def step(carry: tuple[jax.Array, KVCache], i: jax.Array) -> tuple[tuple[jax.Array, KVCache], jax.Array]:
+    token_B, cache = carry  # Token i - 1, at position prompt_len + i - 1.
+    logits_B1V, cache = model.decode(token_B[:, None], cache, prompt_len + i - 1)
+    next_B = _next_token(logits_B1V, key, i, temperature, top_k)
+    return (next_B, cache), next_B
+
+  _, rest_NB = jax.lax.scan(step, (first_B, cache), jnp.arange(1, max_new_tokens))
+  return jnp.concatenate([first_B[None], rest_NB], axis=0).T
+
+
+def generate_without_cache(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, *,
+                           temperature: float = 0.0, top_k: int = 0,
+                           key: jax.Array | None = None) -> jax.Array:
+  """What `generate` must return, by the training forward pass over the whole sequence at every step.
+
+  The sequence lives in a (B, P + N) buffer whose not-yet-sampled tail is zeros; the causal
+  mask keeps those from the logits of the positions read, so one compiled step serves all N.
+  """
+  _check(model, prompt_BP, max_new_tokens, temperature, top_k)
+  prompt_BP = _replicated(prompt_BP)
+  key = jax.random.key(0) if key is None else key
+  graphdef, params = nnx.split(model)
+  return _generate_without_cache(graphdef, params, prompt_BP, key, max_new_tokens=max_new_tokens,
+                                 temperature=float(temperature), top_k=int(top_k))
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'max_new_tokens', 'temperature', 'top_k'))
+def _generate_without_cache(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, key: jax.Array,
+                            *, max_new_tokens: int, temperature: float, top_k: int) -> jax.Array:
+  model = nnx.merge(graphdef, params)
+  batch, prompt_len = prompt_BP.shape
+  tokens_BS = jnp.zeros((batch, prompt_len + max_new_tokens), jnp.int32)
+  tokens_BS = jax.lax.dynamic_update_slice(tokens_BS, prompt_BP, (0, 0))
+
+  def step(tokens_BS: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+    logits_BSV = model(tokens_BS)
+    last_B1V = jax.lax.dynamic_slice_in_dim(logits_BSV, prompt_len + i - 1, 1, axis=1)
+    next_B = _next_token(last_B1V, key, i, temperature, top_k)
+    return jax.lax.dynamic_update_slice(tokens_BS, next_B[:, None], (0, prompt_len + i)), next_B
+
+  _, tokens_NB = jax.lax.scan(step, tokens_BS, jnp.arange(max_new_tokens))
+  return tokens_NB.T

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Sample text from a run's newest checkpoint: one prefill, then one KV-cached step per token.
+
+  python scripts/sample.py --workdir runs/dp4_tp2 --prompt "def " --max_new_tokens 200
+  python scripts/sample.py --workdir runs/dp4_tp2 --prompt "import " --temperature 0    # greedy
+  python scripts/sample.py --workdir runs/dp4_tp2/checkpoints/200 --config configs/tp8.py --num_samples 4
+
+Only the parameters are restored. The model is the one in the checkpoint's saved config, so it
+always fits; the mesh is one device unless --config gives one (with its partitioning rules).
+`--config.key=value` overrides apply to the saved config, e.g. --config.mesh.model=2 or
+--config.model.compute_dtype=bfloat16. The text goes to stdout, notes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+
+import _bootstrap
+import ml_collections
+import numpy as np
+
+from mintrain import config as config_lib
+
+OVERRIDE = '--config.'
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str], prefix: str = '') -> None:
+  """Sets each `key.path=value` override whose key starts with `prefix`."""
+  for item in overrides:
+    key, sep, value = item.partition('=')
+    if not sep:
+      raise config_lib.ConfigError(f'Override {item!r} must look like key.path=value.')
+    if key.startswith(prefix):
+      config_lib.set_value(config, key, value)
+
+
+def layout_config(config_file: str | None, overrides: list[str]) -> ml_collections.ConfigDict:
+  """The mesh (and rules) to sample on, known before the checkpoint is read, so devices can be simulated."""
+  if config_file:
+    given = config_lib.load(config_file)
+    layout = ml_collections.ConfigDict({'mesh': given.mesh, 'partitioning': given.partitioning})
+  else:
+    layout = ml_collections.ConfigDict({'mesh': {'data': 1, 'fsdp': 1, 'model': 1}})
+  apply_overrides(layout, overrides, prefix='mesh.')
+  return layout
+
+
+def sampling_config(saved: dict, layout: ml_collections.ConfigDict, overrides: list[str],
+                    num_samples: int) -> ml_collections.ConfigDict:
+  """The saved config on the sampling layout; its batch is the samples, so layout checks are about them."""
+  config = ml_collections.ConfigDict(saved)
+  config.mesh = layout.mesh
+  if 'partitioning' in layout:
+    config.partitioning = layout.partitioning
+  apply_overrides(config, overrides)
+  config.train.global_batch_size, config.train.grad_accum_steps = num_samples, 1
+  config_lib.validate(config)
+  if config.model.name != 'transformer':
+    raise config_lib.ConfigError(f'The checkpoint holds a model.name={config.model.name!r} model; '
+                                 'only a transformer can sample text.')
+  return config
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('--workdir', required=True, help='a run directory, its checkpoints/, or one step in it')
+  parser.add_argument('--prompt', default='', help='text to continue; a BOS token goes before it')
+  parser.add_argument('--max_new_tokens', type=int, default=200, help='tokens (bytes) to generate')
+  parser.add_argument('--temperature', type=float, default=0.8, help='softmax temperature; 0 is greedy')
+  parser.add_argument('--top_k', type=int, default=40, help='sample among the k most likely tokens; 0: all')
+  parser.add_argument('--seed', type=int, default=0, help='PRNG seed of the draws')
+  parser.add_argument('--num_samples', type=int, default=1, help='continuations of the prompt, as one batch')
+  parser.add_argument('--config', default=None,
+                      help='config file whose mesh and partitioning rules to sample on (default: one device)')
+  argv = sys.argv[1:]
+  overrides = [a[len(OVERRIDE):] for a in argv if a.startswith(OVERRIDE)]
+  args = parser.parse_args([a for a in argv if not a.startswith(OVERRIDE)])
+  for name in ('max_new_tokens', 'num_samples'):
+    if getattr(args, name) < 1:
+      parser.error(f'--{name} must be at least 1')
+  if args.temperature < 0 or args.top_k < 0:
+    parser.error('--temperature and --top_k must be >= 0')
+  try:
+    layout = layout_config(args.config, overrides)
+  except config_lib.ConfigError as e:
+    sys.exit(f'error: {e}')
+  with contextlib.redirect_stdout(sys.stderr):  # Its note too: stdout is for the text alone.
+    devices = _bootstrap.devices_for(layout)
+
+  import jax
+  from flax import nnx
+
+  from mintrain import checkpoint as ckpt_lib
+  from mintrain import mesh as mesh_lib
+  from mintrain import partitioning, sampling, train_state
+  from mintrain.data import tokenizer
+  from mintrain.partitioning import AxisRules, PartitioningError
+
+  def note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+  try:
+    directory, step = ckpt_lib.find_run_checkpoints(args.workdir)
+    checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
+    step = checkpoints.steps()[-1] if step is None else step
+    config = sampling_config(checkpoints.metadata(step)['config'], layout, overrides, args.num_samples)
+    mesh = mesh_lib.make_mesh(config.mesh, devices)
+    rules = AxisRules.from_config(config.partitioning)
+    batch_axes = partitioning.spec_axes(rules.activation_spec(('batch',))[0])
+    batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
+    if args.num_samples % batch_ways:
+      note(f'note: {args.num_samples} sample(s) do not split over the {batch_ways} devices that `batch` maps '
+           'to; replicating the batch instead.')
+      rules = AxisRules((('batch', ()),) + rules.rules, rules.param_rules)
+    setup = train_state.setup(config, rules, mesh)
+    tree, _, _ = checkpoints.restore(step, setup.abstract_state, params_only=True)
+    checkpoints.close()
+  except (ckpt_lib.CheckpointError, config_lib.ConfigError, mesh_lib.MeshError, PartitioningError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+
+  vocab_size = config.model.vocab_size
+  if args.top_k > vocab_size:
+    parser.error(f'--top_k {args.top_k} exceeds the vocabulary ({vocab_size} tokens)')
+  with_bos = vocab_size > tokenizer.BOS
+  if not with_bos:
+    note(f'note: the model has {vocab_size} tokens, so no BOS (id {tokenizer.BOS}); the prompt starts alone.')
+  prompt_P = tokenizer.encode(args.prompt, bos=with_bos)
+  if not len(prompt_P):
+    parser.error('--prompt is empty and the model has no BOS token to start from')
+  total = len(prompt_P) + args.max_new_tokens
+  if total > config.train.seq_len:
+    note(f'warning: prompt + new tokens = {total} positions, more than the {config.train.seq_len} the model '
+         'was trained on; expect the text to degrade past that.')
+  how = ('greedy' if args.temperature == 0 else
+         f'temperature {args.temperature}, top-k {args.top_k or "off"}, seed {args.seed}')
+  note(f'Sampling step {step} of {directory} on mesh {mesh_lib.describe(mesh)}: {args.max_new_tokens} '
+       f'tokens, {how}.')
+
+  with jax.set_mesh(mesh):
+    model = nnx.merge(setup.graphdef, tree['params'])
+    prompt_BP = np.tile(prompt_P, (args.num_samples, 1))
+    tokens_BN = sampling.generate(model, prompt_BP, args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, key=jax.random.key(args.seed))
+  for i, new_N in enumerate(np.asarray(tokens_BN)):
+    if args.num_samples > 1:
+      print(f'--- sample {i + 1} ---')
+    print(tokenizer.decode(np.concatenate([prompt_P, new_N])))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

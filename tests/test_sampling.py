@@ -1,0 +1,137 @@
+"""Sampling: the KV-cached decode computes what the training forward pass does, on any mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import load_config, mesh_devices, quiet, run_script
+from flax import nnx
+
+from mintrain import sampling, train_loop, train_state
+from mintrain.mesh import make_mesh
+from mintrain.models.transformer import BLHK
+from mintrain.partitioning import AxisRules
+
+# vocab_size 384 holds the tokenizer's BOS (256); batch 8 splits over every config's `batch` axes.
+SMALL = ('model.vocab_size=384', 'model.embed_dim=32', 'model.mlp_dim=64', 'train.global_batch_size=8')
+B, P, N = 8, 5, 12
+
+
+@pytest.fixture(scope='module')
+def host_params():
+  """Parameters drawn once and moved to each mesh: the init compile is the slow part."""
+  config = load_config('single', *SMALL)
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  with jax.set_mesh(mesh):
+    return jax.device_get(setup.init().params)
+
+
+def model_on(name, host_params):
+  """(mesh, rules, model) with the shared parameters in the storage layout of config `name`."""
+  config = load_config(name, *SMALL)
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  rules = AxisRules.from_config(config.partitioning)
+  setup = train_state.setup(config, rules, mesh)
+  shardings = jax.tree.map(lambda x: x.sharding, setup.abstract_state.params)
+  return mesh, rules, nnx.merge(setup.graphdef, jax.device_put(host_params, shardings))
+
+
+def random_tokens(shape, seed=0):
+  return np.random.RandomState(seed).randint(0, 384, shape).astype(np.int32)
+
+
+def test_greedy_sampling_is_deterministic(host_params):
+  mesh, _, model = model_on('single', host_params)
+  with jax.set_mesh(mesh):
+    first = np.asarray(sampling.generate(model, random_tokens((B, P)), N))
+    second = np.asarray(sampling.generate(model, random_tokens((B, P)), N))
+  assert first.shape == (B, N) and first.dtype == np.int32
+  assert ((0 <= first) & (first < 384)).all()
+  np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.parametrize('name', ['single', 'dp4_tp2', 'tp8'])
+def test_decode_in_chunks_gives_the_training_forward_logits(host_params, name):
+  mesh, rules, model = model_on(name, host_params)
+  chunks = (P, 1, 1, 3, 1)  # A prompt prefill, single-token steps, and a multi-token continuation.
+  tokens_BL = random_tokens((B, sum(chunks)), seed=1)
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def cached_logits(params, tokens_BL):
+    model = nnx.merge(graphdef, params)
+    cache = sampling.init_cache(model.cfg, B, tokens_BL.shape[1], jnp.float32, model.rules)
+    out, start = [], 0
+    for size in chunks:
+      logits_BLV, cache = model.decode(tokens_BL[:, start:start + size], cache, start)
+      out.append(logits_BLV)
+      start += size
+    return jnp.concatenate(out, axis=1), cache
+
+  with jax.set_mesh(mesh):
+    tokens_BL = jax.sharding.reshard(tokens_BL, jax.P())
+    cached, cache = cached_logits(params, tokens_BL)
+    full = jax.jit(lambda params, t: nnx.merge(graphdef, params)(t))(params, tokens_BL)
+  assert cache[0][0].sharding.spec == rules.activation_spec(BLHK)  # Split like the activations.
+  cached, full = np.asarray(cached), np.asarray(full)
+  # The prompt's last position is what sampling reads first.
+  np.testing.assert_allclose(cached[:, P - 1], full[:, P - 1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('name', ['single', 'dp4_tp2'])
+def test_generate_with_the_cache_equals_recomputing_the_prefix(host_params, name):
+  mesh, _, model = model_on(name, host_params)
+  prompt_BP = random_tokens((B, P), seed=2)
+  with jax.set_mesh(mesh):
+    for kwargs in ({'temperature': 0.0}, {'temperature': 1.0, 'top_k': 20, 'key': jax.random.key(3)}):
+      cached = np.asarray(sampling.generate(model, prompt_BP, N, **kwargs))
+      recomputed = np.asarray(sampling.generate_without_cache(model, prompt_BP, N, **kwargs))
+      np.testing.assert_array_equal(cached, recomputed, err_msg=str(kwargs))
+  assert len(np.unique(cached)) > 1  # The sampled run is not one repeated token.
+
+
+def test_top_k_samples_only_the_k_most_likely_tokens():
+  logits_V = np.random.RandomState(4).normal(size=50).astype(np.float32)
+  logits_BV = np.tile(logits_V, (4000, 1))
+  draws = sampling.sample_token(logits_BV, jax.random.key(5), temperature=1.0, top_k=5)
+  assert set(np.asarray(draws).tolist()) == set(np.argsort(logits_V)[-5:].tolist())
+  greedy = sampling.sample_token(logits_BV[:1], jax.random.key(6), temperature=1.0, top_k=1)
+  assert int(greedy[0]) == int(np.argmax(logits_V))
+
+
+@pytest.fixture(scope='module')
+def trained_run(tmp_path_factory):
+  """A workdir with the checkpoint of a 2-step run on dp4_tp2."""
+  workdir = tmp_path_factory.mktemp('run')
+  config = load_config('dp4_tp2', *SMALL, 'data.source=synthetic', 'train.steps=2', 'train.seq_len=32')
+  train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=quiet)
+  return workdir
+
+
+def test_sample_script_continues_the_prompt_from_the_newest_checkpoint(trained_run):
+  proc = run_script('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'def ',
+                    '--max_new_tokens', '40')
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith('def ') and len(proc.stdout) > len('def \n')
+  assert 'Sampling step 2 of' in proc.stderr and 'data=1 x fsdp=1 x model=1' in proc.stderr
+  assert 'more than the 32 the model was trained on' in proc.stderr
+
+
+def test_sample_script_samples_on_the_mesh_of_a_given_config(trained_run):
+  proc = run_script('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'x',
+                    '--max_new_tokens', '8', '--temperature', '0', '--num_samples', '2',
+                    '--config', 'configs/dp4_tp2.py')
+  assert proc.returncode == 0, proc.stderr
+  assert 'data=4 x fsdp=1 x model=2' in proc.stderr
+  assert 'replicating the batch' in proc.stderr  # 2 samples do not split 4 ways.
+  samples = proc.stdout.split('--- sample 2 ---\n')
+  assert samples[0].removeprefix('--- sample 1 ---\n') == samples[1]  # Greedy: the same twice.
+
+
+def test_sample_script_without_a_checkpoint_is_a_one_line_error(tmp_path):
+  proc = run_script('scripts/sample.py', '--workdir', str(tmp_path))
+  assert proc.returncode == 2
+  assert proc.stderr.startswith('error: ') and 'no complete checkpoint' in proc.stderr
+  assert proc.stderr.count('\n') == 1 and 'Traceback' not in proc.stderr
