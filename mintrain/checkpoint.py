@@ -72,7 +72,7 @@ def _nest(flat: Mapping[str, Any]) -> dict:
 
 def find_run_checkpoints(path: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
   """(checkpoints directory, step or None for the newest) for a run, checkpoints or step directory."""
-  path = pathlib.Path(path)
+  path = pathlib.Path(path).absolute()
   if not path.exists():
     raise CheckpointError(f'{path}: no such file or directory.')
   if not path.is_dir():
@@ -95,7 +95,7 @@ class Checkpoints:
 
   def __init__(self, directory: str | pathlib.Path, *, every_steps: int = 0, keep: int = 1,
                read_only: bool = False):
-    self.directory = pathlib.Path(directory)
+    self.directory = pathlib.Path(directory).absolute()  # Orbax (OCDBT) needs absolute paths.
     save_policy = policies.AnySavePolicy([
         policies.FixedIntervalPolicy(every_steps if every_steps > 0 else 2**62),
         # A policy of our own replaces the default, which would have included this one.
@@ -127,10 +127,16 @@ class Checkpoints:
         state=ocp.args.PyTreeSave(state_tree(state)),
         data=ocp.args.JsonSave(dict(data_state)),
         metadata=ocp.args.JsonSave(dict(metadata)))
-    self.manager.save(step, args=args, force=True)
+    try:  # Also raises a failure of the previous save, which Orbax reports here.
+      self.manager.save(step, args=args, force=True)
+    except Exception as e:
+      raise CheckpointError(f'Saving a checkpoint under {self.directory} failed: {_first_line(e)}') from e
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise CheckpointError(f'Saving a checkpoint under {self.directory} failed: {_first_line(e)}') from e
 
   def close(self) -> None:
     self.manager.close()

@@ -163,6 +163,13 @@ def test_keep_deletes_older_checkpoints_and_zero_disables_saving(tmp_path):
   assert not (tmp_path / 'b' / 'checkpoints').exists()
 
 
+def test_a_relative_workdir_saves_and_resumes(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  train(small('single', 'train.steps=2', 'checkpoint.every_steps=2'), 'run')
+  result = train(small('single', 'train.steps=3'), 'run')
+  assert result.first_step == 2 and (tmp_path / 'run' / 'checkpoints' / '3').is_dir()
+
+
 def test_leftover_temporary_directories_are_removed_and_never_read(tmp_path):
   train(small('single', 'train.steps=2', 'checkpoint.every_steps=2'), tmp_path)
   leftover = tmp_path / 'checkpoints' / '3.orbax-checkpoint-tmp-1234567890'
