@@ -69,16 +69,27 @@ def pick_devices(count: int) -> tuple[list[jax.Device], str | None]:
       return cpus, (f'Only {len(devices)} {devices[0].platform} device(s): simulating {len(cpus)} '
                     'CPU devices for the mesh.')
     return devices, None
+  if jax.process_count() > 1:
+    return devices, (f'{jax.process_count()} processes with {jax.local_device_count()} {devices[0].platform} '
+                     f'device(s) each, {len(devices)} in all.')
   if len(devices) > 1:
     return devices, f'No accelerator found: simulating {len(devices)} CPU devices.'
   return devices, None
 
 
 def make_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """An Explicit-axes mesh over `devices` (default: all devices of the default backend)."""
+  """An Explicit-axes mesh over `devices` (default: all devices of the default backend).
+
+  The `model` axis, innermost, must stay within a process (host): its collectives run every layer.
+  """
   devices = list(devices if devices is not None else jax.devices())
   shape = mesh_shape(sizes, len(devices), devices[0].platform)
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * len(AXES), devices=devices)
+  mesh = jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * len(AXES), devices=devices)
+  for group in mesh.devices.reshape(-1, shape[-1]):
+    if len({d.process_index for d in group}) > 1:
+      raise MeshError(f'Mesh ({describe(mesh)}) puts one `model` group on several processes; make '
+                      f'mesh.model divide the {jax.local_device_count()} devices of each process.')
+  return mesh
 
 
 def describe(mesh: Mesh) -> str:

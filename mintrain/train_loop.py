@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import ml_collections
+import numpy as np
 
 from mintrain import checkpoint as ckpt_lib
 from mintrain import config as config_lib
@@ -64,6 +65,16 @@ class StopSignals:
   def __exit__(self, *exc) -> None:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+
+def to_host(tree):
+  """Host values of replicated arrays. In a multi-process run no process can address every copy,
+  so each reads its own."""
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
+  return jax.tree.map(one, tree)
 
 
 def checkpoint_metadata(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, step: int) -> dict:
@@ -119,7 +130,7 @@ def evaluate(eval_step, params, batches: GlobalBatches, start_state: dict, steps
   """Mean loss on the first `steps` held-out batches (the same ones every time), and what follows from it."""
   batches.set_state(start_state)
   losses = [eval_step(params, next(batches)) for _ in range(steps)]
-  loss = float(sum(jax.device_get(losses)) / steps)
+  loss = float(sum(to_host(losses)) / steps)
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
   if config.model.name == 'transformer':
     out['eval_bits_per_byte'] = tokenizer.bits_per_byte(loss)
@@ -199,7 +210,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, *
     elif data_state:
       say(f"note: the checkpoint's data position is for data.source={data_state.get('source')!r}; "
           f'starting data.source={config.data.source!r} from its beginning.')
-    first_step = int(state.step)
+    first_step = int(to_host(state.step))
     records, losses, pending = [], [], []
 
     def log(step: int, scalars: dict[str, float]) -> None:
@@ -239,7 +250,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, *
         eval_now = done == total or (eval_every and done % eval_every == 0)
         if not (save or log_now or eval_now or stopping or profile.ends_at(done)):
           continue
-        fetched = jax.device_get(pending)
+        fetched = to_host(pending)
         _check_finite(done - len(fetched), fetched)
         losses += [float(m['loss']) for m in fetched]
         pending = []
@@ -269,11 +280,12 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, *
       checkpoints.close()
     profile.close()
 
-  stopped_by = stop.received if int(state.step) < total else None
+  last_step = int(to_host(state.step))
+  stopped_by = stop.received if last_step < total else None
   if stopped_by:
-    where = (f'saved step {int(state.step)} to {checkpoints.step_dir(int(state.step))}' if checkpoints
+    where = (f'saved step {last_step} to {checkpoints.step_dir(last_step)}' if checkpoints
              else 'no workdir, nothing saved')
-    say(f'Received {stopped_by}: finished step {int(state.step)}, {where}; exiting.')
+    say(f'Received {stopped_by}: finished step {last_step}, {where}; exiting.')
   summary = {'total_time_sec': time.perf_counter() - run_start, 'compile_time_sec': compile_time}
   if timer.all_steps:
     summary.update(metrics.throughput(timer.all_steps, timer.all_seconds, tokens_per_step=tokens_per_step,

@@ -13,7 +13,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
+import jax  # noqa: E402  (importing JAX does not start its backend)
+
 from mintrain import config as config_lib  # noqa: E402
+from mintrain import distributed  # noqa: E402
 from mintrain import mesh as mesh_lib  # noqa: E402
 
 
@@ -37,11 +40,31 @@ def quiet_libraries() -> None:
   logging.set_verbosity(logging.ERROR)
 
 
-def devices_for(config):
-  """Devices for the config's mesh, simulating CPU devices when the machine has too few."""
+def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+  group = parser.add_argument_group('multi-process (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, '
+                                    'JAX_PROCESS_ID; detected under SLURM, Open MPI, K8s, Cloud TPU)')
+  group.add_argument('--coordinator_address', default=None, help='host:port of process 0')
+  group.add_argument('--num_processes', type=int, default=None)
+  group.add_argument('--process_id', type=int, default=None)
+
+
+def devices_for(config, args: argparse.Namespace | None = None):
+  """Devices for the config's mesh: joins a multi-process run if one is set up, and simulates CPU
+  devices when the machine has too few (each process simulates its share)."""
   quiet_libraries()
-  mesh_lib.simulate_cpu_devices(mesh_lib.devices_needed(config.mesh))
-  devices, note = mesh_lib.pick_devices(mesh_lib.devices_needed(config.mesh))
-  if note:
+  needed = mesh_lib.devices_needed(config.mesh)
+  try:
+    dist = distributed.settings(getattr(args, 'coordinator_address', None),
+                                getattr(args, 'num_processes', None), getattr(args, 'process_id', None))
+  except distributed.DistributedError as e:
+    sys.exit(f'error: {e}')
+  processes = dist.num_processes if dist is not None and dist.num_processes else 1
+  if needed % processes:
+    sys.exit(f'error: the mesh needs {needed} devices, which {processes} processes cannot share evenly.')
+  mesh_lib.simulate_cpu_devices(needed // processes)
+  if dist is not None:
+    distributed.initialize(dist)
+  devices, note = mesh_lib.pick_devices(needed)
+  if note and jax.process_index() == 0:
     print(note, flush=True)
   return devices

@@ -21,10 +21,11 @@ def main() -> int:
                       help="start from another run's checkpoint: a run directory or one step inside it")
   parser.add_argument('--restore_params_only', action='store_true',
                       help='with --restore_from: parameters only, fresh optimizer state and step 0')
+  _bootstrap.add_distributed_flags(parser)
   args, config = _bootstrap.parse(parser)
   if args.restore_params_only and not args.restore_from:
     parser.error('--restore_params_only needs --restore_from PATH')
-  devices = _bootstrap.devices_for(config)
+  devices = _bootstrap.devices_for(config, args)
 
   from mintrain import train_loop
   from mintrain.checkpoint import CheckpointError

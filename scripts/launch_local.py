@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Run N processes of one command on this machine as a JAX multi-process job (tests, development).
+
+  python scripts/launch_local.py --num_processes 2 -- python scripts/train.py --config configs/dp4_tp2.py
+
+Each process gets JAX_COORDINATOR_ADDRESS (a free loopback port), JAX_NUM_PROCESSES and JAX_PROCESS_ID,
+and simulates its share of the CPU devices. Output lines are prefixed with the process id. If any
+process fails, the others are stopped and the launcher exits with that process's code. SIGTERM and
+SIGINT are passed on to every process. Production runs use the cluster's launcher instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('--num_processes', type=int, required=True)
+  parser.add_argument('--devices', type=int, default=8, help='simulated CPU devices in all')
+  parser.add_argument('--grace_seconds', type=float, default=10.0,
+                      help='how long stopped processes get before they are killed')
+  parser.add_argument('command', nargs=argparse.REMAINDER, help='-- then the command to run')
+  args = parser.parse_args()
+  command = args.command[1:] if args.command[:1] == ['--'] else args.command
+  if not command:
+    parser.error('give the command after --')
+  if args.num_processes < 1 or args.devices % args.num_processes:
+    parser.error(f'--devices {args.devices} must split evenly over --num_processes {args.num_processes}')
+
+  address = f'127.0.0.1:{free_port()}'
+  procs = []
+  for pid in range(args.num_processes):
+    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(args.num_processes),
+               JAX_PROCESS_ID=str(pid), JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
+               XLA_FLAGS=f'--xla_force_host_platform_device_count={args.devices // args.num_processes}')
+    procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True))
+
+  def forward(signum, frame):
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signum)
+  signal.signal(signal.SIGTERM, forward)
+  signal.signal(signal.SIGINT, forward)
+
+  selector = selectors.DefaultSelector()
+  for pid, p in enumerate(procs):
+    selector.register(p.stdout, selectors.EVENT_READ, pid)
+  open_streams, failed = len(procs), None
+  while open_streams:
+    for key, _ in selector.select(timeout=0.5):
+      line = key.fileobj.readline()
+      if line:
+        print(f'[{key.data}] {line}', end='', flush=True)
+      else:
+        selector.unregister(key.fileobj)
+        open_streams -= 1
+    if failed is None:
+      failed = next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+      if failed is not None:
+        print(f'[launcher] process {failed} exited with code {procs[failed].returncode}; stopping the others',
+              file=sys.stderr, flush=True)
+        stop(procs, args.grace_seconds)
+  for p in procs:
+    p.wait()
+  codes = [procs[failed].returncode] if failed is not None else [p.returncode for p in procs]
+  code = max(codes, key=abs)
+  return code if code >= 0 else 128 - code  # Killed by signal N: 128 + N, as a shell reports it.
+
+
+def stop(procs: list[subprocess.Popen], grace: float) -> None:
+  """SIGTERM to the survivors (they save and exit), then SIGKILL to whoever is still there."""
+  for p in procs:
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGTERM)
+  deadline = time.monotonic() + grace
+  while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    time.sleep(0.1)
+  for p in procs:
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGKILL)
+
+
+if __name__ == '__main__':
+  sys.exit(main())

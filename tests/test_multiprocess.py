@@ -1,0 +1,133 @@
+"""Several processes on one machine form one mesh through jax.distributed (gloo on CPU).
+
+Every subprocess has a timeout, so a hung collective fails its test instead of the CI run.
+"""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+from conftest import REPO, load_config, mesh_devices, quiet
+
+from mintrain import checkpoint as ckpt_lib
+from mintrain import train_loop, train_state
+from mintrain.mesh import make_mesh
+from mintrain.partitioning import AxisRules
+
+SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
+         '--config.train.global_batch_size=16', '--config.train.seq_len=32', '--config.train.log_every=1',
+         '--config.eval.steps=1']
+TIMEOUT = 240
+
+
+def launch(num_processes, workdir, *args):
+  """Starts scripts/launch_local.py running scripts/train.py on configs/dp4_tp2.py."""
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  command = [sys.executable, 'scripts/launch_local.py', '--num_processes', str(num_processes), '--',
+             sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir),
+             *SMALL, *args]
+  return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+
+
+def run_launch(num_processes, workdir, *args):
+  proc = launch(num_processes, workdir, *args)
+  try:
+    out, _ = proc.communicate(timeout=TIMEOUT)
+  finally:
+    proc.kill()
+  return proc.returncode, out
+
+
+def train_losses(workdir):
+  lines = (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()
+  return [r['loss'] for r in map(json.loads, lines) if 'loss' in r]
+
+
+def overrides(args):
+  return [a[len('--config.'):] for a in args]
+
+
+def test_two_processes_train_with_the_losses_of_one(tmp_path):
+  code, out = run_launch(2, tmp_path / 'two', '--config.train.steps=4', '--config.checkpoint.keep=0')
+  assert code == 0, out
+  assert '[0] 2 processes with 4 cpu device(s) each, 8 in all.' in out
+  assert not re.search(r'^\[1\] step \d', out, re.M)  # Only process 0 reports.
+  config = load_config('dp4_tp2', *overrides(SMALL), 'train.steps=4', 'checkpoint.keep=0')
+  one = train_loop.run(config, tmp_path / 'one', devices=mesh_devices(config), print_fn=quiet)
+  np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)
+
+
+def test_checkpoint_of_two_processes_restores_in_one_and_in_four(tmp_path):
+  code, out = run_launch(2, tmp_path / 'two', '--config.train.steps=3', '--config.checkpoint.every_steps=3')
+  assert code == 0, out
+  step_dir = tmp_path / 'two' / 'checkpoints' / '3'
+  assert ckpt_lib.Checkpoints(step_dir.parent, read_only=True).metadata(3)['process_count'] == 2
+
+  # One process, 8 devices: the parameters arrive equal to the saved ones, read on a single device.
+  def restored(name, *extra):
+    config = load_config(name, *overrides(SMALL), 'train.steps=5', *extra)
+    mesh = make_mesh(config.mesh, mesh_devices(config))
+    setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+    with jax.set_mesh(mesh):
+      state, _ = train_loop.initial_state(config, setup, None, restore_from=str(step_dir), params_only=False,
+                                          print_fn=quiet)
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+  for a, b in zip(restored('dp4_tp2'), restored('single')):
+    np.testing.assert_array_equal(a, b)
+
+  config = load_config('dp4_tp2', *overrides(SMALL), 'train.steps=5', 'checkpoint.keep=0')
+  one = train_loop.run(config, tmp_path / 'one', devices=mesh_devices(config), print_fn=quiet,
+                       restore_from=str(step_dir))
+  code, out = run_launch(4, tmp_path / 'four', '--config.train.steps=5', '--config.checkpoint.keep=0',
+                         '--restore_from', str(step_dir))
+  assert code == 0, out
+  assert 'Restored state of step 3' in out
+  # The first loss after the restore is computed from the restored parameters alone.
+  np.testing.assert_allclose(train_losses(tmp_path / 'four'), one.losses, rtol=1e-5)
+
+
+def _child_pids(parent: int) -> dict[int, int]:
+  """{JAX process id: OS pid} of the launcher's children."""
+  out = {}
+  for proc in pathlib.Path('/proc').iterdir():
+    try:
+      status = (proc / 'status').read_text()
+      if f'\nPPid:\t{parent}\n' not in status:
+        continue
+      env = dict(item.split('=', 1) for item in (proc / 'environ').read_text().split('\0') if '=' in item)
+      out[int(env['JAX_PROCESS_ID'])] = int(proc.name)
+    except (OSError, KeyError, ValueError):
+      continue
+  return out
+
+
+def test_a_killed_process_stops_the_job_and_the_next_start_resumes(tmp_path):
+  workdir = tmp_path / 'run'
+  proc = launch(2, workdir, '--config.train.steps=100000', '--config.checkpoint.every_steps=2',
+                '--config.eval.every_steps=0')
+  deadline = time.monotonic() + TIMEOUT
+  try:
+    while time.monotonic() < deadline and proc.poll() is None:
+      saved = workdir / 'checkpoints'
+      if saved.exists() and any(p.name.isdigit() for p in saved.iterdir()):
+        os.kill(_child_pids(proc.pid)[1], signal.SIGKILL)
+        break
+      time.sleep(0.2)
+    out, _ = proc.communicate(timeout=TIMEOUT)
+  finally:
+    proc.kill()
+  assert proc.returncode not in (0, None), out
+  assert '[launcher] process 1 exited with code -9; stopping the others' in out
+  steps = ckpt_lib.Checkpoints(workdir / 'checkpoints', read_only=True).steps()
+  assert steps
+  code, out = run_launch(2, workdir, f'--config.train.steps={steps[-1] + 1}')
+  assert code == 0, out
+  assert f'Resuming from step {steps[-1]} ' in out
