@@ -88,12 +88,16 @@ def _next_token(logits_BLV: jax.Array, key: jax.Array, i: jax.Array | int, tempe
 def generate(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, key: jax.Array | None = None) -> jax.Array:
   """int32 (B, N) tokens that follow each prompt row: one prefill, then one cached step per token."""
+  return _generate(*_prepare(model, prompt_BP, max_new_tokens, temperature, top_k, key),
+                   max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k))
+
+
+def _prepare(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, temperature: float, top_k: int,
+             key: jax.Array | None) -> tuple[nnx.GraphDef, nnx.State, jax.Array, jax.Array]:
+  """Checked arguments of the jitted generators: (graphdef, params, replicated prompt, key)."""
   _check(model, prompt_BP, max_new_tokens, temperature, top_k)
-  prompt_BP = _replicated(prompt_BP)
-  key = jax.random.key(0) if key is None else key
   graphdef, params = nnx.split(model)
-  return _generate(graphdef, params, prompt_BP, key, max_new_tokens=max_new_tokens,
-                   temperature=float(temperature), top_k=int(top_k))
+  return graphdef, params, _replicated(prompt_BP), jax.random.key(0) if key is None else key
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'max_new_tokens', 'temperature', 'top_k'))
@@ -124,12 +128,9 @@ def generate_without_cache(model: Transformer, prompt_BP: jax.Array, max_new_tok
   The sequence lives in a (B, P + N) buffer whose not-yet-sampled tail is zeros; the causal
   mask keeps those from the logits of the positions read, so one compiled step serves all N.
   """
-  _check(model, prompt_BP, max_new_tokens, temperature, top_k)
-  prompt_BP = _replicated(prompt_BP)
-  key = jax.random.key(0) if key is None else key
-  graphdef, params = nnx.split(model)
-  return _generate_without_cache(graphdef, params, prompt_BP, key, max_new_tokens=max_new_tokens,
-                                 temperature=float(temperature), top_k=int(top_k))
+  return _generate_without_cache(*_prepare(model, prompt_BP, max_new_tokens, temperature, top_k, key),
+                                 max_new_tokens=max_new_tokens, temperature=float(temperature),
+                                 top_k=int(top_k))
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'max_new_tokens', 'temperature', 'top_k'))
