@@ -33,7 +33,7 @@ def train(config, workdir=None, *, stop_at=None, **kwargs):
   flight (`stop_at`), saves and stops, as it does for a signal that arrives mid-step.
   """
   def print_fn(line):
-    if stop_at is not None and line.startswith(f'step {stop_at - 1} |'):
+    if stop_at is not None and line.startswith(f'step {stop_at - 1}/'):
       signal.raise_signal(signal.SIGTERM)
   return train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=print_fn, **kwargs)
 

@@ -40,7 +40,7 @@ def test_signal_finishes_the_step_saves_and_exits_zero(tmp_path, sig):
   try:
     for line in proc.stdout:
       lines.append(line)
-      if line.startswith('step 3 |'):
+      if line.startswith('step 3/'):
         proc.send_signal(sig)
         break
     out, _ = proc.communicate(timeout=120)
@@ -54,7 +54,7 @@ def test_signal_finishes_the_step_saves_and_exits_zero(tmp_path, sig):
   assert ckpt_lib.Checkpoints(tmp_path / 'checkpoints', read_only=True).steps() == [stopped]
   code, out = finish(tmp_path, *SMALL, f'--config.train.steps={stopped + 2}')
   assert code == 0, out
-  assert f'Resuming from step {stopped} ' in out and f'step {stopped + 2} |' in out
+  assert f'Resuming from step {stopped} ' in out and f'step {stopped + 2}/{stopped + 2} (100%) | loss' in out
 
 
 def test_sigkill_during_an_asynchronous_save_keeps_the_previous_checkpoint(tmp_path):
