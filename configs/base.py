@@ -26,6 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
       ('kv', None),
       ('vocab', 'model'),
       ('classes', None),
+      ('layers', None),
   ]
   # Storage layout of parameters at rest, tried before `rules`: FSDP shards `embed` on `fsdp`.
   c.partitioning.param_rules = [('embed', 'fsdp')]
@@ -43,6 +44,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.dropout_rate = 0.0  # Dropout on attention and MLP outputs; 0 disables it.
   c.model.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
   c.model.compute_dtype = 'float32'  # Dtype of matmuls and activations ('bfloat16' for speed).
+  c.model.remat = 'none'  # Recompute each block's activations in backward: 'none', 'full', 'save_matmuls'.
+  c.model.scan_layers = False  # Stack layer params on a leading `layers` axis and run the blocks in a scan.
+  c.model.attention = 'einsum'  # 'einsum' (reference) or 'dot_product' (jax.nn.dot_product_attention).
+  c.model.mlp_overlap = False  # Overlap the MLP's tensor-parallel collectives with chunked matmuls (a ring).
 
   c.data = ml_collections.ConfigDict()
   # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of

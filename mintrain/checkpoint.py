@@ -10,6 +10,10 @@ item is complete, so a half-written checkpoint is never listed; leftover
 temporary directories are removed when a manager opens the directory.
 Restoring takes the abstract state of the *current* mesh as its target, so
 each device reads only its own shard, whatever mesh the checkpoint came from.
+
+A transformer's blocks are saved as `blocks.<i>.X` per layer, or as `blocks.X` with a
+leading layer dimension under `model.scan_layers`. A checkpoint of either layout restores
+into the other: it is read in its own layout, then stacked or unstacked in memory.
 """
 
 from __future__ import annotations
@@ -21,13 +25,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from orbax.checkpoint import checkpoint_managers as policies
 
 import mintrain
 from mintrain.train_state import TrainState, path_str
 
 CHECKPOINTS = 'checkpoints'
+BLOCKS = 'blocks'  # Transformer.blocks: per layer (`blocks.<i>.X`) or stacked (`blocks.X`).
 
 
 class CheckpointError(RuntimeError):
@@ -110,8 +118,10 @@ class Checkpoints:
         create=not read_only,
     )
     # Handlers named up front, so metadata can be read before (or without) any restore.
-    handlers = {'state': ocp.PyTreeCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
-                'metadata': ocp.JsonCheckpointHandler()}
+    registry = _array_handlers()
+    state = (ocp.PyTreeCheckpointHandler(type_handler_registry=registry) if registry is not None
+             else ocp.PyTreeCheckpointHandler())
+    handlers = {'state': state, 'data': ocp.JsonCheckpointHandler(), 'metadata': ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def steps(self) -> list[int]:
@@ -150,6 +160,10 @@ class Checkpoints:
 
   def array_metadata(self, step: int) -> dict[str, Any]:
     """Path -> Orbax ArrayMetadata (shape, dtype, saved sharding) of every saved array; reads no array."""
+    return _leaves(self._metadata_tree(step))
+
+  def _metadata_tree(self, step: int) -> Any:
+    """The saved state's tree (its containers as saved) with ArrayMetadata leaves."""
     try:
       tree = self.manager.item_metadata(step)['state']
     except Exception as e:
@@ -158,7 +172,7 @@ class Checkpoints:
     if tree is None:
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: '
                                    'no state metadata.')
-    return _leaves(tree.tree if hasattr(tree, 'tree') else tree)
+    return tree.tree if hasattr(tree, 'tree') else tree
 
   def check_shapes(self, step: int, target: Any) -> None:
     """Raises listing every parameter whose saved shape or presence differs from the target's."""
@@ -184,31 +198,51 @@ class Checkpoints:
 
   def restore(self, step: int, abstract_state: TrainState, *,
               params_only: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(state tree, data state, metadata) of `step`, laid out as `abstract_state` (the current mesh)."""
+    """(state tree, data state, metadata) of `step`, laid out as `abstract_state` (the current mesh).
+
+    A checkpoint whose blocks are stacked differently from the target's (`model.scan_layers`)
+    is converted on restore.
+    """
     target = state_tree(abstract_state)
     if params_only:
       target = {'params': target['params']}
-    self.check_shapes(step, target)
+    saved_tree = self._metadata_tree(step)
+    saved = layers_layout(_leaves(saved_tree))
+    convert = saved is not None and layers_layout(_leaves(target)) not in (None, saved)
+    source = target
+    if convert:  # Read the checkpoint in its own layout (and containers), then convert.
+      flat = convert_layers(_leaves(target), saved == 'scanned')
+      self.check_shapes(step, _nest(flat))
+      source = jax.tree_util.tree_map_with_path(lambda path, _: flat[path_str(path)],
+                                                {key: saved_tree[key] for key in target})
+    else:
+      self.check_shapes(step, target)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=_restore_args(target, partial=params_only),
+          state=_restore_args(source, partial=params_only or convert),
           data=ocp.args.JsonRestore(),
           metadata=ocp.args.JsonRestore()))
     except Exception as e:
-      bad = self._unreadable_arrays(step, target)
+      bad = self._unreadable_arrays(step, source)
       what = f'array(s) {", ".join(bad)}' if bad else 'its data or metadata files'
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: cannot read '
                             f'{what} ({_first_line(e)}).') from e
-    return dict(restored.state), dict(restored.data or {}), dict(restored.metadata or {})
+    state = restored.state
+    if convert:
+      state = fill(target, convert_layers(_leaves(state), saved != 'scanned'))
+    return dict(state), dict(restored.data or {}), dict(restored.metadata or {})
 
   def _unreadable_arrays(self, step: int, target: Any) -> list[str]:
     """Restores arrays one at a time to name the ones that fail (only after a failed restore)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     bad = []
-    for path, leaf in _leaves(target).items():
+    for i, (path, _) in enumerate(flat):
+      # The target's own structure (Orbax keeps optimizer tuples as lists), every other leaf skipped.
+      probe = treedef.unflatten([leaf if j == i else ocp.PLACEHOLDER for j, (_, leaf) in enumerate(flat)])
       try:
-        self.manager.restore(step, args=ocp.args.Composite(state=_restore_args(_nest({path: leaf}), True)))
+        self.manager.restore(step, args=ocp.args.Composite(state=_restore_args(probe, False)))
       except Exception:
-        bad.append(path)
+        bad.append(path_str(path))
     return bad
 
   def restore_newest(self, abstract_state: TrainState, *, params_only: bool, fallback: bool,
@@ -229,6 +263,85 @@ class Checkpoints:
                                 f'{older[-1]} instead.') from e
         warn(f'warning: {e} Falling back to step {older[-1]}.')
         newest = older.pop()
+
+
+def _split_layer_path(path: str) -> tuple[str, int | None, str] | None:
+  """'params.blocks.3.attn.w' -> ('params.blocks', 3, 'attn.w'); 'params.blocks.attn.w' -> (.., None, ..)."""
+  parts = path.split('.')
+  if BLOCKS not in parts[:-1]:
+    return None
+  i = parts.index(BLOCKS) + 1
+  if parts[i].isdigit():
+    return '.'.join(parts[:i]), int(parts[i]), '.'.join(parts[i + 1:])
+  return '.'.join(parts[:i]), None, '.'.join(parts[i:])
+
+
+def layers_layout(flat: Mapping[str, Any]) -> str | None:
+  """'scanned' or 'unscanned' for a flat {path: array} of a transformer's state, None without blocks."""
+  for path in flat:
+    split = _split_layer_path(path)
+    if split is not None:
+      return 'unscanned' if split[1] is not None else 'scanned'
+  return None
+
+
+def _stack(xs: list[Any]) -> Any:
+  """Arrays (or abstract arrays) of every layer -> one with a leading layer dimension."""
+  if isinstance(xs[0], jax.ShapeDtypeStruct):
+    sharding = xs[0].sharding
+    if isinstance(sharding, NamedSharding):
+      sharding = NamedSharding(sharding.mesh, P(None, *sharding.spec))
+    return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype, sharding=sharding)
+  return jnp.stack(xs)
+
+
+def _layer(x: Any, i: int) -> Any:
+  """Layer i of a stacked array (or abstract array)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):
+      sharding = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+  return x[i]
+
+
+def convert_layers(flat: Mapping[str, Any], to_scanned: bool) -> dict[str, Any]:
+  """A flat {path: array} with its blocks stacked (`blocks.<i>.X` -> `blocks.X`) or unstacked.
+
+  Applies to every part of the state that mirrors the parameters (Adam's mu and nu too).
+  """
+  out, groups = {}, {}
+  for path, x in flat.items():
+    split = _split_layer_path(path)
+    if split is None:
+      out[path] = x
+    elif to_scanned and split[1] is not None:
+      groups.setdefault((split[0], split[2]), {})[split[1]] = x
+    elif not to_scanned and split[1] is None:
+      for i in range(x.shape[0]):
+        out[f'{split[0]}.{i}.{split[2]}'] = _layer(x, i)
+    else:
+      out[path] = x
+  for (head, rest), layers in groups.items():
+    out[f'{head}.{rest}'] = _stack([layers[i] for i in range(len(layers))])
+  return out
+
+
+def fill(target: Any, flat: Mapping[str, Any]) -> Any:
+  """The tree of `target` (abstract arrays), each leaf taken from `flat` by path, in the target's sharding."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+  return jax.tree_util.tree_unflatten(
+      treedef, [jax.device_put(flat[path_str(path)], x.sharding) for path, x in leaves])
+
+
+def _array_handlers() -> ocp.type_handlers.TypeHandlerRegistry | None:
+  """On one host, no replica-parallel writes: they split every replicated shard with small XLA programs
+  (the first save of a run stalled ~2 s on compiling them) and only pay off when several hosts share the
+  writes (BENCHMARKS.md). None keeps Orbax's default."""
+  if jax.process_count() > 1:
+    return None
+  return ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
 
 
 def _restore_args(target: Any, partial: bool) -> ocp.args.PyTreeRestore:

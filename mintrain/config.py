@@ -98,6 +98,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f'model.dropout_rate={m.dropout_rate} must be in [0, 1).')
   if m.name == 'transformer' and m.head_dim % 2:
     raise ConfigError(f'model.head_dim={m.head_dim} must be even for rotary embeddings.')
+  if m.name == 'transformer':
+    from mintrain.models.transformer import ATTENTION_OPTIONS, REMAT_OPTIONS
+    for key, options in (('remat', REMAT_OPTIONS), ('attention', ATTENTION_OPTIONS)):
+      if m.get(key, options[0]) not in options:  # Configs saved before the option existed lack it.
+        raise ConfigError(f'model.{key}={m[key]!r}; choose one of {options}.')
 
 
 def micro_batch_size(config: ml_collections.ConfigDict) -> int:

@@ -3,9 +3,12 @@
 Parameters, gradients and optimizer state are exact (their resolved layouts);
 activations are an estimate of what the backward pass keeps for one
 micro-batch: per layer, the inputs of every matmul, norm and nonlinearity, and
-the attention probabilities; plus the float32 logits. XLA may keep less (it
-fuses) or more (temporaries); the compiled step's own memory analysis is the
-final word, and the benchmarks print it.
+the attention probabilities; plus the float32 logits. With `model.remat`, a
+layer keeps only its input ('full') or its input and its matmul outputs
+('save_matmuls'), and one layer's full activations are live again while its
+backward pass recomputes them. XLA may keep less (it fuses) or more
+(temporaries); the compiled step's own memory analysis is the final word, and
+the benchmarks print it.
 """
 
 from __future__ import annotations
@@ -59,8 +62,15 @@ def activation_bytes(config: ml_collections.ConfigDict, rules: AxisRules, mesh: 
   mlp = m.mlp_dim / _ways(rules, 'mlp', mesh)
   per_token_layer = (c * (4 * d + 4 * heads * m.head_dim + 3 * mlp)  # Norms, q/k/v/out, gate/up/product.
                      + heads * seq * (4 + c))  # Attention scores (float32) and probabilities.
+  remat = m.get('remat', 'none')
+  if remat == 'none':
+    layers = m.num_layers * per_token_layer
+  else:
+    # Input; plus, when saving matmuls, q/k/v, the attention projection, gate, up and down outputs.
+    kept = c * d if remat == 'full' else c * (3 * d + 3 * heads * m.head_dim + 2 * mlp)
+    layers = m.num_layers * kept + per_token_layer  # One layer's activations, recomputed for its backward.
   logits = 2 * 4 * m.vocab_size / _ways(rules, 'vocab', mesh)  # Float32 logits and their softmax.
-  return int(rows * seq * (m.num_layers * per_token_layer + logits + c * d))
+  return int(rows * seq * (layers + logits + c * d))
 
 
 def device_memory_limit(device: jax.Device) -> int | None:

@@ -7,6 +7,9 @@ from typing import Any
 
 import jax
 import optax
+from flax import nnx
+
+from mintrain.models.layers import LAYERS
 
 
 def schedule(opt: Mapping[str, Any], total_steps: int) -> optax.Schedule:
@@ -18,11 +21,18 @@ def schedule(opt: Mapping[str, Any], total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params: Any) -> Any:
-  """Weight decay on matrices only: not on norms, biases (1-D) or embedding tables."""
-  def decays(path, leaf) -> bool:
+  """Weight decay on matrices only: not on norms, biases (1-D) or embedding tables.
+
+  The leading `layers` axis of stacked per-layer parameters is not a matrix dimension: a
+  stack of norm scales is still a norm.
+  """
+  def decays(path, leaf) -> Any:
     names = '.'.join(str(getattr(k, 'key', k)) for k in path)
-    return leaf.ndim >= 2 and 'embedding' not in names
-  return jax.tree.map_with_path(decays, params)
+    if not isinstance(leaf, nnx.Variable):
+      return leaf.ndim >= 2 and 'embedding' not in names
+    stacked = (leaf.get_metadata().get('out_sharding') or (None,))[0] == LAYERS
+    return leaf.replace(leaf.ndim - stacked >= 2 and 'embedding' not in names)  # Same tree as the params.
+  return jax.tree.map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(opt: Mapping[str, Any], total_steps: int) -> optax.GradientTransformation:

@@ -17,6 +17,7 @@ from mintrain.report import format_report
 # Storage layout under the default rules, written out by hand per logical-axes tuple.
 EXPECTED = {
     ('vocab', 'embed'): P('model', 'fsdp'),
+    ('embed', 'vocab'): P('fsdp', 'model'),  # An untied output projection (bench_tiny).
     ('embed',): P('fsdp'),
     ('embed', 'heads', 'kv'): P('fsdp', 'model', None),
     ('heads', 'kv', 'embed'): P('model', None, 'fsdp'),

@@ -7,6 +7,7 @@ import pytest
 from conftest import load_config, mesh_devices, quiet, run_script
 from flax import nnx
 
+from mintrain import checkpoint as ckpt_lib
 from mintrain import sampling, train_loop, train_state
 from mintrain.mesh import make_mesh
 from mintrain.models.transformer import BLHK
@@ -27,14 +28,19 @@ def host_params():
     return jax.device_get(setup.init().params)
 
 
-def model_on(name, host_params):
-  """(mesh, rules, model) with the shared parameters in the storage layout of config `name`."""
-  config = load_config(name, *SMALL)
+def model_on(name, host_params, *overrides):
+  """(mesh, rules, model) with the shared parameters in the storage layout of config `name`.
+
+  With model.scan_layers=True among the overrides, the layers' parameters are stacked first.
+  """
+  config = load_config(name, *SMALL, *overrides)
   mesh = make_mesh(config.mesh, mesh_devices(config))
   rules = AxisRules.from_config(config.partitioning)
   setup = train_state.setup(config, rules, mesh)
-  shardings = jax.tree.map(lambda x: x.sharding, setup.abstract_state.params)
-  return mesh, rules, nnx.merge(setup.graphdef, jax.device_put(host_params, shardings))
+  flat = {train_state.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(host_params)[0]}
+  params = ckpt_lib.fill(setup.abstract_state.params,
+                         ckpt_lib.convert_layers(flat, to_scanned=config.model.scan_layers))
+  return mesh, rules, nnx.merge(setup.graphdef, params)
 
 
 def random_tokens(shape, seed=0):
@@ -51,9 +57,11 @@ def test_greedy_sampling_is_deterministic(host_params):
   np.testing.assert_array_equal(first, second)
 
 
-@pytest.mark.parametrize('name', ['single', 'dp4_tp2', 'tp8'])
-def test_decode_in_chunks_gives_the_training_forward_logits(host_params, name):
-  mesh, rules, model = model_on(name, host_params)
+@pytest.mark.parametrize('name,overrides', [('single', ()), ('dp4_tp2', ()), ('tp8', ()),
+                                            ('dp4_tp2', ('model.scan_layers=True',))],
+                         ids=['single', 'dp4_tp2', 'tp8', 'dp4_tp2-scanned'])
+def test_decode_in_chunks_gives_the_training_forward_logits(host_params, name, overrides):
+  mesh, rules, model = model_on(name, host_params, *overrides)
   chunks = (P, 1, 1, 3, 1)  # A prompt prefill, single-token steps, and a multi-token continuation.
   tokens_BL = random_tokens((B, sum(chunks)), seed=1)
   graphdef, params = nnx.split(model)

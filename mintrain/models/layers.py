@@ -7,6 +7,9 @@ Parameters are stored in their storage layout (e.g. FSDP-sharded on `embed`);
 `gather` brings one to its compute layout and dtype right before use, so the
 all-gather (and, in the backward pass, the reduce-scatter) happens inside the
 layer that needs it.
+
+A stack of identical layers can also hold its parameters stacked on a leading
+`layers` axis (`stack_layers`), so a `scan` runs one compiled layer N times.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from flax import nnx
 from mintrain.partitioning import AxisRules
 
 Initializer = Callable[..., jax.Array]
+LAYERS = 'layers'  # Logical name of the leading dimension of stacked per-layer parameters.
 
 
 def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None],
@@ -63,3 +67,37 @@ class RMSNorm(nnx.Module):
     x = x_BLD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
     return (x * gather(self.scale, self.rules, jnp.float32)).astype(x_BLD.dtype)
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def stack_layers(modules: Sequence[nnx.Module], rules: AxisRules) -> nnx.Module:
+  """One module whose parameters are those of `modules` stacked on a new leading `layers` axis.
+
+  The layers are drawn one by one first, exactly as an unstacked model draws them, so a
+  seed gives the same initial parameters (and the same run) in either layout.
+  """
+  graphdef, _ = nnx.split(modules[0])
+
+  def stack(*variables: nnx.Variable) -> nnx.Variable:
+    axes = (LAYERS, *variables[0].get_metadata()['out_sharding'])
+    value = jnp.stack([v[...] for v in variables])
+    if not jax.sharding.get_abstract_mesh().empty:
+      value = jax.sharding.reshard(value, rules.param_spec(axes))
+    return variables[0].replace(value, out_sharding=axes)
+
+  states = [nnx.state(m) for m in modules]
+  return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_variable))
+
+
+def split_layers(stacked: nnx.Module) -> tuple[Callable[[list[jax.Array]], nnx.Module], list[jax.Array]]:
+  """(make_layer, params_N): the stacked parameters as plain arrays with a leading layer dimension,
+  and the function that builds one layer's module from one layer's slices of them (for `scan`)."""
+  graphdef, state = nnx.split(stacked)
+  # One layer's metadata names its own axes only; it travels in the tree structure.
+  layer_state = jax.tree.map(lambda v: v.replace(out_sharding=v.get_metadata()['out_sharding'][1:]), state,
+                             is_leaf=_is_variable)
+  params_N, treedef = jax.tree.flatten(layer_state)
+  return lambda params: nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), params_N

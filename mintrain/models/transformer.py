@@ -7,17 +7,27 @@ the `model`-style mesh axis by the rules; the model itself only names logical ax
 `__call__` is the training forward pass. `decode` is the same computation for
 sampling: it appends the keys and values of new tokens to a per-layer cache and
 attends over it, so each new token costs one step instead of a re-run of the prefix.
+
+Performance options (`TransformerConfig`), each computing the same function as the default:
+  remat        recompute each block's activations in the backward pass instead of keeping them.
+  scan_layers  parameters stacked on a leading `layers` axis and the blocks run by one `scan`,
+               so compile time does not grow with depth; sampling slices the stack per layer.
+  attention    'dot_product' uses `jax.nn.dot_product_attention` in training.
+  mlp_overlap  the MLP's tensor-parallel communication overlapped with its matmuls
+               (`collective_matmul`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mintrain.models.layers import RMSNorm, dropout, gather, param
+from mintrain.models import collective_matmul
+from mintrain.models.layers import RMSNorm, dropout, gather, param, split_layers, stack_layers
 from mintrain.partitioning import AxisRules
 
 BLD = ('batch', 'length', 'embed')
@@ -25,6 +35,18 @@ BLHK = ('batch', 'length', 'heads', 'kv')  # Also the layout of the cached keys 
 
 # Per layer, (keys_BSHK, values_BSHK) of every position written so far (zeros beyond).
 KVCache = list[tuple[jax.Array, jax.Array]]
+
+# What a rematerialised block keeps for the backward pass; the rest is recomputed there.
+# 'full' keeps only the block's inputs. 'save_matmuls' also keeps the outputs of the matmuls
+# against weights (dots without batch dimensions: q/k/v, output projection, gate, up, down) and
+# recomputes the cheap elementwise work and the attention scores and probabilities, whose
+# (length x length) size makes them the largest activations.
+REMAT_POLICIES = {
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'save_matmuls': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+REMAT_OPTIONS = ('none', *REMAT_POLICIES)
+ATTENTION_OPTIONS = ('einsum', 'dot_product')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +62,10 @@ class TransformerConfig:
   dropout_rate: float = 0.0
   param_dtype: str = 'float32'
   compute_dtype: str = 'float32'
+  remat: str = 'none'  # One of REMAT_OPTIONS.
+  scan_layers: bool = False
+  attention: str = 'einsum'  # One of ATTENTION_OPTIONS.
+  mlp_overlap: bool = False
 
 
 def rope(x_BLHK: jax.Array, base: float, positions_L: jax.Array | None = None) -> jax.Array:
@@ -75,6 +101,11 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     q_BLHK, k_BMHK, v_BMHK = self._qkv(x_BLD, None)
+    if self.cfg.attention == 'dot_product':
+      # implementation=None: jax picks the kernel (in jax 0.10 always its XLA formulation).
+      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, is_causal=True,
+                                              scale=self.cfg.head_dim ** -0.5)
+      return self._project(out_BLHK)
     seq_len = x_BLD.shape[1]
     causal_LM = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
     return self._attend(q_BLHK, k_BMHK, v_BMHK, causal_LM)
@@ -107,19 +138,28 @@ class Attention(nnx.Module):
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
               visible_LM: jax.Array) -> jax.Array:
     """Softmax attention of each query over the keys it may see, then the output projection."""
-    cfg, rules, dtype = self.cfg, self.rules, q_BLHK.dtype
+    cfg, dtype = self.cfg, q_BLHK.dtype
     scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
     scores_BHLM = scores_BHLM * cfg.head_dim ** -0.5
     scores_BHLM = jnp.where(visible_LM, scores_BHLM, jnp.finfo(jnp.float32).min)
     probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(dtype)
-    out_BLHK = rules.reshard(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK), BLHK)
+    return self._project(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK))
+
+  def _project(self, out_BLHK: jax.Array) -> jax.Array:
+    """The output projection of the heads' outputs back to the residual stream."""
+    rules, dtype = self.rules, out_BLHK.dtype
+    out_BLHK = rules.reshard(out_BLHK, BLHK)
     # Contracting the sharded heads needs an explicit output layout (a reduce over `model`).
     return jnp.einsum('BLHK,HKD->BLD', out_BLHK, gather(self.wo_HKD, rules, dtype),
                       out_sharding=rules.activation_spec(BLD))
 
 
 class GatedMLP(nnx.Module):
-  """SwiGLU MLP: column-parallel gate/up, row-parallel down (Megatron layout)."""
+  """SwiGLU MLP: column-parallel gate/up, row-parallel down (Megatron layout).
+
+  With mlp_overlap, on a mesh that splits `mlp`, the same matmuls run as a ring of collective
+  matmuls over the sequence (`collective_matmul`).
+  """
 
   def __init__(self, cfg: TransformerConfig, *, rules: AxisRules, rngs: nnx.Rngs):
     d, f, dtype = cfg.embed_dim, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
@@ -127,15 +167,20 @@ class GatedMLP(nnx.Module):
     self.wi_gate_DF = param(rngs, init, (d, f), ('embed', 'mlp'), dtype, rules)
     self.wi_up_DF = param(rngs, init, (d, f), ('embed', 'mlp'), dtype, rules)
     self.wo_FD = param(rngs, init, (f, d), ('mlp', 'embed'), dtype, rules)
-    self.rules = rules
+    self.rules, self.overlap = rules, cfg.mlp_overlap
 
-  def __call__(self, x_BLD: jax.Array) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, *, overlap: bool = True) -> jax.Array:
+    """`overlap=False` forces the plain path (decode steps are too short to split into chunks)."""
     rules, dtype = self.rules, x_BLD.dtype
-    gate_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, gather(self.wi_gate_DF, rules, dtype))
-    up_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, gather(self.wi_up_DF, rules, dtype))
+    w_gate_DF = gather(self.wi_gate_DF, rules, dtype)
+    w_up_DF = gather(self.wi_up_DF, rules, dtype)
+    w_down_FD = gather(self.wo_FD, rules, dtype)
+    if overlap and self.overlap and collective_matmul.ring_axes(rules)[1] > 1:
+      return rules.reshard(collective_matmul.gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, rules), BLD)
+    gate_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, w_gate_DF)
+    up_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, w_up_DF)
     h_BLF = rules.reshard(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    return jnp.einsum('BLF,FD->BLD', h_BLF, gather(self.wo_FD, rules, dtype),
-                      out_sharding=rules.activation_spec(BLD))
+    return jnp.einsum('BLF,FD->BLD', h_BLF, w_down_FD, out_sharding=rules.activation_spec(BLD))
 
 
 class Block(nnx.Module):
@@ -158,7 +203,7 @@ class Block(nnx.Module):
     """The block without dropout, attending over (and updating) its layer's cache."""
     attn_BLD, kv = self.attn.decode(self.attn_norm(x_BLD), kv, start)
     x_BLD = x_BLD + attn_BLD
-    x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+    x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), overlap=False)
     return self.rules.reshard(x_BLD, BLD), kv
 
 
@@ -170,7 +215,9 @@ class Transformer(nnx.Module):
     embed_init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
     self.embedding_VD = param(rngs, embed_init, (cfg.vocab_size, cfg.embed_dim), ('vocab', 'embed'), dtype,
                               rules)
-    self.blocks = nnx.List([Block(cfg, rules=rules, rngs=rngs) for _ in range(cfg.num_layers)])
+    blocks = [Block(cfg, rules=rules, rngs=rngs) for _ in range(cfg.num_layers)]
+    # With scan_layers, one Block whose parameters are all layers' stacked on a leading `layers` axis.
+    self.blocks = stack_layers(blocks, rules) if cfg.scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.embed_dim, rules=rules, param_dtype=dtype, rngs=rngs)
     if not cfg.tie_embeddings:
       self.unembed_DV = param(rngs, nnx.initializers.lecun_normal(), (cfg.embed_dim, cfg.vocab_size),
@@ -179,10 +226,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
     table_VD, x_BLD = self._embed(tokens_BL)
-    for i, block in enumerate(self.blocks):
-      key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None
-      x_BLD = block(x_BLD, key)
-    return self._logits(x_BLD, table_VD)
+    return self._logits(self._run_blocks(x_BLD, dropout_key), table_VD)
 
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
              start: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -194,10 +238,43 @@ class Transformer(nnx.Module):
     """
     table_VD, x_BLD = self._embed(tokens_BL)
     new_cache = []
-    for block, kv in zip(self.blocks, cache, strict=True):
+    for block, kv in zip(self._layers(), cache, strict=True):
       x_BLD, kv = block.decode(x_BLD, kv, start)
       new_cache.append(kv)
     return self._logits(x_BLD, table_VD), new_cache
+
+  def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+    """Every block in turn: unrolled, or one `scan` over the stacked layers; rematerialised as configured."""
+    cfg = self.cfg
+
+    def run(make_block, params, x_BLD: jax.Array, i: jax.Array | int) -> jax.Array:
+      key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None
+      return make_block(params)(x_BLD, key)
+
+    if cfg.remat != 'none':
+      # A scan already keeps XLA from merging the recomputation back into the forward pass.
+      run = jax.checkpoint(run, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers,
+                           static_argnums=(0,))
+    if not cfg.scan_layers:
+      for i, block in enumerate(self.blocks):
+        graphdef, params = nnx.split(block)
+        x_BLD = run(functools.partial(nnx.merge, graphdef), params, x_BLD, i)
+      return x_BLD
+    make_layer, params_N = split_layers(self.blocks)
+
+    def body(x_BLD: jax.Array, layer: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, None]:
+      params, i = layer
+      return run(make_layer, params, x_BLD, i), None
+
+    x_BLD, _ = jax.lax.scan(body, x_BLD, (params_N, jnp.arange(cfg.num_layers)))
+    return x_BLD
+
+  def _layers(self) -> list[Block]:
+    """One Block per layer; with scan_layers, each holds its layer's slice of the stacked parameters."""
+    if not self.cfg.scan_layers:
+      return list(self.blocks)
+    make_layer, params_N = split_layers(self.blocks)
+    return [make_layer([p[i] for p in params_N]) for i in range(self.cfg.num_layers)]
 
   def _embed(self, tokens_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(table_VD in its compute layout, x_BLD); the table is reused by a tied output layer."""

@@ -1,0 +1,193 @@
+"""What the step benchmarks share: build the train step exactly as `train_loop.run` does, compile it, time it.
+
+Every number is taken with `jax.block_until_ready`, after compiling ahead (`lower(...).compile()`, as the
+loop does), so compile time and step time are reported apart. Batches are made before the timed steps:
+synthetic data costs nothing to read, so a step time is the model's alone.
+
+Config keys that not every checkout has yet (`model.scan_layers`, `model.remat`, ...) are probed with
+`missing_keys`; a benchmark skips a variant that needs one, with a printed note, instead of failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from itertools import cycle
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+
+from mintrain import config as config_lib
+from mintrain import mesh as mesh_lib
+from mintrain import train_state
+from mintrain.data.batches import make_batches
+from mintrain.optimizer import schedule
+from mintrain.partitioning import AxisRules
+from mintrain.train_step import make_train_step
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEVICES = 8
+BENCH_TINY = REPO / 'configs' / 'bench_tiny.py'  # The issue's model for step time and overhead.
+FALLBACK = REPO / 'configs' / 'dp4_tp2.py'
+
+
+def start_devices() -> list[jax.Device]:
+  """The 8 devices the meshes use, simulated on CPU without an accelerator; call before any jax query."""
+  mesh_lib.simulate_cpu_devices(DEVICES)
+  devices, note = mesh_lib.pick_devices(DEVICES)
+  if note:
+    print(note, flush=True)
+  return devices
+
+
+def bench_tiny() -> tuple[pathlib.Path, tuple[str, ...]]:
+  """(config path, overrides): configs/bench_tiny.py, or dp4_tp2 on a checkout that does not have it yet."""
+  if BENCH_TINY.is_file():
+    return BENCH_TINY, ()
+  print(f'note: {BENCH_TINY.relative_to(REPO)} does not exist; using {FALLBACK.relative_to(REPO)} '
+        'with synthetic data', flush=True)
+  return FALLBACK, ('data.source=synthetic',)
+
+
+def missing_keys(path: pathlib.Path, overrides: Sequence[str]) -> list[str]:
+  """The keys of `overrides` that the config at `path` does not have."""
+  config = config_lib.load(path)
+  missing = []
+  for item in overrides:
+    node = config
+    for name in item.partition('=')[0].split('.'):
+      if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+        missing.append(item.partition('=')[0])
+        break
+      node = node[name]
+  return missing
+
+
+def load(path: pathlib.Path, overrides: Sequence[str]) -> ml_collections.ConfigDict:
+  config = config_lib.load(path, tuple(overrides))
+  config_lib.validate(config)
+  return config
+
+
+@dataclasses.dataclass
+class Built:
+  """A config's mesh, layout and train step, set up as the training loop does."""
+
+  config: ml_collections.ConfigDict
+  mesh: Mesh
+  rules: AxisRules
+  setup: train_state.Setup
+  step_fn: object  # The jitted train step (state donated).
+
+
+def build(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> Built:
+  mesh = mesh_lib.make_mesh(config.mesh, list(devices)[:mesh_lib.devices_needed(config.mesh)])
+  rules = AxisRules.from_config(config.partitioning)
+  setup = train_state.setup(config, rules, mesh)
+  step_fn = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, config.train.steps),
+                            use_dropout=config.model.dropout_rate > 0)
+  return Built(config, mesh, rules, setup, step_fn)
+
+
+def device_batches(built: Built, count: int) -> list[dict[str, jax.Array]]:
+  """`count` global batches, already on their devices."""
+  with jax.set_mesh(built.mesh):
+    batches = make_batches(built.config, built.mesh, built.rules)
+    return [jax.block_until_ready(next(batches)) for _ in range(count)]
+
+
+@dataclasses.dataclass
+class Compiled:
+  compiled: object  # jax.stages.Compiled of the train step.
+  state: train_state.TrainState  # Freshly initialised; the first call donates it.
+  lower_s: float  # Tracing and lowering to StableHLO.
+  compile_s: float  # XLA compilation.
+
+  @property
+  def total_s(self) -> float:
+    return self.lower_s + self.compile_s
+
+
+def compile_step(built: Built, batch: dict[str, jax.Array]) -> Compiled:
+  """Initialises the state and compiles the step ahead, as `train_loop.run` does before step one."""
+  with jax.set_mesh(built.mesh):
+    state = jax.block_until_ready(built.setup.init())
+    start = time.perf_counter()
+    lowered = built.step_fn.lower(state, batch)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    done = time.perf_counter()
+  return Compiled(compiled, state, lowered_at - start, done - lowered_at)
+
+
+def time_steps(compiled: Compiled, built: Built, batches: Sequence[dict[str, jax.Array]], *, warmup: int,
+               steps: int, after_step: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
+  """(seconds of each timed step, loss of every step) of `warmup` untimed then `steps` timed steps.
+
+  `after_step` runs after each timed step, outside its time (e.g. a calibration to pair with it).
+  """
+  state, times, losses = compiled.state, [], []
+  with jax.set_mesh(built.mesh):
+    for i, batch in zip(range(warmup + steps), cycle(batches)):
+      start = time.perf_counter()
+      state, metrics = compiled.compiled(state, batch)
+      jax.block_until_ready((state, metrics))
+      if i >= warmup:
+        times.append(time.perf_counter() - start)
+        if after_step is not None:
+          after_step()
+      losses.append(float(metrics['loss']))
+  compiled.state = None  # Donated: the caller must not reuse it.
+  return times, losses
+
+
+def memory_analysis(compiled: Compiled) -> dict[str, int]:
+  """The compiler's own per-device buffer sizes of the step: arguments, outputs, aliased, temporaries."""
+  m = compiled.compiled.memory_analysis()
+  return {'argument': m.argument_size_in_bytes, 'output': m.output_size_in_bytes,
+          'alias': m.alias_size_in_bytes, 'temp': m.temp_size_in_bytes}
+
+
+def param_count(built: Built) -> int:
+  return sum(math.prod(p.shape) for p in built.setup.layout)
+
+
+def describe_config(path: pathlib.Path, overrides: Sequence[str]) -> str:
+  """`configs/x.py key=value ...`, the way to ask for the same config on the command line."""
+  shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+  return ' '.join([str(shown), *overrides])
+
+
+def describe_mesh(mesh: Mesh) -> str:
+  return 'x'.join(str(s) for s in mesh.shape.values()) + ' (' + mesh_lib.describe(mesh) + ')'
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  """A Markdown table, so the output pastes into BENCHMARKS.md as it is."""
+  lines = [list(header), ['---'] * len(header), *[list(r) for r in rows]]
+  return '\n'.join('| ' + ' | '.join(cells) + ' |' for cells in lines)
+
+
+def mib(n: float) -> str:
+  return f'{n / 2**20:.2f}'
+
+
+def spread(xs: Sequence[float]) -> str:
+  """Min and max relative to the median, to judge noise on a shared machine."""
+  m = statistics.median(xs)
+  return f'{min(xs) / m:.2f}-{max(xs) / m:.2f}'
+
+
+def first_device_bytes(tree) -> int:
+  """Bytes that the first device really holds of a tree of arrays."""
+  device = jax.tree.leaves(tree)[0].sharding.mesh.devices.flat[0]
+  total = 0
+  for x in jax.tree.leaves(tree):
+    total += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+  return total
+

@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""How fast the mintrain train step runs, against how fast this machine multiplies matrices.
+
+Model FLOP/s alone says little across machines; its ratio to a matmul rate measured in the same run, on
+the same device and in the model's compute dtype (float32 for bench_tiny), says how much of the machine
+the step uses. The FLOPs are the analytic count of
+`mintrain.flops.train_flops_per_step` (matmuls only, causal attention halved), the same as the loop's MFU.
+
+The step is built as `train_loop.run` builds it (train_state.setup, make_train_step, make_batches) and
+compiled ahead; step times are medians of jitted steps after warm-up, each until `block_until_ready`.
+Besides the config as it is, each optimisation variant whose config key exists is timed too
+(`model.attention`, `model.scan_layers`, `model.remat`, `model.mlp_overlap`).
+
+Simulated CPU devices share the host's cores, and one device's matmul already uses all of them, so on CPU
+the ratio is the step's total model FLOP/s over the one-device matmul rate; on accelerators it is per
+device over per device.
+
+  python benchmarks/step.py                              # configs/bench_tiny.py and its variants
+  python benchmarks/step.py --config configs/dp4_tp2.py --only baseline
+  python benchmarks/step.py --override model.vocab_size=384   # what-if: any key=value, on every variant
+  python benchmarks/step.py --smoke                      # tiny model, baseline, one step: it still runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+from collections.abc import Callable
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+from benchmarks import harness  # noqa: E402
+from mintrain import flops, hardware  # noqa: E402
+
+# Variant name -> config overrides on top of the config (and of --override).
+VARIANTS = {
+    'baseline': (),
+    'attention=dot_product': ('model.attention=dot_product',),
+    'scan_layers': ('model.scan_layers=True',),
+    'remat=full': ('model.remat=full',),
+    'remat=save_matmuls': ('model.remat=save_matmuls',),
+    'mlp_overlap': ('model.mlp_overlap=True',),
+}
+SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
+         'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')
+
+
+def calibrator(dtype: str, size: int, seconds: float, device) -> tuple[list[float], Callable[[], None]]:
+  """A list, and a function that appends one matmul calibration (TFLOP/s) in the model's dtype to it."""
+  results = []
+  def calibrate() -> None:
+    results.append(hardware.measure_matmul_tflops(dtype, size=size, seconds=seconds, device=device))
+  return results, calibrate
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('--config', type=pathlib.Path, default=None,
+                      help='config file (default: configs/bench_tiny.py)')
+  parser.add_argument('--override', action='append', default=[], metavar='KEY=VALUE',
+                      help='config override applied to every variant; repeatable')
+  parser.add_argument('--only', nargs='+', choices=sorted(VARIANTS), default=None, help='variants to run')
+  parser.add_argument('--steps', type=int, default=4, help='timed steps per variant')
+  parser.add_argument('--warmup', type=int, default=1, help='untimed steps after compiling')
+  parser.add_argument('--calibration_size', type=int, default=1024, help='square matmul size')
+  parser.add_argument('--smoke', action='store_true', help='tiny model, baseline, one step')
+  args = parser.parse_args()
+
+  devices = harness.start_devices()
+  if args.config is None:
+    path, base = harness.bench_tiny()
+  else:
+    path, base = args.config.resolve(), ()
+  base = base + tuple(args.override) + (SMOKE if args.smoke else ())
+  steps, size, seconds = (1, 256, 0.2) if args.smoke else (args.steps, args.calibration_size, 1.0)
+
+  shares_host = devices[0].platform == 'cpu'
+  rows, first = [], None
+  for name in args.only or (('baseline',) if args.smoke else VARIANTS):
+    overrides = base + VARIANTS[name]
+    missing = harness.missing_keys(path, overrides)
+    if missing:
+      print(f'skipping {name}: the config has no {", ".join(missing)} yet', flush=True)
+      continue
+    config = harness.load(path, overrides)
+    built = harness.build(config, devices)
+    batches = harness.device_batches(built, 2)
+    compiled = harness.compile_step(built, batches[0])
+    # A calibration right after each timed step: other load on a shared machine slows both alike.
+    calibrations, calibrate = calibrator(config.model.compute_dtype, size, seconds, devices[0])
+    times, losses = harness.time_steps(compiled, built, batches, warmup=args.warmup, steps=steps,
+                                       after_step=calibrate)
+    step_s = statistics.median(times)
+    per = 1 if shares_host else built.mesh.size  # Simulated CPU devices share one host's matmul rate.
+    tflop = flops.train_flops_per_step(config) / per / 1e12  # Per device, or per host on CPU.
+    ratio = statistics.median([tflop / t / c for t, c in zip(times, calibrations)])
+    first = first or (config, built)
+    rows.append([name, f'{compiled.total_s:.1f}', f'{step_s * 1e3:.1f}', harness.spread(times),
+                 f'{flops.tokens_per_step(config) / step_s:,.0f}', f'{tflop / step_s:.4f}',
+                 f'{statistics.median(calibrations):.4f}', f'{ratio:.1%}', f'{losses[0]:.4f}'])
+    print(f'measured {name}', flush=True)
+  if first is None:
+    print('no variant could run')
+    return 1
+
+  config, built = first
+  where = 'all devices together' if shares_host else 'per device'
+  print(f'\nconfig {harness.describe_config(path, base)}')
+  print(f'mesh {harness.describe_mesh(built.mesh)}, {harness.param_count(built):,} parameters, '
+        f'{flops.train_flops_per_step(config) / 1e9:.1f} GFLOP and {flops.tokens_per_step(config):,} tokens '
+        f'per step, compute {config.model.compute_dtype}')
+  print(f'median of {steps} steps after {args.warmup} warm-up; model TFLOP/s {where}; matmul_TFLOP_s: a '
+        f'{config.model.compute_dtype} {size}x{size} matmul on one device, timed for {seconds} s after each '
+        'step; ratio = median over steps of model / matmul rate\n')
+  print(harness.table(['variant', 'compile_s', 'step_ms', 'spread', 'tokens_per_s', 'model_TFLOP_s',
+                       'matmul_TFLOP_s', 'ratio', 'loss_at_init'], rows))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

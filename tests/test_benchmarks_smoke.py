@@ -1,0 +1,79 @@
+"""The benchmarks still run: each in its --smoke form, as a real subprocess."""
+
+from conftest import run_script
+
+
+def test_checkpoint_benchmark_smoke_prints_a_table_of_positive_times():
+  stdout, header, body = smoke('checkpoint.py')
+  assert 'simulating 8 CPU devices' in stdout
+  for column in ('params', 'step_ms', 'first_save_blocked_ms', 'save_blocked_ms', 'save_total_ms', 'ckpt_MiB',
+                 'restore_dp4_tp2_ms', 'restore_fsdp8_ms', 'restore_tp8_ms', 'restore_single_ms'):
+    assert column in header
+  assert [row[0] for row in body] == ['tiny']
+  values = numbers(body[0][1:])
+  assert len(values) == len(header) - 1 and all(n > 0 for n in values), body[0]
+
+
+def smoke(script: str) -> tuple[str, list[str], list[list[str]]]:
+  """Runs `benchmarks/SCRIPT --smoke` without device flags: (stdout, table header, table rows)."""
+  proc = run_script(f'benchmarks/{script}', '--smoke')
+  assert proc.returncode == 0, proc.stderr
+  rows = [[c.strip() for c in line.strip('|').split('|')] for line in proc.stdout.splitlines()
+          if line.startswith('|') and '---' not in line]
+  header, *body = rows
+  return proc.stdout, header, body
+
+
+def numbers(row: list[str]) -> list[float]:
+  """The numeric cells of a table row (thousands separators and percent signs dropped)."""
+  out = []
+  for cell in row:
+    try:
+      out.append(float(cell.replace(',', '').rstrip('%')))
+    except ValueError:
+      pass
+  return out
+
+
+def test_step_benchmark_smoke_reports_model_flops_against_a_same_run_matmul_calibration():
+  stdout, header, body = smoke('step.py')
+  for column in ('compile_s', 'step_ms', 'tokens_per_s', 'model_TFLOP_s', 'matmul_TFLOP_s', 'ratio'):
+    assert column in header
+  assert [row[0] for row in body] == ['baseline']
+  cells = dict(zip(header, body[0]))
+  assert all(float(cells[c].replace(',', '').rstrip('%')) > 0 for c in header[1:] if c != 'spread')
+  assert 'ratio = median over steps of model / matmul rate' in stdout
+
+
+def test_overhead_benchmark_smoke_hand_written_step_matches_mintrain_loss():
+  stdout, header, body = smoke('overhead.py')
+  assert header[:3] == ['step', 'compile_s', 'step_ms']
+  assert [row[0] for row in body] == ['mintrain', 'hand']
+  assert all(n > 0 for row in body for n in numbers(row[1:]))
+  mintrain, hand = (dict(zip(header, row)) for row in body)
+  assert abs(float(mintrain['loss_first']) - float(hand['loss_first'])) < 1e-4
+  assert 'mintrain / hand-written step time:' in stdout
+
+
+def test_meshes_benchmark_smoke_reports_memory_and_the_fsdp_ratio():
+  stdout, header, body = smoke('meshes.py')
+  for column in ('step_ms', 'params_MiB', 'opt_state_MiB', 'xla_argument_MiB', 'xla_temp_MiB'):
+    assert column in header
+  assert [row[0] for row in body] == ['dp8', 'fsdp8']
+  ratio = float(stdout.split('FSDP ratio: params + opt_state per device on fsdp8 / dp8 = ')[1].split()[0])
+  assert 0 < ratio <= 1 / 7
+
+
+def test_depth_benchmark_smoke_compiles_unrolled_and_scanned_layers():
+  stdout, header, body = smoke('depth.py')
+  assert {'unrolled_total_s', 'unrolled_step_ms'} <= set(header)
+  assert len(body) == 1 and all(n > 0 for n in numbers(body[0]))
+  assert 'unrolled: compile(' in stdout
+
+
+def test_breakdown_benchmark_smoke_attributes_op_time_to_model_code():
+  stdout, header, body = smoke('breakdown.py')
+  assert header == ['part', 'forward_ms', 'backward_ms', 'total_ms', 'share']
+  parts = {row[0] for row in body}
+  assert {'Transformer._logits', 'cross_entropy', 'GatedMLP.__call__', 'optimizer (optax)'} <= parts
+  assert abs(sum(float(row[4].rstrip('%')) for row in body) - 100) < 1

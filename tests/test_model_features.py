@@ -1,0 +1,286 @@
+"""Performance options compute what the reference model computes, on several meshes.
+
+remat, scanned layers, dot-product attention and the overlapped MLP each give the loss and the
+gradients of the default model with the same parameters; scanned and unrolled checkpoints
+restore into each other.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import load_config, mesh_devices, quiet
+
+from mintrain import checkpoint as ckpt_lib
+from mintrain import memory, train_loop, train_state
+from mintrain.config import ConfigError
+from mintrain.data.batches import make_batches
+from mintrain.mesh import make_mesh
+from mintrain.models import collective_matmul
+from mintrain.optimizer import decay_mask
+from mintrain.partitioning import AxisRules
+from mintrain.report import format_report
+from mintrain.train_step import loss_fn
+
+SMALL = ('model.vocab_size=128', 'model.embed_dim=64', 'model.mlp_dim=128', 'data.source=synthetic',
+         'train.global_batch_size=8', 'train.seq_len=32', 'train.log_every=1', 'optimizer.warmup_steps=1')
+MESHES = {'2x4': ('dp4_tp2', 'mesh.data=2', 'mesh.model=4')}  # A model=4 mesh no config file names.
+
+
+def small(name, *overrides):
+  base, *mesh = MESHES.get(name, (name,))
+  return load_config(base, *SMALL, *mesh, *overrides)
+
+
+def flat(tree) -> dict:
+  return {train_state.path_str(path): x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def host(tree) -> dict:
+  """A state's arrays on the host by path, with stacked blocks split into layers."""
+  return ckpt_lib.convert_layers({k: np.asarray(v) for k, v in flat(jax.device_get(tree)).items()},
+                                 to_scanned=False)
+
+
+def assert_close(actual: dict, expected: dict, **tolerance):
+  assert actual.keys() == expected.keys()
+  for path in expected:
+    np.testing.assert_allclose(actual[path], expected[path], err_msg=path, **tolerance)
+
+
+@pytest.fixture(scope='module')
+def host_params():
+  """Parameters of the unrolled model drawn once; every case moves them to its mesh and layout."""
+  config = small('single')
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  with jax.set_mesh(mesh):
+    return host(setup.init().params)
+
+
+def loss_and_grads(host_params, name, *overrides):
+  """(loss, host gradients by unrolled path) of the first synthetic batch, on `name`'s mesh."""
+  config = small(name, *overrides)
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  rules = AxisRules.from_config(config.partitioning)
+  setup = train_state.setup(config, rules, mesh)
+  params = ckpt_lib.fill(setup.abstract_state.params,
+                         ckpt_lib.convert_layers(host_params, to_scanned=config.model.scan_layers))
+
+  @jax.jit
+  def step(params, batch):
+    micro = jax.tree.map(lambda x: x[0], batch)
+    return jax.value_and_grad(loss_fn)(params, setup.graphdef, micro, None)
+
+  with jax.set_mesh(mesh):
+    loss, grads = step(params, next(make_batches(config, mesh, rules)))
+  return float(loss), host(grads)
+
+
+@pytest.fixture(scope='module')
+def reference(host_params):
+  return loss_and_grads(host_params, 'single')
+
+
+def check_matches_reference(host_params, reference, name, *overrides):
+  loss, grads = loss_and_grads(host_params, name, *overrides)
+  np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
+  assert_close(grads, reference[1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('remat,name', [('full', 'single'), ('full', 'fsdp4_tp2'),
+                                        ('save_matmuls', 'single'), ('save_matmuls', 'dp4_tp2')])
+def test_remat_gives_the_reference_loss_and_gradients(host_params, reference, remat, name):
+  check_matches_reference(host_params, reference, name, f'model.remat={remat}')
+
+
+@pytest.mark.parametrize('name', ['single', 'fsdp4_tp2'])
+def test_scanned_layers_give_the_reference_loss_and_gradients(host_params, reference, name):
+  check_matches_reference(host_params, reference, name, 'model.scan_layers=True')
+
+
+@pytest.mark.parametrize('name', ['single', 'fsdp4_tp2'])
+def test_dot_product_attention_gives_the_reference_loss_and_gradients(host_params, reference, name):
+  check_matches_reference(host_params, reference, name, 'model.attention=dot_product')
+
+
+@pytest.mark.parametrize('name', ['dp4_tp2', '2x4', 'tp8'])  # Rings of 2, 4 and 8 devices.
+def test_overlapped_mlp_gives_the_reference_loss_and_gradients(host_params, reference, name):
+  check_matches_reference(host_params, reference, name, 'model.mlp_overlap=True')
+
+
+def _mlp_on_ring(n, seq_len):
+  """(overlapped, plain) forward and input gradient of the gated MLP on a mesh with `model` = n."""
+  config = load_config('dp4_tp2', 'mesh.data=1', f'mesh.model={n}')
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  rules = AxisRules.from_config(config.partitioning)
+  bld, rng = ('batch', 'length', 'embed'), np.random.RandomState(n)
+  arrays = [(rng.randn(2, seq_len, 16), bld), (rng.randn(16, 8 * n) / 4, ('embed', 'mlp')),
+            (rng.randn(16, 8 * n) / 4, ('embed', 'mlp')), (rng.randn(8 * n, 16) / 4, ('mlp', 'embed'))]
+  cotangent_BLD = rng.randn(2, seq_len, 16).astype(np.float32)
+
+  def plain(x_BLD, w_gate_DF, w_up_DF, w_down_FD):
+    h_BLF = jax.nn.silu(x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)
+    return jnp.einsum('BLF,FD->BLD', h_BLF, w_down_FD, out_sharding=rules.activation_spec(bld))
+
+  def ring(*args):
+    return rules.reshard(collective_matmul.gated_mlp(*args, rules), bld)
+
+  results = []
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(a.astype(np.float32), rules.activation_spec(axes)) for a, axes in arrays]
+    for fn in (ring, plain):
+      value_and_grad = jax.value_and_grad(lambda *a, fn=fn: jnp.sum(fn(*a) * cotangent_BLD), (0, 1, 3))
+      results.append((jax.jit(value_and_grad)(*args), jax.jit(fn).lower(*args).compile().as_text()))
+  return results
+
+
+@pytest.mark.parametrize('n,seq_len', [(8, 24), (4, 8)])  # Chunks of 3 (one-way ring) and of 2 (both ways).
+def test_ring_mlp_equals_the_plain_mlp_and_its_forward_talks_by_collective_permutes(n, seq_len):
+  ((ring_value, ring_grads), ring_hlo), ((plain_value, plain_grads), _) = _mlp_on_ring(n, seq_len)
+  np.testing.assert_allclose(ring_value, plain_value, rtol=1e-5)
+  for got, want in zip(ring_grads, plain_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert 'collective-permute' in ring_hlo and 'all-gather' in ring_hlo  # The ring, then the output's gather.
+  assert 'all-reduce' not in ring_hlo and 'reduce-scatter' not in ring_hlo
+
+
+def test_overlap_with_a_sequence_the_ring_does_not_divide_names_the_fix(host_params):
+  with pytest.raises(ValueError, match=r'sequence \(length 30\) into 8 chunks over `model`; 30 % 8 != 0'):
+    loss_and_grads(host_params, 'tp8', 'model.mlp_overlap=True', 'train.seq_len=30')
+
+
+def test_stacked_params_declare_the_layers_axis_first_and_the_report_shows_it():
+  config = small('fsdp4_tp2', 'model.scan_layers=True')
+  mesh = make_mesh(config.mesh)
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  infos = {info.path: info for info in setup.layout}
+  assert not any(path.startswith('blocks.0.') for path in infos)
+  gate = infos['blocks.mlp.wi_gate_DF']
+  assert gate.shape == (2, 64, 128) and gate.logical_axes == ('layers', 'embed', 'mlp')
+  assert tuple(gate.spec) == (None, 'fsdp', 'model') and gate.shard_shape == (2, 16, 64)
+  assert infos['blocks.attn_norm.scale'].logical_axes == ('layers', 'embed')
+  assert "('layers', 'embed', 'mlp')" in format_report(setup.layout, setup.abstract_state, mesh)
+
+
+def test_stacked_norm_scales_are_not_weight_decayed():
+  masks = {}
+  for scan in (False, True):
+    config = small('single', f'model.scan_layers={scan}')
+    mesh = make_mesh(config.mesh, mesh_devices(config))
+    setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+    masks[scan] = {path.removesuffix('.value'): bool(decays) for path, decays in
+                   flat(decay_mask(setup.abstract_state.params)).items()}
+  assert not masks[True]['blocks.attn_norm.scale'] and masks[True]['blocks.mlp.wo_FD']
+  assert {path: decays for path, decays in masks[False].items() if not path.startswith('blocks.1.')} == {
+      path.replace('blocks.', 'blocks.0.'): decays for path, decays in masks[True].items()}
+
+
+def test_remat_and_scan_take_only_known_values():
+  with pytest.raises(ConfigError, match=r"remat='some'; choose one of \('none', 'full', 'save_matmuls'\)"):
+    load_config('single', 'model.remat=some')
+  with pytest.raises(ConfigError, match=r"model.attention='flash'; choose one of"):
+    load_config('single', 'model.attention=flash')
+  with pytest.raises(ConfigError, match='model.scan_layers expects True or False'):
+    load_config('single', 'model.scan_layers=1')
+
+
+def test_activation_estimate_follows_remat():
+  def activations(remat, layers):
+    config = load_config('dp4_tp2', f'model.remat={remat}', f'model.num_layers={layers}')
+    return memory.activation_bytes(config, AxisRules.from_config(config.partitioning), make_mesh(config.mesh))
+
+  assert activations('full', 4) < activations('save_matmuls', 4) < activations('none', 4)
+  # Under full remat each further layer keeps only its input: batch rows x length x embed values.
+  rows, seq_len, embed_dim = 32 // 4, 64, 128
+  assert activations('full', 4) - activations('full', 2) == 2 * rows * seq_len * embed_dim * 4
+
+
+@pytest.fixture(scope='module')
+def unrolled_run(tmp_path_factory):
+  """A workdir with the checkpoint of a 3-step run of the default model on dp4_tp2, and its result."""
+  workdir = tmp_path_factory.mktemp('unrolled')
+  config = small('dp4_tp2', 'train.steps=3')
+  return workdir, train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=quiet)
+
+
+def test_all_options_together_train_like_the_default_model(unrolled_run):
+  options = ('model.remat=save_matmuls', 'model.scan_layers=True', 'model.attention=dot_product',
+             'model.mlp_overlap=True', 'train.steps=3')
+  config = small('fsdp4_tp2', *options)
+  losses = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet).losses
+  np.testing.assert_allclose(losses, unrolled_run[1].losses, rtol=1e-5)
+
+
+def restore_on(config, path):
+  """The state `train.py --restore_from path` starts from, and the abstract state it must match."""
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  with jax.set_mesh(mesh):
+    state, _ = train_loop.initial_state(config, setup, None, restore_from=str(path), params_only=False,
+                                        print_fn=quiet)
+  return state, setup.abstract_state
+
+
+def restore_tree(config, workdir, params_only=False):
+  """The newest checkpoint's state tree, read straight into the config's model and mesh."""
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  checkpoints = ckpt_lib.Checkpoints(workdir / 'checkpoints', read_only=True)
+  with jax.set_mesh(mesh):
+    tree, _, _ = checkpoints.restore(checkpoints.steps()[-1], setup.abstract_state, params_only=params_only)
+  return tree
+
+
+def assert_same_state(actual, expected):
+  for part in ('params', 'opt_state'):
+    a, b = host(getattr(actual, part)), host(getattr(expected, part))
+    assert a.keys() == b.keys()
+    for path in b:
+      np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+  assert int(actual.step) == int(expected.step)
+
+
+def test_an_unrolled_checkpoint_restores_into_a_scanned_model_and_back(unrolled_run, tmp_path):
+  workdir, saved = unrolled_run[0], unrolled_run[1].state
+  scanned, abstract = restore_on(small('fsdp4_tp2', 'model.scan_layers=True'), workdir)
+  assert scanned.params['blocks']['mlp']['wo_FD'][...].shape == (2, 128, 64)
+  assert scanned.opt_state[1][0].mu['blocks']['mlp']['wo_FD'][...].shape == (2, 128, 64)
+  for restored, wanted in zip(jax.tree.leaves(scanned), jax.tree.leaves(abstract)):
+    assert restored.sharding == wanted.sharding  # Stacked in the scanned model's own layout.
+  assert_same_state(scanned, saved)
+
+  checkpoints = ckpt_lib.Checkpoints(tmp_path / 'checkpoints')  # Saved in the scanned layout ...
+  checkpoints.save(3, scanned, data_state={}, metadata={})
+  checkpoints.wait()
+  checkpoints.close()
+  assert 'params.blocks.mlp.wo_FD.value' in ckpt_lib.Checkpoints(tmp_path / 'checkpoints').array_metadata(3)
+  unrolled = restore_tree(small('single'), tmp_path)  # ... and restored unrolled.
+  assert_same_state(train_state.TrainState(**unrolled), saved)
+
+
+def test_params_only_restore_converts_the_layout_too(unrolled_run):
+  workdir, saved = unrolled_run[0], unrolled_run[1].state
+  tree = restore_tree(small('tp8', 'model.scan_layers=True'), workdir, params_only=True)
+  assert set(tree) == {'params'}
+  a, b = host(tree['params']), host(saved.params)
+  assert a.keys() == b.keys()
+  for path in b:
+    np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+
+
+def test_a_checkpoint_with_fewer_layers_is_an_error_naming_the_missing_ones(unrolled_run):
+  workdir = unrolled_run[0]
+  with pytest.raises(ckpt_lib.CheckpointError, match=r'params.blocks.2.attn.wk_DHK.value: not in the check'):
+    restore_tree(small('single', 'model.scan_layers=True', 'model.num_layers=3'), workdir)
+
+
+@pytest.mark.slow
+def test_training_continues_identically_after_restoring_into_the_other_layout(unrolled_run, tmp_path):
+  workdir = unrolled_run[0]
+  losses = {}
+  for scan in (False, True):
+    config = small('dp4_tp2', 'train.steps=5', f'model.scan_layers={scan}')
+    losses[scan] = train_loop.run(config, tmp_path / str(scan), devices=mesh_devices(config),
+                                  restore_from=str(workdir), print_fn=quiet).losses
+  np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
