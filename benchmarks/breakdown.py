@@ -109,10 +109,7 @@ def trace_events(directory: pathlib.Path) -> list[dict]:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument('--config', type=pathlib.Path, default=None,
-                      help='config file (default: configs/bench_tiny.py)')
-  parser.add_argument('--override', action='append', default=[], metavar='KEY=VALUE',
-                      help='config override; repeatable')
+  harness.config_arguments(parser)
   parser.add_argument('--smoke', action='store_true', help='tiny model (a few seconds)')
   args = parser.parse_args()
 

@@ -10,6 +10,7 @@ Config keys that not every checkout has yet (`model.scan_layers`, `model.remat`,
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import pathlib
@@ -34,6 +35,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
 BENCH_TINY = REPO / 'configs' / 'bench_tiny.py'  # The issue's model for step time and overhead.
 FALLBACK = REPO / 'configs' / 'dp4_tp2.py'
+
+
+def config_arguments(parser: argparse.ArgumentParser, override_help: str = 'config override; repeatable'):
+  """The --config / --override pair every model benchmark takes."""
+  parser.add_argument('--config', type=pathlib.Path, default=None,
+                      help='config file (default: configs/bench_tiny.py)')
+  parser.add_argument('--override', action='append', default=[], metavar='KEY=VALUE', help=override_help)
 
 
 def start_devices() -> list[jax.Device]:

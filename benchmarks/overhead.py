@@ -170,10 +170,7 @@ def copy_params(mintrain_params, hp: dict, mesh: jax.sharding.Mesh) -> dict:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument('--config', type=pathlib.Path, default=None,
-                      help='config file (default: configs/bench_tiny.py)')
-  parser.add_argument('--override', action='append', default=[], metavar='KEY=VALUE',
-                      help='config override; repeatable')
+  harness.config_arguments(parser)
   parser.add_argument('--steps', type=int, default=5, help='timed steps of each')
   parser.add_argument('--warmup', type=int, default=1, help='untimed steps of each after compiling')
   parser.add_argument('--smoke', action='store_true', help='tiny model, one step (a few seconds)')

@@ -59,10 +59,7 @@ def calibrator(dtype: str, size: int, seconds: float, device) -> tuple[list[floa
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument('--config', type=pathlib.Path, default=None,
-                      help='config file (default: configs/bench_tiny.py)')
-  parser.add_argument('--override', action='append', default=[], metavar='KEY=VALUE',
-                      help='config override applied to every variant; repeatable')
+  harness.config_arguments(parser, 'config override applied to every variant; repeatable')
   parser.add_argument('--only', nargs='+', choices=sorted(VARIANTS), default=None, help='variants to run')
   parser.add_argument('--steps', type=int, default=4, help='timed steps per variant')
   parser.add_argument('--warmup', type=int, default=1, help='untimed steps after compiling')
