@@ -172,7 +172,7 @@ def describe_config(path: pathlib.Path, overrides: Sequence[str]) -> str:
 
 
 def describe_mesh(mesh: Mesh) -> str:
-  return 'x'.join(str(s) for s in mesh.shape.values()) + ' (' + mesh_lib.describe(mesh) + ')'
+  return 'x'.join(str(s) for s in mesh.shape.values()) + ' (' + mesh_lib.describe(mesh.shape) + ')'
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

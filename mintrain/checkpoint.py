@@ -66,18 +66,6 @@ def _leaves(tree: Any) -> dict[str, Any]:
   return {path_str(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _nest(flat: Mapping[str, Any]) -> dict:
-  """{'a.b.c': x} -> {'a': {'b': {'c': x}}}: a partial restore target in the saved key layout."""
-  root: dict = {}
-  for path, leaf in flat.items():
-    *parents, last = path.split('.')
-    node = root
-    for key in parents:
-      node = node.setdefault(key, {})
-    node[last] = leaf
-  return root
-
-
 def find_run_checkpoints(path: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
   """(checkpoints directory, step or None for the newest) for a run, checkpoints or step directory."""
   path = pathlib.Path(path).absolute()
@@ -174,10 +162,11 @@ class Checkpoints:
                                    'no state metadata.')
     return tree.tree if hasattr(tree, 'tree') else tree
 
-  def check_shapes(self, step: int, target: Any) -> None:
-    """Raises listing every parameter whose saved shape or presence differs from the target's."""
-    saved = self.array_metadata(step)
-    expected = _leaves(target)
+  def check_shapes(self, step: int, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """Raises listing every array whose saved shape or presence differs from the target's.
+
+    Both sides are flat {path: array or metadata}, `saved` as `array_metadata(step)` gives it.
+    """
     problems = {}
     for path, x in expected.items():
       if path not in saved:
@@ -207,16 +196,17 @@ class Checkpoints:
     if params_only:
       target = {'params': target['params']}
     saved_tree = self._metadata_tree(step)
-    saved = layers_layout(_leaves(saved_tree))
-    convert = saved is not None and layers_layout(_leaves(target)) not in (None, saved)
+    saved_arrays, target_arrays = _leaves(saved_tree), _leaves(target)
+    saved = layers_layout(saved_arrays)
+    convert = saved is not None and layers_layout(target_arrays) not in (None, saved)
     source = target
     if convert:  # Read the checkpoint in its own layout (and containers), then convert.
-      flat = convert_layers(_leaves(target), saved == 'scanned')
-      self.check_shapes(step, _nest(flat))
+      flat = convert_layers(target_arrays, saved == 'scanned')
+      self.check_shapes(step, saved_arrays, flat)
       source = jax.tree_util.tree_map_with_path(lambda path, _: flat[path_str(path)],
                                                 {key: saved_tree[key] for key in target})
     else:
-      self.check_shapes(step, target)
+      self.check_shapes(step, saved_arrays, target_arrays)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           state=_restore_args(source, partial=params_only or convert),

@@ -28,12 +28,17 @@ def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_collecti
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
+  apply_overrides(config, overrides)
+  return config
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
+  """Sets each `key.path=value` override."""
   for item in overrides:
     key, sep, value = item.partition('=')
     if not sep:
       raise ConfigError(f'Override {item!r} must look like key.path=value.')
     set_value(config, key, value)
-  return config
 
 
 def set_value(config: ml_collections.ConfigDict, key: str, value: str) -> None:

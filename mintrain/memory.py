@@ -14,7 +14,6 @@ the benchmarks print it.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import ml_collections
@@ -22,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mintrain.config import micro_batch_size
-from mintrain.partitioning import AxisRules, spec_axes
+from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState, state_bytes_per_device
 
 
@@ -43,23 +42,17 @@ class MemoryPlan:
     return self.device_limit is None or self.total <= self.device_limit
 
 
-def _ways(rules: AxisRules, name: str, mesh: Mesh) -> int:
-  """How many ways the activation spec splits the logical axis `name`."""
-  entry = rules.activation_spec((name,))[0]
-  return math.prod(mesh.shape[a] for a in spec_axes(entry))
-
-
 def activation_bytes(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) -> int:
   """Estimated activations kept for the backward pass of one micro-batch, per device."""
   m = config.model
   c = np.dtype(m.compute_dtype).itemsize
-  rows = micro_batch_size(config) // _ways(rules, 'batch', mesh)
+  rows = micro_batch_size(config) // rules.ways('batch', mesh.shape)
   if m.name == 'mlp':
     widths = (m.input_dim, *m.hidden_dims, m.num_classes)
     return rows * sum(2 * w * c for w in widths)  # Each layer's input and its pre-activation.
   seq, d = config.train.seq_len, m.embed_dim
-  heads = m.num_heads / _ways(rules, 'heads', mesh)
-  mlp = m.mlp_dim / _ways(rules, 'mlp', mesh)
+  heads = m.num_heads / rules.ways('heads', mesh.shape)
+  mlp = m.mlp_dim / rules.ways('mlp', mesh.shape)
   per_token_layer = (c * (4 * d + 4 * heads * m.head_dim + 3 * mlp)  # Norms, q/k/v/out, gate/up/product.
                      + heads * seq * (4 + c))  # Attention scores (float32) and probabilities.
   remat = m.get('remat', 'none')
@@ -69,7 +62,7 @@ def activation_bytes(config: ml_collections.ConfigDict, rules: AxisRules, mesh: 
     # Input; plus, when saving matmuls, q/k/v, the attention projection, gate, up and down outputs.
     kept = c * d if remat == 'full' else c * (3 * d + 3 * heads * m.head_dim + 2 * mlp)
     layers = m.num_layers * kept + per_token_layer  # One layer's activations, recomputed for its backward.
-  logits = 2 * 4 * m.vocab_size / _ways(rules, 'vocab', mesh)  # Float32 logits and their softmax.
+  logits = 2 * 4 * m.vocab_size / rules.ways('vocab', mesh.shape)  # Float32 logits and their softmax.
   return int(rows * seq * (layers + logits + c * d))
 
 

@@ -87,10 +87,11 @@ def make_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = N
   mesh = jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * len(AXES), devices=devices)
   for group in mesh.devices.reshape(-1, shape[-1]):
     if len({d.process_index for d in group}) > 1:
-      raise MeshError(f'Mesh ({describe(mesh)}) puts one `model` group on several processes; make '
+      raise MeshError(f'Mesh ({describe(mesh.shape)}) puts one `model` group on several processes; make '
                       f'mesh.model divide the {jax.local_device_count()} devices of each process.')
   return mesh
 
 
-def describe(mesh: Mesh) -> str:
-  return ' x '.join(f'{name}={size}' for name, size in mesh.shape.items())
+def describe(shape: Mapping[str, int]) -> str:
+  """`data=4 x fsdp=1 x model=2` for a mesh's `shape`, or the sizes a checkpoint saved."""
+  return ' x '.join(f'{name}={size}' for name, size in shape.items())

@@ -116,6 +116,10 @@ class AxisRules:
     """Storage layout of a parameter."""
     return resolve(logical_axes, self.param_rules + self.rules, what=what)
 
+  def ways(self, name: str, mesh_shape: Mapping[str, int]) -> int:
+    """How many devices activations are split over along the logical axis `name`."""
+    return math.prod(mesh_shape[a] for a in _as_tuple(self.activation_spec((name,))[0]))
+
   def reshard(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Move `x` to the layout of its logical axes (a no-op when already there)."""
     return jax.sharding.reshard(x, self.activation_spec(logical_axes))

@@ -6,6 +6,7 @@ import math
 
 from jax.sharding import Mesh
 
+from mintrain import mesh as mesh_lib
 from mintrain import partitioning
 from mintrain.memory import MemoryPlan
 from mintrain.train_state import ParamInfo, TrainState, state_bytes_per_device
@@ -39,9 +40,8 @@ def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mes
   n_params = sum(math.prod(p.shape) for p in layout)
   param_bytes = sum(p.bytes_per_device for p in layout)
   opt_bytes = state_bytes_per_device(abstract_state.opt_state)
-  mesh_desc = ' x '.join(f'{k}={v}' for k, v in mesh.shape.items())
   lines += ['',
-            f'mesh {mesh_desc} ({mesh.size} devices), {n_params:,} parameters',
+            f'mesh {mesh_lib.describe(mesh.shape)} ({mesh.size} devices), {n_params:,} parameters',
             f'per device: parameters {fmt_bytes(param_bytes)}, optimizer state {fmt_bytes(opt_bytes)}, '
             f'total {fmt_bytes(param_bytes + opt_bytes)}']
   if plan is not None:

@@ -138,7 +138,7 @@ def evaluate(eval_step, params, batches: GlobalBatches, start_state: dict, steps
 
 
 def _mesh_str(meta: dict) -> str:
-  return ' x '.join(f'{k}={v}' for k, v in meta.get('mesh', {}).items()) or 'unknown'
+  return mesh_lib.describe(meta.get('mesh', {})) or 'unknown'
 
 
 class Timer:
@@ -217,7 +217,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, *
       records.append({'step': step, **scalars})
       writer.write_scalars(step, scalars)
 
-    if config.data.source != 'synthetic':
+    if config.data.source != 'synthetic' and is_main:  # A full pass over the eval split: once.
       log(first_step, {'unigram_bits_per_byte': pipeline.unigram_bits_per_byte(config.data)})
 
     train_step = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, total),

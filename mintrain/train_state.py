@@ -66,9 +66,8 @@ def param_layout(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh
   Abstract evaluation only: no parameter is allocated.
   """
   rules.check_mesh_axes(mesh.axis_names)
-  batch_spec = rules.activation_spec(('batch',))
-  batch_axes = partitioning.spec_axes(batch_spec[0])
-  check_batch_divisible(config, math.prod(mesh.shape[a] for a in batch_axes),
+  batch_axes = partitioning.spec_axes(rules.activation_spec(('batch',))[0])
+  check_batch_divisible(config, rules.ways('batch', mesh.shape),
                         ' x '.join(f'`{a}`' for a in batch_axes) or 'no mesh axes')
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
     abstract = nnx.eval_shape(lambda: make_model(config.model, rules, config.seed))

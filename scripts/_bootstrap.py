@@ -26,11 +26,16 @@ from mintrain import distributed  # noqa: E402
 from mintrain import mesh as mesh_lib  # noqa: E402
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+  """(`key.path=value` overrides given as `--config.key.path=value`, the other arguments)."""
+  prefix = '--config.'
+  overrides = [a[len(prefix):] for a in argv if a.startswith(prefix)]
+  return overrides, [a for a in argv if not a.startswith(prefix)]
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None):
   """Parses `--config FILE` plus `--config.key.path=value` overrides; exits 2 on a bad config."""
-  argv = sys.argv[1:] if argv is None else argv
-  overrides = [a[len('--config.'):] for a in argv if a.startswith('--config.')]
-  rest = [a for a in argv if not a.startswith('--config.')]
+  overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
   try:
     config = config_lib.load(args.config, overrides)

@@ -22,6 +22,7 @@ def main() -> int:
 
   _bootstrap.quiet_libraries()
   from mintrain import checkpoint as ckpt_lib
+  from mintrain import mesh as mesh_lib
   try:
     directory, step = ckpt_lib.find_run_checkpoints(args.path)
     checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
@@ -37,8 +38,8 @@ def main() -> int:
 
   print(f'{directory}: steps {", ".join(map(str, steps))}')
   print(f'\nstep {step} ({checkpoints.step_dir(step)})')
-  mesh = ' x '.join(f'{k}={v}' for k, v in meta.get('mesh', {}).items())
-  print(f"saved on mesh {mesh} by {meta.get('process_count', '?')} process(es); versions: "
+  print(f"saved on mesh {mesh_lib.describe(meta.get('mesh', {}))} by {meta.get('process_count', '?')} "
+        'process(es); versions: '
         + ', '.join(f'{k} {v}' for k, v in meta.get('versions', {}).items()))
   print(ckpt_lib.summarize_config(meta.get('config', {})))
   rows = [('array', 'shape', 'dtype', 'saved sharding')]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import sys
 
 import _bootstrap
@@ -23,18 +22,6 @@ import ml_collections
 import numpy as np
 
 from mintrain import config as config_lib
-
-OVERRIDE = '--config.'
-
-
-def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str], prefix: str = '') -> None:
-  """Sets each `key.path=value` override whose key starts with `prefix`."""
-  for item in overrides:
-    key, sep, value = item.partition('=')
-    if not sep:
-      raise config_lib.ConfigError(f'Override {item!r} must look like key.path=value.')
-    if key.startswith(prefix):
-      config_lib.set_value(config, key, value)
 
 
 def layout_config(config_file: str | None, overrides: list[str]) -> ml_collections.ConfigDict:
@@ -44,7 +31,7 @@ def layout_config(config_file: str | None, overrides: list[str]) -> ml_collectio
     layout = ml_collections.ConfigDict({'mesh': given.mesh, 'partitioning': given.partitioning})
   else:
     layout = ml_collections.ConfigDict({'mesh': {'data': 1, 'fsdp': 1, 'model': 1}})
-  apply_overrides(layout, overrides, prefix='mesh.')
+  config_lib.apply_overrides(layout, [o for o in overrides if o.startswith('mesh.')])
   return layout
 
 
@@ -55,7 +42,7 @@ def sampling_config(saved: dict, layout: ml_collections.ConfigDict, overrides: l
   config.mesh = layout.mesh
   if 'partitioning' in layout:
     config.partitioning = layout.partitioning
-  apply_overrides(config, overrides)
+  config_lib.apply_overrides(config, overrides)
   config.train.global_batch_size, config.train.grad_accum_steps = num_samples, 1
   config_lib.validate(config)
   if config.model.name != 'transformer':
@@ -75,9 +62,8 @@ def main() -> int:
   parser.add_argument('--num_samples', type=int, default=1, help='continuations of the prompt, as one batch')
   parser.add_argument('--config', default=None,
                       help='config file whose mesh and partitioning rules to sample on (default: one device)')
-  argv = sys.argv[1:]
-  overrides = [a[len(OVERRIDE):] for a in argv if a.startswith(OVERRIDE)]
-  args = parser.parse_args([a for a in argv if not a.startswith(OVERRIDE)])
+  overrides, rest = _bootstrap.split_overrides(sys.argv[1:])
+  args = parser.parse_args(rest)
   for name in ('max_new_tokens', 'num_samples'):
     if getattr(args, name) < 1:
       parser.error(f'--{name} must be at least 1')
@@ -95,7 +81,7 @@ def main() -> int:
 
   from mintrain import checkpoint as ckpt_lib
   from mintrain import mesh as mesh_lib
-  from mintrain import partitioning, sampling, train_state
+  from mintrain import sampling, train_state
   from mintrain.data import tokenizer
   from mintrain.partitioning import AxisRules, PartitioningError
 
@@ -109,8 +95,7 @@ def main() -> int:
     config = sampling_config(checkpoints.metadata(step)['config'], layout, overrides, args.num_samples)
     mesh = mesh_lib.make_mesh(config.mesh, devices)
     rules = AxisRules.from_config(config.partitioning)
-    batch_axes = partitioning.spec_axes(rules.activation_spec(('batch',))[0])
-    batch_ways = math.prod(mesh.shape[a] for a in batch_axes)
+    batch_ways = rules.ways('batch', mesh.shape)
     if args.num_samples % batch_ways:
       note(f'note: {args.num_samples} sample(s) do not split over the {batch_ways} devices that `batch` maps '
            'to; replicating the batch instead.')
@@ -137,7 +122,7 @@ def main() -> int:
          'was trained on; expect the text to degrade past that.')
   how = ('greedy' if args.temperature == 0 else
          f'temperature {args.temperature}, top-k {args.top_k or "off"}, seed {args.seed}')
-  note(f'Sampling step {step} of {directory} on mesh {mesh_lib.describe(mesh)}: {args.max_new_tokens} '
+  note(f'Sampling step {step} of {directory} on mesh {mesh_lib.describe(mesh.shape)}: {args.max_new_tokens} '
        f'tokens, {how}.')
 
   with jax.set_mesh(mesh):

@@ -23,8 +23,6 @@ import numpy as np
 from mintrain.data import sources, tokenizer
 from mintrain.data.sources import DataError
 
-DEFAULTS = {'num_threads': 1, 'prefetch': 4}
-
 
 class PackedSequences:
   """Random access to the int32 (seq_len + 1,) windows of token streams; a Grain data source.
@@ -53,10 +51,6 @@ def split_inputs_targets(windows_BL: np.ndarray) -> dict[str, np.ndarray]:
           'targets': np.ascontiguousarray(windows_BL[:, 1:])}
 
 
-def _option(data_cfg: Mapping[str, Any], key: str) -> Any:
-  return data_cfg[key] if key in data_cfg else DEFAULTS[key]
-
-
 def _check_layout(seq_len: int, global_batch_size: int, process_index: int, process_count: int) -> None:
   if not isinstance(seq_len, int) or seq_len < 1:
     raise DataError(f'train.seq_len={seq_len!r} must be a positive integer.')
@@ -80,7 +74,7 @@ def make_dataset(data_cfg: Mapping[str, Any], *, split: str, seq_len: int, globa
     raise DataError(f'The {split} split of {sources.describe(data_cfg)} has {max(len(s) for s in streams)} '
                     f'tokens in its longest stream, fewer than train.seq_len + 1 = {seq_len + 1}; '
                     f'lower train.seq_len or add data.')
-  threads, prefetch = _option(data_cfg, 'num_threads'), _option(data_cfg, 'prefetch')
+  threads, prefetch = sources.option(data_cfg, 'num_threads'), sources.option(data_cfg, 'prefetch')
   if not isinstance(threads, int) or not isinstance(prefetch, int) or threads < 0 or prefetch < 0:
     raise DataError(f'data.num_threads={threads!r} and data.prefetch={prefetch!r} must be integers >= 0.')
   ds = grain.MapDataset.source(windows)
