@@ -44,6 +44,8 @@ VARIANTS = {
     'remat=full': ('model.remat=full',),
     'remat=save_matmuls': ('model.remat=save_matmuls',),
     'mlp_overlap': ('model.mlp_overlap=True',),
+    'loss_chunks=1': ('model.loss_chunks=1',),
+    'loss_chunks=4': ('model.loss_chunks=4',),
 }
 SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
          'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')

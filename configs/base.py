@@ -48,6 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = False  # Stack layer params on a leading `layers` axis and run the blocks in a scan.
   c.model.attention = 'einsum'  # 'einsum' (reference) or 'dot_product' (jax.nn.dot_product_attention).
   c.model.mlp_overlap = False  # Overlap the MLP's tensor-parallel collectives with chunked matmuls (a ring).
+  c.model.loss_chunks = 0  # 0: logits, then cross-entropy. N: output layer and loss fused, N sequence chunks.
 
   c.data = ml_collections.ConfigDict()
   # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
+from mintrain import host_allocator
+
 AXES = ('data', 'fsdp', 'model')
 
 
@@ -46,10 +48,12 @@ def devices_needed(sizes: Mapping[str, int], default: int = 8) -> int:
 
 
 def simulate_cpu_devices(count: int) -> None:
-  """Asks XLA for `count` host (CPU) devices. Must run before the JAX backend starts."""
+  """Asks XLA for `count` host (CPU) devices, and sets the host allocator up for XLA:CPU
+  (`host_allocator`). Must run before the JAX backend starts."""
   from jax._src import xla_bridge
   if xla_bridge.backends_are_initialized():
     return
+  host_allocator.keep_freed_memory()
   flags = os.environ.get('XLA_FLAGS', '')
   if '--xla_force_host_platform_device_count' not in flags:
     os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={count}'.strip()

@@ -20,18 +20,10 @@ from mintrain.train_state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean token cross-entropy in float32; the vocab axis may be sharded."""
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
-  return jnp.mean(log_z - jnp.sum(logits * one_hot, axis=-1))
-
-
 def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch,
             dropout_key: jax.Array | None) -> jax.Array:
   model = nnx.merge(graphdef, params)
-  return cross_entropy(model(batch['inputs'], dropout_key=dropout_key), batch['targets'])
+  return model.loss(batch['inputs'], batch['targets'], dropout_key=dropout_key)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,

@@ -6,6 +6,10 @@ os.environ['JAX_PLATFORMS'] = 'cpu'
 _FLAGS = os.environ.get('XLA_FLAGS', '')
 os.environ['XLA_FLAGS'] = f'{_FLAGS} --xla_force_host_platform_device_count=8'.strip()
 
+from mintrain import host_allocator  # noqa: E402
+
+host_allocator.keep_freed_memory()  # As the scripts do (mesh.simulate_cpu_devices).
+
 import pathlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402

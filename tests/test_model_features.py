@@ -109,6 +109,19 @@ def test_overlapped_mlp_gives_the_reference_loss_and_gradients(host_params, refe
   check_matches_reference(host_params, reference, name, 'model.mlp_overlap=True')
 
 
+@pytest.mark.parametrize('name,chunks', [('single', 1), ('dp4_tp2', 4), ('fsdp4_tp2', 2), ('tp8', 8)])
+def test_fused_loss_gives_the_reference_loss_and_gradients(host_params, reference, name, chunks):
+  check_matches_reference(host_params, reference, name, f'model.loss_chunks={chunks}')
+
+
+def test_fused_loss_with_tied_embeddings_matches_on_two_meshes(host_params):
+  tied = loss_and_grads(host_params, 'single', 'model.tie_embeddings=True')
+  for name in ('single', 'dp4_tp2'):
+    loss, grads = loss_and_grads(host_params, name, 'model.tie_embeddings=True', 'model.loss_chunks=2')
+    np.testing.assert_allclose(loss, tied[0], rtol=1e-5)
+    assert_close(grads, tied[1], rtol=1e-4, atol=1e-6)
+
+
 def _mlp_on_ring(n, seq_len):
   """(overlapped, plain) forward and input gradient of the gated MLP on a mesh with `model` = n."""
   config = load_config('dp4_tp2', 'mesh.data=1', f'mesh.model={n}')

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mintrain.loss import cross_entropy
 from mintrain.models.layers import dropout, gather, param
 from mintrain.partitioning import AxisRules
 
@@ -60,3 +61,8 @@ class MLP(nnx.Module):
         key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None
         x = dropout(jax.nn.relu(x), self.cfg.dropout_rate, key)
     return x.astype(jnp.float32)
+
+  def loss(self, inputs_BD: jax.Array, labels_B: jax.Array, *,
+           dropout_key: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy of the class predictions against `labels_B`."""
+    return cross_entropy(self(inputs_BD, dropout_key=dropout_key), labels_B)

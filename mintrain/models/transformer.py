@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mintrain.loss import cross_entropy, fused_cross_entropy
 from mintrain.models import collective_matmul
 from mintrain.models.layers import RMSNorm, dropout, gather, param, split_layers, stack_layers
 from mintrain.partitioning import AxisRules
@@ -66,6 +67,7 @@ class TransformerConfig:
   scan_layers: bool = False
   attention: str = 'einsum'  # One of ATTENTION_OPTIONS.
   mlp_overlap: bool = False
+  loss_chunks: int = 0  # 0: logits then cross-entropy; N: the fused loss over N sequence chunks.
 
 
 def rope(x_BLHK: jax.Array, base: float, positions_L: jax.Array | None = None) -> jax.Array:
@@ -228,6 +230,16 @@ class Transformer(nnx.Module):
     table_VD, x_BLD = self._embed(tokens_BL)
     return self._logits(self._run_blocks(x_BLD, dropout_key), table_VD)
 
+  def loss(self, tokens_BL: jax.Array, targets_BL: jax.Array, *,
+           dropout_key: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy of the next-token predictions against `targets_BL`."""
+    table_VD, x_BLD = self._embed(tokens_BL)
+    x_BLD = self._run_blocks(x_BLD, dropout_key)
+    if not self.cfg.loss_chunks:
+      return cross_entropy(self._logits(x_BLD, table_VD), targets_BL)
+    return fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, self.rules,
+                               self.cfg.loss_chunks)
+
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
              start: jax.Array | int) -> tuple[jax.Array, KVCache]:
     """(logits_BLV, cache) for L new tokens at positions start..start+L-1, no dropout.
@@ -283,10 +295,11 @@ class Transformer(nnx.Module):
     return table_VD, table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD))
 
   def _logits(self, x_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
-    cfg, rules = self.cfg, self.rules
-    x_BLD = self.final_norm(x_BLD)
-    if cfg.tie_embeddings:
-      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, table_VD)
-    else:
-      logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, gather(self.unembed_DV, rules, table_VD.dtype))
-    return rules.reshard(logits_BLV.astype(jnp.float32), ('batch', 'length', 'vocab'))
+    logits_BLV = jnp.einsum('BLD,DV->BLV', self.final_norm(x_BLD), self._unembedding(table_VD))
+    return self.rules.reshard(logits_BLV.astype(jnp.float32), ('batch', 'length', 'vocab'))
+
+  def _unembedding(self, table_VD: jax.Array) -> jax.Array:
+    """The output projection w_DV in its compute layout: the embedding table's transpose when tied."""
+    if self.cfg.tie_embeddings:
+      return table_VD.T
+    return gather(self.unembed_DV, self.rules, table_VD.dtype)

@@ -1,0 +1,102 @@
+"""Token cross-entropy: the reference on logits, and a fused output layer + loss.
+
+The fused form never keeps the (tokens x vocab) logits for the backward pass. For each chunk
+of the sequence it computes the logits, their log-sum-exp, the loss and, when differentiated,
+the logits' gradient `softmax - one_hot` at once, and turns that straight into the gradients
+of the hidden states and of the output weights. It is exact (the same sums in another order).
+Why it is faster: the logits gradient is written once, in the layout both of its matmuls read,
+where autodiff of `logits @ w` wrote it a second time transposed for the weight gradient; no
+one-hot array is built; and a chunk's logits are still in cache when they are read again.
+
+Shape letters: B batch, L length (C within a chunk), D embed, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from mintrain.partitioning import AxisRules
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean token cross-entropy in float32; the vocab axis may be sharded."""
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+  return jnp.mean(log_z - jnp.sum(logits * one_hot, axis=-1))
+
+
+def _target_logits(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array) -> jax.Array:
+  """The logit of each target: its output column dotted with the hidden state (no one-hot)."""
+  w_BCD = w_DV.T.at[targets_BC].get(out_sharding=jax.typeof(x_BCD).sharding)
+  return jnp.sum(x_BCD.astype(jnp.float32) * w_BCD.astype(jnp.float32), axis=-1)
+
+
+def _chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, rules: AxisRules,
+           grads: bool, scale: float) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+  """(summed loss, d loss/d x, d loss/d w) of one chunk; the gradients are of `scale` * the sum."""
+  logits_BCV = rules.reshard(jnp.einsum('BCD,DV->BCV', x_BCD, w_DV, preferred_element_type=jnp.float32),
+                             ('batch', 'length', 'vocab'))
+  max_BC = jnp.max(logits_BCV, axis=-1)
+  log_z_BC = max_BC + jnp.log(jnp.sum(jnp.exp(logits_BCV - max_BC[..., None]), axis=-1))
+  if not grads:
+    return jnp.sum(log_z_BC - _target_logits(x_BCD, w_DV, targets_BC)), None, None
+  target_BC, target_vjp = jax.vjp(lambda x, w: _target_logits(x, w, targets_BC), x_BCD, w_DV)
+  # d(log_z)/d(logits) is the softmax; the targets' own -1 goes back through the gather.
+  dlogits_BCV = (jnp.exp(logits_BCV - log_z_BC[..., None]) * scale).astype(x_BCD.dtype)
+  dx_target_BCD, dw_target_DV = target_vjp(jnp.full_like(target_BC, -scale))
+  dx_BCD = jnp.einsum('BCV,DV->BCD', dlogits_BCV, w_DV, out_sharding=jax.typeof(x_BCD).sharding)
+  dw_DV = jnp.einsum('BCD,BCV->DV', x_BCD, dlogits_BCV, out_sharding=jax.typeof(w_DV).sharding)
+  return jnp.sum(log_z_BC - target_BC), dx_BCD + dx_target_BCD, dw_DV + dw_target_DV
+
+
+def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, rules: AxisRules, chunks: int,
+             grads: bool):
+  """Runs `_chunk` over `chunks` equal slices of the sequence; (mean loss, dx_BLD, dw_DV)."""
+  b, length, d = x_BLD.shape
+  scale = 1.0 / (b * length)
+  if chunks == 1:
+    loss, dx, dw = _chunk(x_BLD, w_DV, targets_BL, rules, grads, scale)
+    return loss * scale, dx, dw
+  c = length // chunks
+  x_NBCD = jnp.moveaxis(x_BLD.reshape(b, chunks, c, d), 1, 0)
+  targets_NBC = jnp.moveaxis(targets_BL.reshape(b, chunks, c), 1, 0)
+
+  def body(carry, xs):
+    loss_sum, dw_sum = carry
+    x_BCD, targets_BC = xs
+    loss, dx, dw = _chunk(x_BCD, w_DV, targets_BC, rules, grads, scale)
+    return (loss_sum + loss, dw_sum + dw if grads else None), dx
+
+  zero_dw = jnp.zeros_like(w_DV) if grads else None
+  (loss, dw), dx_NBCD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zero_dw), (x_NBCD, targets_NBC))
+  dx = rules.reshard(jnp.moveaxis(dx_NBCD, 0, 1).reshape(b, length, d), ('batch', 'length', 'embed')) \
+      if grads else None
+  return loss * scale, dx, dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fused_cross_entropy(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, rules: AxisRules,
+                        chunks: int) -> jax.Array:
+  """Mean cross-entropy of the logits `x_BLD @ w_DV` against `targets_BL`, in float32.
+
+  `chunks` must divide the length. Equals `cross_entropy(x @ w, targets)`.
+  """
+  return _chunked(x_BLD, w_DV, targets_BL, rules, chunks, grads=False)[0]
+
+
+def _fwd(x_BLD, w_DV, targets_BL, rules, chunks):
+  loss, dx, dw = _chunked(x_BLD, w_DV, targets_BL, rules, chunks, grads=True)
+  return loss, (dx, dw, targets_BL)
+
+
+def _bwd(rules, chunks, residuals, g):
+  dx, dw, targets_BL = residuals
+  del rules, chunks
+  return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None
+
+
+fused_cross_entropy.defvjp(_fwd, _bwd)
