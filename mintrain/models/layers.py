@@ -14,6 +14,7 @@ A stack of identical layers can also hold its parameters stacked on a leading
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -44,6 +45,38 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
 def gather(p: nnx.Param, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
   """The parameter in its compute layout and dtype."""
   return rules.reshard(p[...].astype(dtype), p.get_metadata()['out_sharding'])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def linear(subscripts: str, x: jax.Array, w: jax.Array, out_sharding=None) -> jax.Array:
+  """`jnp.einsum(subscripts, x, w)` of activations `x` with a weight `w`.
+
+  Same value and gradients as the einsum; only the weight gradient's operand order differs.
+  Autodiff forms it as `einsum(dy, x)` and XLA:CPU's matmul then copies `dy` transposed (fused
+  with whatever produced `dy`, e.g. SiLU's backward); here the smaller of `x` and `dy` is the
+  one that gets transposed.
+  """
+  return jnp.einsum(subscripts, x, w, out_sharding=out_sharding)
+
+
+def _linear_fwd(subscripts, x, w, out_sharding):
+  return linear(subscripts, x, w, out_sharding), (x, w)
+
+
+def _linear_bwd(subscripts, out_sharding, residuals, dy):
+  x, w = residuals
+  x_axes, rest = subscripts.split(',')
+  w_axes, y_axes = rest.split('->')
+  _, x_vjp = jax.vjp(lambda x: jnp.einsum(subscripts, x, w, out_sharding=out_sharding), x)
+  w_sharding = jax.typeof(w).sharding
+  if x.size <= dy.size:
+    dw = jnp.einsum(f'{x_axes},{y_axes}->{w_axes}', x, dy, out_sharding=w_sharding)
+  else:
+    dw = jnp.einsum(f'{y_axes},{x_axes}->{w_axes}', dy, x, out_sharding=w_sharding)
+  return x_vjp(dy)[0], dw.astype(w.dtype)
+
+
+linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:

@@ -28,7 +28,7 @@ from flax import nnx
 
 from mintrain.loss import cross_entropy, fused_cross_entropy
 from mintrain.models import collective_matmul
-from mintrain.models.layers import RMSNorm, dropout, gather, param, split_layers, stack_layers
+from mintrain.models.layers import RMSNorm, dropout, gather, linear, param, split_layers, stack_layers
 from mintrain.partitioning import AxisRules
 
 BLD = ('batch', 'length', 'embed')
@@ -130,9 +130,9 @@ class Attention(nnx.Module):
   def _qkv(self, x_BLD: jax.Array, positions_L: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries and keys rotated for their positions, and values; all laid out as BLHK."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
-    q_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, gather(self.wq_DHK, rules, dtype))
-    k_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, gather(self.wk_DHK, rules, dtype))
-    v_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, gather(self.wv_DHK, rules, dtype))
+    w_DCHK = jnp.stack([gather(w, rules, dtype) for w in (self.wq_DHK, self.wk_DHK, self.wv_DHK)], axis=1)
+    qkv_BLCHK = linear('BLD,DCHK->BLCHK', x_BLD, w_DCHK)  # C: query, key, value in one matmul.
+    q_BLHK, k_BLHK, v_BLHK = qkv_BLCHK[:, :, 0], qkv_BLCHK[:, :, 1], qkv_BLCHK[:, :, 2]
     q_BLHK = rules.reshard(rope(q_BLHK, cfg.rope_base, positions_L), BLHK)
     k_BLHK = rules.reshard(rope(k_BLHK, cfg.rope_base, positions_L), BLHK)
     return q_BLHK, k_BLHK, rules.reshard(v_BLHK, BLHK)
@@ -152,8 +152,7 @@ class Attention(nnx.Module):
     rules, dtype = self.rules, out_BLHK.dtype
     out_BLHK = rules.reshard(out_BLHK, BLHK)
     # Contracting the sharded heads needs an explicit output layout (a reduce over `model`).
-    return jnp.einsum('BLHK,HKD->BLD', out_BLHK, gather(self.wo_HKD, rules, dtype),
-                      out_sharding=rules.activation_spec(BLD))
+    return linear('BLHK,HKD->BLD', out_BLHK, gather(self.wo_HKD, rules, dtype), rules.activation_spec(BLD))
 
 
 class GatedMLP(nnx.Module):
@@ -179,10 +178,12 @@ class GatedMLP(nnx.Module):
     w_down_FD = gather(self.wo_FD, rules, dtype)
     if overlap and self.overlap and collective_matmul.ring_axes(rules)[1] > 1:
       return rules.reshard(collective_matmul.gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, rules), BLD)
-    gate_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, w_gate_DF)
-    up_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, w_up_DF)
+    # Gate and up as one matmul: one pass over x and a wider, faster product.
+    w_DGF = jnp.stack([w_gate_DF, w_up_DF], axis=1)
+    gate_up_BLGF = linear('BLD,DGF->BLGF', x_BLD, w_DGF)
+    gate_BLF, up_BLF = gate_up_BLGF[:, :, 0], gate_up_BLGF[:, :, 1]
     h_BLF = rules.reshard(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    return jnp.einsum('BLF,FD->BLD', h_BLF, w_down_FD, out_sharding=rules.activation_spec(BLD))
+    return linear('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD))
 
 
 class Block(nnx.Module):
