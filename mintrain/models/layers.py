@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from mintrain.partitioning import AxisRules
 
@@ -47,20 +48,27 @@ def gather(p: nnx.Param, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
   return rules.reshard(p[...].astype(dtype), p.get_metadata()['out_sharding'])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+MATMUL = 'weight_matmul'  # Checkpoint name of `linear`'s outputs, for remat policies.
+
+
 def linear(subscripts: str, x: jax.Array, w: jax.Array, out_sharding=None) -> jax.Array:
-  """`jnp.einsum(subscripts, x, w)` of activations `x` with a weight `w`.
+  """`jnp.einsum(subscripts, x, w)` of activations `x` with a weight `w`, output named `MATMUL`.
 
   Same value and gradients as the einsum; only the weight gradient's operand order differs.
   Autodiff forms it as `einsum(dy, x)` and XLA:CPU's matmul then copies `dy` transposed (fused
   with whatever produced `dy`, e.g. SiLU's backward); here the smaller of `x` and `dy` is the
   one that gets transposed.
   """
+  return checkpoint_name(_linear(subscripts, x, w, out_sharding), MATMUL)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _linear(subscripts: str, x: jax.Array, w: jax.Array, out_sharding) -> jax.Array:
   return jnp.einsum(subscripts, x, w, out_sharding=out_sharding)
 
 
 def _linear_fwd(subscripts, x, w, out_sharding):
-  return linear(subscripts, x, w, out_sharding), (x, w)
+  return _linear(subscripts, x, w, out_sharding), (x, w)
 
 
 def _linear_bwd(subscripts, out_sharding, residuals, dy):
@@ -76,7 +84,7 @@ def _linear_bwd(subscripts, out_sharding, residuals, dy):
   return x_vjp(dy)[0], dw.astype(w.dtype)
 
 
-linear.defvjp(_linear_fwd, _linear_bwd)
+_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:

@@ -28,7 +28,7 @@ from flax import nnx
 
 from mintrain.loss import cross_entropy, fused_cross_entropy
 from mintrain.models import collective_matmul
-from mintrain.models.layers import RMSNorm, dropout, gather, linear, param, split_layers, stack_layers
+from mintrain.models.layers import MATMUL, RMSNorm, dropout, gather, linear, param, split_layers, stack_layers
 from mintrain.partitioning import AxisRules
 
 BLD = ('batch', 'length', 'embed')
@@ -44,7 +44,9 @@ KVCache = list[tuple[jax.Array, jax.Array]]
 # (length x length) size makes them the largest activations.
 REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
-    'save_matmuls': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'save_matmuls': jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # The ring MLP's (mlp_overlap).
+        jax.checkpoint_policies.save_only_these_names(MATMUL)),  # `linear`'s, whose dots remat cannot see.
 }
 REMAT_OPTIONS = ('none', *REMAT_POLICIES)
 ATTENTION_OPTIONS = ('einsum', 'dot_product')
