@@ -40,7 +40,8 @@ from benchmarks import harness  # noqa: E402
 SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
          'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
-HELPERS = ('gather', 'AxisRules.reshard')  # Their time goes to the layer that gathers or reshards.
+# Their time goes to the layer that calls them (gathers, reshards, its weight matmuls).
+HELPERS = ('gather', 'AxisRules.reshard', 'linear', '_linear', '_linear_fwd', '_linear_bwd')
 CONTAINERS = ('while', 'call', 'conditional')  # Their time is that of the ops inside, which are counted.
 INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = .*? ([a-z][a-z-]*)\(.*?metadata=\{([^}]*)\}')
 

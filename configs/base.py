@@ -48,7 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = False  # Stack layer params on a leading `layers` axis and run the blocks in a scan.
   c.model.attention = 'einsum'  # 'einsum' (reference) or 'dot_product' (jax.nn.dot_product_attention).
   c.model.mlp_overlap = False  # Overlap the MLP's tensor-parallel collectives with chunked matmuls (a ring).
-  c.model.loss_chunks = 0  # 0: logits, then cross-entropy. N: output layer and loss fused, N sequence chunks.
+  # Output layer and loss fused, never keeping the (tokens x vocab) logits, over N sequence chunks
+  # (more chunks, less memory); 0: logits, then cross-entropy (the reference).
+  c.model.loss_chunks = 1
 
   c.data = ml_collections.ConfigDict()
   # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of
@@ -60,6 +62,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.max_bytes = 0  # Read only the first files (in sorted order) up to about this many bytes; 0: all.
   c.data.num_threads = 1  # Grain reader threads (no worker processes).
   c.data.prefetch = 4  # Batches each process reads ahead of the train step; 0 turns prefetching off.
+  c.data.device_prefetch = 1  # Train batches already on their devices when a step starts; 0: none.
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 100  # Evaluate on the held-out split every N steps and at the end; 0: only at the end.

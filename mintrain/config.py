@@ -108,6 +108,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for key, options in (('remat', REMAT_OPTIONS), ('attention', ATTENTION_OPTIONS)):
       if m.get(key, options[0]) not in options:  # Configs saved before the option existed lack it.
         raise ConfigError(f'model.{key}={m[key]!r}; choose one of {options}.')
+    chunks = m.get('loss_chunks', 1)
+    if not isinstance(chunks, int) or chunks < 0 or (chunks and t.seq_len % chunks):
+      raise ConfigError(f'model.loss_chunks={chunks!r} must be 0 (logits, then the loss) or a positive '
+                        f'divisor of train.seq_len={t.seq_len} (the fused loss over that many chunks).')
 
 
 def micro_batch_size(config: ml_collections.ConfigDict) -> int:

@@ -35,7 +35,7 @@ def _target_logits(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array) -> 
   return jnp.sum(x_BCD.astype(jnp.float32) * w_BCD.astype(jnp.float32), axis=-1)
 
 
-def _chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, rules: AxisRules,
+def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, rules: AxisRules,
            grads: bool, scale: float) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """(summed loss, d loss/d x, d loss/d w) of one chunk; the gradients are of `scale` * the sum."""
   logits_BCV = rules.reshard(jnp.einsum('BCD,DV->BCV', x_BCD, w_DV, preferred_element_type=jnp.float32),
@@ -55,11 +55,11 @@ def _chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, rules: Axis
 
 def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, rules: AxisRules, chunks: int,
              grads: bool):
-  """Runs `_chunk` over `chunks` equal slices of the sequence; (mean loss, dx_BLD, dw_DV)."""
+  """Runs `_loss_chunk` over `chunks` equal slices of the sequence; (mean loss, dx_BLD, dw_DV)."""
   b, length, d = x_BLD.shape
   scale = 1.0 / (b * length)
   if chunks == 1:
-    loss, dx, dw = _chunk(x_BLD, w_DV, targets_BL, rules, grads, scale)
+    loss, dx, dw = _loss_chunk(x_BLD, w_DV, targets_BL, rules, grads, scale)
     return loss * scale, dx, dw
   c = length // chunks
   x_NBCD = jnp.moveaxis(x_BLD.reshape(b, chunks, c, d), 1, 0)
@@ -68,7 +68,7 @@ def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, rules: Ax
   def body(carry, xs):
     loss_sum, dw_sum = carry
     x_BCD, targets_BC = xs
-    loss, dx, dw = _chunk(x_BCD, w_DV, targets_BC, rules, grads, scale)
+    loss, dx, dw = _loss_chunk(x_BCD, w_DV, targets_BC, rules, grads, scale)
     return (loss_sum + loss, dw_sum + dw if grads else None), dx
 
   zero_dw = jnp.zeros_like(w_DV) if grads else None

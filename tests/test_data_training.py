@@ -8,13 +8,15 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from conftest import REPO, load_config, mesh_devices, quiet
 from flax import nnx
 
 from mintrain import train_loop, train_state
 from mintrain.checkpoint import Checkpoints
 from mintrain.data import pipeline
-from mintrain.data.batches import make_batches
+from mintrain.data.batches import batch_sharding, make_batches
+from mintrain.data.sources import DataError
 from mintrain.mesh import make_mesh
 from mintrain.partitioning import AxisRules
 from mintrain.train_step import make_eval_step
@@ -105,3 +107,32 @@ def test_restored_checkpoint_with_another_source_does_not_reuse_its_stream(tmp_p
   result = train_loop.run(other, tmp_path / 'stdlib', devices=mesh_devices(other), print_fn=quiet,
                           restore_from=str(tmp_path / 'synthetic'))
   assert result.first_step == 2 and len(result.losses) == 1
+
+
+@pytest.mark.parametrize('source', ['synthetic', 'text'])
+def test_batches_sent_ahead_are_on_their_devices_and_not_counted_in_the_saved_position(tmp_path, source):
+  data = ('data.source=synthetic',) if source == 'synthetic' else ('data.source=text',
+                                                                   f'data.path={tiny_corpus(tmp_path)}')
+  ahead_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=2')
+  plain_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=0')
+  mesh = make_mesh(ahead_config.mesh)
+  rules = AxisRules.from_config(ahead_config.partitioning)
+  with jax.set_mesh(mesh):
+    ahead, plain = make_batches(ahead_config, mesh, rules), make_batches(plain_config, mesh, rules)
+    for _ in range(3):
+      a, b = next(ahead), next(plain)
+      np.testing.assert_array_equal(np.asarray(a['inputs']), np.asarray(b['inputs']))
+    assert len(ahead.ready) == 2 and not plain.ready
+    for _, batch in ahead.ready:
+      assert batch['inputs'].sharding == batch_sharding(mesh, rules, 3)
+    assert ahead.get_state() == plain.get_state()
+    resumed = make_batches(ahead_config, mesh, rules)
+    resumed.set_state(ahead.get_state())
+    np.testing.assert_array_equal(np.asarray(next(resumed)['inputs']), np.asarray(next(plain)['inputs']))
+
+
+def test_negative_device_prefetch_names_the_key():
+  config = load_config('dp8', *TINY, 'data.source=synthetic', 'data.device_prefetch=-1')
+  mesh = make_mesh(config.mesh)
+  with pytest.raises(DataError, match=r'data.device_prefetch=-1 must be an integer >= 0'):
+    make_batches(config, mesh, AxisRules.from_config(config.partitioning))

@@ -17,6 +17,7 @@ from mintrain.config import ConfigError
 from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.models import collective_matmul
+from mintrain.models.transformer import REMAT_OPTIONS
 from mintrain.optimizer import decay_mask
 from mintrain.partitioning import AxisRules
 from mintrain.report import format_report
@@ -79,7 +80,8 @@ def loss_and_grads(host_params, name, *overrides):
 
 @pytest.fixture(scope='module')
 def reference(host_params):
-  return loss_and_grads(host_params, 'single')
+  """The plain model on one device: logits, then cross-entropy."""
+  return loss_and_grads(host_params, 'single', 'model.loss_chunks=0')
 
 
 def check_matches_reference(host_params, reference, name, *overrides):
@@ -115,7 +117,7 @@ def test_fused_loss_gives_the_reference_loss_and_gradients(host_params, referenc
 
 
 def test_fused_loss_with_tied_embeddings_matches_on_two_meshes(host_params):
-  tied = loss_and_grads(host_params, 'single', 'model.tie_embeddings=True')
+  tied = loss_and_grads(host_params, 'single', 'model.tie_embeddings=True', 'model.loss_chunks=0')
   for name in ('single', 'dp4_tp2'):
     loss, grads = loss_and_grads(host_params, name, 'model.tie_embeddings=True', 'model.loss_chunks=2')
     np.testing.assert_allclose(loss, tied[0], rtol=1e-5)
@@ -189,13 +191,15 @@ def test_stacked_norm_scales_are_not_weight_decayed():
       path.replace('blocks.', 'blocks.0.'): decays for path, decays in masks[True].items()}
 
 
-def test_remat_and_scan_take_only_known_values():
+def test_performance_options_take_only_known_values():
   with pytest.raises(ConfigError, match=r"remat='some'; choose one of \('none', 'full', 'save_matmuls'\)"):
     load_config('single', 'model.remat=some')
   with pytest.raises(ConfigError, match=r"model.attention='flash'; choose one of"):
     load_config('single', 'model.attention=flash')
   with pytest.raises(ConfigError, match='model.scan_layers expects True or False'):
     load_config('single', 'model.scan_layers=1')
+  with pytest.raises(ConfigError, match='loss_chunks=3 must be 0 .* positive divisor of train.seq_len=64'):
+    load_config('single', 'model.loss_chunks=3')
 
 
 def test_activation_estimate_follows_remat():
@@ -223,7 +227,7 @@ def _compiled_temp_bytes(*overrides) -> int:
 
 def test_compiled_memory_follows_remat():
   """XLA keeps less with each stricter policy: the policies reach the matmuls, custom VJPs included."""
-  none, save_matmuls, full = (_compiled_temp_bytes(f'model.remat={r}') for r in ('none', 'save_matmuls', 'full'))
+  none, full, save_matmuls = (_compiled_temp_bytes(f'model.remat={remat}') for remat in REMAT_OPTIONS)
   assert full < save_matmuls < none
 
 

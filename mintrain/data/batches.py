@@ -12,6 +12,7 @@ batches the uninterrupted one would have seen.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,7 +21,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from mintrain.data import pipeline, synthetic
+from mintrain.data import pipeline, sources, synthetic
 from mintrain.partitioning import AxisRules
 
 LocalBatch = dict[str, np.ndarray]
@@ -62,20 +63,33 @@ class SyntheticRows:
 
 
 class GlobalBatches:
-  """Global (accum, micro, ...) arrays from an iterator of this process's local batches."""
+  """Global (accum, micro, ...) arrays from an iterator of this process's local batches.
+
+  With `ahead` > 0, that many further batches are already read and sent to their devices when
+  one is handed out, so a step never waits for its batch's transfer. The position it reports
+  (`get_state`) is still that of the batches handed out, so a checkpoint resumes exactly.
+  """
 
   def __init__(self, local: Iterator[LocalBatch], source: str, mesh: Mesh, rules: AxisRules, accum: int,
-               global_batch_size: int):
+               global_batch_size: int, ahead: int = 0):
     self.local, self.source = local, source
     self.mesh, self.rules, self.accum = mesh, rules, accum
     self.micro = global_batch_size // accum
+    self.ahead = ahead
+    self.ready: collections.deque[tuple[dict[str, Any], dict[str, jax.Array]]] = collections.deque()
 
   def __iter__(self) -> GlobalBatches:
     return self
 
   def __next__(self) -> dict[str, jax.Array]:
+    while len(self.ready) <= self.ahead:
+      position = self.local.get_state() if self.ahead else {}
+      self.ready.append((position, self._to_devices(next(self.local))))
+    return self.ready.popleft()[1]
+
+  def _to_devices(self, local_batch: LocalBatch) -> dict[str, jax.Array]:
     out = {}
-    for key, value in next(self.local).items():
+    for key, value in local_batch.items():
       local = value.reshape(self.accum, value.shape[0] // self.accum, *value.shape[1:])
       shape = (self.accum, self.micro, *value.shape[1:])
       sharding = batch_sharding(self.mesh, self.rules, len(shape))
@@ -83,13 +97,16 @@ class GlobalBatches:
     return out
 
   def get_state(self) -> dict[str, Any]:
-    return {'source': self.source, 'iterator': self.local.get_state()}
+    """The position after the last batch handed out (batches read ahead are not counted)."""
+    position = self.ready[0][0] if self.ready else self.local.get_state()
+    return {'source': self.source, 'iterator': position}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     """Continues from a checkpoint's state; a state of another source is an error."""
     if state.get('source') != self.source:
       raise ValueError(f"The checkpoint's data iterator is for data.source={state.get('source')!r}, "
                        f'not {self.source!r}; it cannot continue this stream.')
+    self.ready.clear()
     self.local.set_state(state['iterator'])
 
 
@@ -104,6 +121,11 @@ def _local_iterator(config: ml_collections.ConfigDict, split: str, seed: int) ->
 
 def make_batches(config: ml_collections.ConfigDict, mesh: Mesh, rules: AxisRules, *,
                  split: str = 'train') -> GlobalBatches:
-  """Global batches of `split`: train batches run on forever, eval batches restart per evaluation."""
+  """Global batches of `split`: train batches run on forever (`data.device_prefetch` of them on their
+  devices ahead of the step), eval batches restart per evaluation."""
+  ahead = sources.option(config.data, 'device_prefetch') if split == 'train' else 0
+  if not isinstance(ahead, int) or ahead < 0:
+    raise sources.DataError(f'data.device_prefetch={ahead!r} must be an integer >= 0 (batches sent to '
+                            'the devices ahead of the step).')
   return GlobalBatches(_local_iterator(config, split, config.seed), config.data.source, mesh, rules,
-                       config.train.grad_accum_steps, config.train.global_batch_size)
+                       config.train.grad_accum_steps, config.train.global_batch_size, ahead=ahead)

@@ -33,7 +33,7 @@ SOURCES = ('stdlib', 'text', 'tokens')
 SPLITS = ('train', 'eval')
 TOKEN_DTYPES = ('uint16', 'uint32')
 DEFAULTS = {'source': 'stdlib', 'path': '', 'eval_fraction': 0.05, 'token_dtype': 'uint16', 'max_bytes': 0,
-            'num_threads': 1, 'prefetch': 4}
+            'num_threads': 1, 'prefetch': 4, 'device_prefetch': 1}
 STDLIB_EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages', 'dist-packages',
                                   '__pycache__'})
 _SCAN_CHUNK = 1 << 24  # Tokens checked per step when validating a token file.

@@ -69,7 +69,7 @@ class TransformerConfig:
   scan_layers: bool = False
   attention: str = 'einsum'  # One of ATTENTION_OPTIONS.
   mlp_overlap: bool = False
-  loss_chunks: int = 0  # 0: logits then cross-entropy; N: the fused loss over N sequence chunks.
+  loss_chunks: int = 1  # N: output layer and loss fused over N sequence chunks; 0: logits, then loss.
 
 
 def rope(x_BLHK: jax.Array, base: float, positions_L: jax.Array | None = None) -> jax.Array:
