@@ -43,6 +43,7 @@ COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'coll
 # Their time goes to the layer that calls them (gathers, reshards, its weight matmuls).
 HELPERS = ('gather', 'AxisRules.reshard', 'linear', '_linear', '_linear_fwd', '_linear_bwd')
 CONTAINERS = ('while', 'call', 'conditional')  # Their time is that of the ops inside, which are counted.
+WARMUP = 6  # Steps before the profiled one: on CPU the host heap takes a few to reach its steady size.
 INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = .*? ([a-z][a-z-]*)\(.*?metadata=\{([^}]*)\}')
 
 
@@ -124,8 +125,10 @@ def main() -> int:
   ops = instructions(compiled.compiled.as_text())
 
   with jax.set_mesh(built.mesh), tempfile.TemporaryDirectory(prefix='mintrain_breakdown_') as trace_dir:
-    state, _ = compiled.compiled(compiled.state, batches[0])  # Warm-up, outside the trace.
-    jax.block_until_ready(state)
+    state = compiled.state
+    for _ in range(1 if args.smoke else WARMUP):  # Outside the trace.
+      state, _ = compiled.compiled(state, batches[0])
+      jax.block_until_ready(state)
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     start = time.perf_counter()
     state, metrics = compiled.compiled(state, batches[1])

@@ -9,7 +9,7 @@ the step uses. The FLOPs are the analytic count of
 The step is built as `train_loop.run` builds it (train_state.setup, make_train_step, make_batches) and
 compiled ahead; step times are medians of jitted steps after warm-up, each until `block_until_ready`.
 Besides the config as it is, each optimisation variant whose config key exists is timed too
-(`model.attention`, `model.scan_layers`, `model.remat`, `model.mlp_overlap`).
+(`model.attention`, `model.scan_layers`, `model.remat`, `model.mlp_overlap`, `model.loss_chunks`).
 
 Simulated CPU devices share the host's cores, and one device's matmul already uses all of them, so on CPU
 the ratio is the step's total model FLOP/s over the one-device matmul rate; on accelerators it is per
@@ -44,7 +44,7 @@ VARIANTS = {
     'remat=full': ('model.remat=full',),
     'remat=save_matmuls': ('model.remat=save_matmuls',),
     'mlp_overlap': ('model.mlp_overlap=True',),
-    'loss_chunks=1': ('model.loss_chunks=1',),
+    'unfused_loss': ('model.loss_chunks=0',),
     'loss_chunks=4': ('model.loss_chunks=4',),
 }
 SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
@@ -63,8 +63,9 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   harness.config_arguments(parser, 'config override applied to every variant; repeatable')
   parser.add_argument('--only', nargs='+', choices=sorted(VARIANTS), default=None, help='variants to run')
-  parser.add_argument('--steps', type=int, default=4, help='timed steps per variant')
-  parser.add_argument('--warmup', type=int, default=1, help='untimed steps after compiling')
+  parser.add_argument('--steps', type=int, default=5, help='timed steps per variant')
+  # On CPU the host heap takes a few steps to grow to its steady size (mintrain.host_allocator).
+  parser.add_argument('--warmup', type=int, default=6, help='untimed steps after compiling')
   parser.add_argument('--calibration_size', type=int, default=1024, help='square matmul size')
   parser.add_argument('--smoke', action='store_true', help='tiny model, baseline, one step')
   args = parser.parse_args()
@@ -75,7 +76,8 @@ def main() -> int:
   else:
     path, base = args.config.resolve(), ()
   base = base + tuple(args.override) + (SMOKE if args.smoke else ())
-  steps, size, seconds = (1, 256, 0.2) if args.smoke else (args.steps, args.calibration_size, 1.0)
+  steps, warmup, size, seconds = ((1, 1, 256, 0.2) if args.smoke else
+                                  (args.steps, args.warmup, args.calibration_size, 1.0))
 
   shares_host = devices[0].platform == 'cpu'
   rows, first = [], None
@@ -91,7 +93,7 @@ def main() -> int:
     compiled = harness.compile_step(built, batches[0])
     # A calibration right after each timed step: other load on a shared machine slows both alike.
     calibrations, calibrate = calibrator(config.model.compute_dtype, size, seconds, devices[0])
-    times, losses = harness.time_steps(compiled, built, batches, warmup=args.warmup, steps=steps,
+    times, losses = harness.time_steps(compiled, built, batches, warmup=warmup, steps=steps,
                                        after_step=calibrate)
     step_s = statistics.median(times)
     per = 1 if shares_host else built.mesh.size  # Simulated CPU devices share one host's matmul rate.
@@ -112,7 +114,7 @@ def main() -> int:
   print(f'mesh {harness.describe_mesh(built.mesh)}, {harness.param_count(built):,} parameters, '
         f'{flops.train_flops_per_step(config) / 1e9:.1f} GFLOP and {flops.tokens_per_step(config):,} tokens '
         f'per step, compute {config.model.compute_dtype}')
-  print(f'median of {steps} steps after {args.warmup} warm-up; model TFLOP/s {where}; matmul_TFLOP_s: a '
+  print(f'median of {steps} steps after {warmup} warm-up; model TFLOP/s {where}; matmul_TFLOP_s: a '
         f'{config.model.compute_dtype} {size}x{size} matmul on one device, timed for {seconds} s after each '
         'step; ratio = median over steps of model / matmul rate\n')
   print(harness.table(['variant', 'compile_s', 'step_ms', 'spread', 'tokens_per_s', 'model_TFLOP_s',

@@ -1,12 +1,12 @@
 """Token cross-entropy: the reference on logits, and a fused output layer + loss.
 
 The fused form never keeps the (tokens x vocab) logits for the backward pass. For each chunk
-of the sequence it computes the logits, their log-sum-exp, the loss and, when differentiated,
-the logits' gradient `softmax - one_hot` at once, and turns that straight into the gradients
-of the hidden states and of the output weights. It is exact (the same sums in another order).
-Why it is faster: the logits gradient is written once, in the layout both of its matmuls read,
-where autodiff of `logits @ w` wrote it a second time transposed for the weight gradient; no
-one-hot array is built; and a chunk's logits are still in cache when they are read again.
+of the sequence it computes the logits, their log-sum-exp and the loss and, when differentiated,
+at once the gradients of the hidden states and of the output weights (so a profile shows all
+of its work in the forward pass). It is exact: the same sums in another order. Against autodiff
+of `cross_entropy(x @ w)` it saves, per step, a one-hot array and the product with it, and a
+second, transposed copy of the logits' gradient that XLA:CPU made for the weight gradient; the
+target logits come from gathering their output columns instead. More chunks keep less memory.
 
 Shape letters: B batch, L length (C within a chunk), D embed, V vocab.
 """
@@ -36,7 +36,7 @@ def _target_logits(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array) -> 
 
 
 def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, rules: AxisRules,
-           grads: bool, scale: float) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+                grads: bool, scale: float) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """(summed loss, d loss/d x, d loss/d w) of one chunk; the gradients are of `scale` * the sum."""
   logits_BCV = rules.reshard(jnp.einsum('BCD,DV->BCV', x_BCD, w_DV, preferred_element_type=jnp.float32),
                              ('batch', 'length', 'vocab'))
@@ -73,9 +73,10 @@ def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, rules: Ax
 
   zero_dw = jnp.zeros_like(w_DV) if grads else None
   (loss, dw), dx_NBCD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zero_dw), (x_NBCD, targets_NBC))
-  dx = rules.reshard(jnp.moveaxis(dx_NBCD, 0, 1).reshape(b, length, d), ('batch', 'length', 'embed')) \
-      if grads else None
-  return loss * scale, dx, dw
+  if not grads:
+    return loss * scale, None, None
+  dx_BLD = jnp.moveaxis(dx_NBCD, 0, 1).reshape(b, length, d)
+  return loss * scale, rules.reshard(dx_BLD, ('batch', 'length', 'embed')), dw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -90,11 +91,12 @@ def fused_cross_entropy(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array
 
 def _fwd(x_BLD, w_DV, targets_BL, rules, chunks):
   loss, dx, dw = _chunked(x_BLD, w_DV, targets_BL, rules, chunks, grads=True)
-  return loss, (dx, dw, targets_BL)
+  return loss, (dx, dw)
 
 
 def _bwd(rules, chunks, residuals, g):
-  dx, dw, targets_BL = residuals
+  """The gradients were formed in the forward pass for a cotangent of 1; scale them by `g`."""
+  dx, dw = residuals
   del rules, chunks
   return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None
 

@@ -5,6 +5,11 @@ gradients of the default model with the same parameters; scanned and unrolled ch
 restore into each other.
 """
 
+import contextlib
+import io
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +22,7 @@ from mintrain.config import ConfigError
 from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.models import collective_matmul
+from mintrain.models.layers import MATMUL
 from mintrain.models.transformer import REMAT_OPTIONS
 from mintrain.optimizer import decay_mask
 from mintrain.partitioning import AxisRules
@@ -213,22 +219,34 @@ def test_activation_estimate_follows_remat():
   assert activations('full', 4) - activations('full', 2) == 2 * rows * seq_len * embed_dim * 4
 
 
-def _compiled_temp_bytes(*overrides) -> int:
-  """XLA's temporary bytes per device for the gradient of the loss on dp4_tp2."""
-  config = load_config('dp4_tp2', 'data.source=synthetic', 'model.num_layers=4', *overrides)
+def _saved_residuals(*overrides) -> list[tuple[int, str]]:
+  """(elements, description) of what the loss's backward pass keeps, as `print_saved_residuals` lists it."""
+  config = load_config('dp4_tp2', 'data.source=synthetic', 'model.num_layers=3', *overrides)
   mesh = make_mesh(config.mesh, mesh_devices(config))
   rules = AxisRules.from_config(config.partitioning)
   setup = train_state.setup(config, rules, mesh)
-  with jax.set_mesh(mesh):
+  listing = io.StringIO()
+  with jax.set_mesh(mesh), contextlib.redirect_stdout(listing):
     micro = jax.tree.map(lambda x: x[0], next(make_batches(config, mesh, rules)))
-    grad = jax.jit(jax.grad(loss_fn)).lower(setup.abstract_state.params, setup.graphdef, micro, None)
-    return grad.compile().memory_analysis().temp_size_in_bytes
+    jax.ad_checkpoint.print_saved_residuals(lambda p: loss_fn(p, setup.graphdef, micro, None),
+                                            setup.abstract_state.params)
+  residuals = []
+  for line in listing.getvalue().splitlines():
+    shape = re.match(r'\w+\[([^\]]*)\] (.*)', line)
+    if shape and 'from the argument' not in shape.group(2):
+      dims = [int(d) for d in re.sub(r'@(\([^)]*\)|\w+)', '', shape.group(1)).split(',') if d]
+      residuals.append((math.prod(dims), shape.group(2)))
+  return residuals
 
 
-def test_compiled_memory_follows_remat():
-  """XLA keeps less with each stricter policy: the policies reach the matmuls, custom VJPs included."""
-  none, full, save_matmuls = (_compiled_temp_bytes(f'model.remat={remat}') for remat in REMAT_OPTIONS)
-  assert full < save_matmuls < none
+def test_remat_policies_decide_what_the_backward_pass_keeps():
+  """save_matmuls keeps the weight matmuls' outputs (`linear` is a custom VJP, which a dots policy
+  cannot see, so it names them) and full keeps none of them; each keeps less than no remat."""
+  kept = {remat: _saved_residuals(f'model.remat={remat}') for remat in REMAT_OPTIONS}
+  named = {remat: [r for r in kept[remat] if f"named '{MATMUL}'" in r[1]] for remat in REMAT_OPTIONS}
+  assert len(named['save_matmuls']) >= 3 * 3 and not named['full']  # q/k/v, projection, gate/up per layer.
+  total = {remat: sum(n for n, _ in kept[remat]) for remat in REMAT_OPTIONS}
+  assert total['full'] < total['save_matmuls'] < total['none']
 
 
 @pytest.fixture(scope='module')
