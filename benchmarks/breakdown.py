@@ -40,8 +40,10 @@ from benchmarks import harness  # noqa: E402
 SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
          'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
-# Their time goes to the layer that calls them (gathers, reshards, its weight matmuls).
-HELPERS = ('gather', 'AxisRules.reshard', 'linear', '_linear', '_linear_fwd', '_linear_bwd')
+HELPERS = ('gather', 'AxisRules.reshard')  # Their time goes to the layer that gathers or reshards.
+# `models.layers.linear` is a custom VJP; JAX traces its rules once per shape and reuses them, so
+# their stacks name whichever layer came first. Its matmuls form one row instead.
+LINEAR = ('linear', '_linear', '_linear_fwd', '_linear_bwd')
 CONTAINERS = ('while', 'call', 'conditional')  # Their time is that of the ops inside, which are counted.
 WARMUP = 6  # Steps before the profiled one: on CPU the host heap takes a few to reach its steady size.
 INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = .*? ([a-z][a-z-]*)\(.*?metadata=\{([^}]*)\}')
@@ -80,6 +82,8 @@ def part_of(opcode: str, stack: list[tuple[str, str]]) -> str:
     return f'{opcode} (collective)'
   if any('/optax/' in file for file, _ in stack):
     return 'optimizer (optax)'
+  if any('/mintrain/' in file and function in LINEAR for file, function in stack):
+    return 'linear (weight matmuls, all layers)'
   for file, function in stack:
     if '/mintrain/' in file and function not in HELPERS:
       return function.replace('<locals>.', '').split('.<lambda>')[0]
