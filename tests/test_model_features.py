@@ -23,7 +23,7 @@ from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.models import collective_matmul
 from mintrain.models.layers import MATMUL
-from mintrain.models.transformer import REMAT_OPTIONS
+from mintrain.models.transformer import REMAT_OPTIONS, attention_kernel
 from mintrain.optimizer import decay_mask
 from mintrain.partitioning import AxisRules
 from mintrain.report import format_report
@@ -110,6 +110,15 @@ def test_scanned_layers_give_the_reference_loss_and_gradients(host_params, refer
 @pytest.mark.parametrize('name', ['single', 'fsdp4_tp2'])
 def test_dot_product_attention_gives_the_reference_loss_and_gradients(host_params, reference, name):
   check_matches_reference(host_params, reference, name, 'model.attention=dot_product')
+
+
+def test_dot_product_attention_asks_for_cudnn_only_on_gpu_in_16_bit():
+  assert attention_kernel('cpu', jnp.bfloat16, 64) == 'xla'
+  assert attention_kernel('gpu', jnp.float32, 64) == 'xla'  # cuDNN's kernel takes 16-bit inputs only.
+  assert attention_kernel('gpu', jnp.bfloat16, 64) == 'cudnn'
+  assert attention_kernel('cuda', jnp.float16, 128) == 'cudnn'
+  assert attention_kernel('gpu', jnp.bfloat16, 256) == 'xla'  # Head sizes above 128 it does not take.
+  assert attention_kernel('tpu', jnp.bfloat16, 64) == 'xla'
 
 
 @pytest.mark.parametrize('name', ['dp4_tp2', '2x4', 'tp8'])  # Rings of 2, 4 and 8 devices.

@@ -12,7 +12,8 @@ Performance options (`TransformerConfig`), each computing the same function as t
   remat        recompute each block's activations in the backward pass instead of keeping them.
   scan_layers  parameters stacked on a leading `layers` axis and the blocks run by one `scan`,
                so compile time does not grow with depth; sampling slices the stack per layer.
-  attention    'dot_product' uses `jax.nn.dot_product_attention` in training.
+  attention    'dot_product' uses `jax.nn.dot_product_attention` in training (cuDNN flash attention
+               on an NVIDIA GPU in bfloat16/float16, XLA elsewhere: `attention_kernel`).
   mlp_overlap  the MLP's tensor-parallel communication overlapped with its matmuls
                (`collective_matmul`).
 """
@@ -50,6 +51,14 @@ REMAT_POLICIES = {
 }
 REMAT_OPTIONS = ('none', *REMAT_POLICIES)
 ATTENTION_OPTIONS = ('einsum', 'dot_product')
+
+
+def attention_kernel(platform: str, dtype: jnp.dtype, head_dim: int) -> str:
+  """`jax.nn.dot_product_attention`'s implementation: cuDNN's flash attention on an NVIDIA GPU for the
+  16-bit dtypes and head sizes it takes, XLA's formulation elsewhere. (Its own default, None, is
+  always XLA in jax 0.10.)"""
+  cudnn_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+  return 'cudnn' if platform in ('gpu', 'cuda') and cudnn_ok else 'xla'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +115,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     q_BLHK, k_BMHK, v_BMHK = self._qkv(x_BLD, None)
     if self.cfg.attention == 'dot_product':
-      # implementation=None: jax picks the kernel (in jax 0.10 always its XLA formulation).
+      implementation = attention_kernel(jax.default_backend(), q_BLHK.dtype, self.cfg.head_dim)
       out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, is_causal=True,
-                                              scale=self.cfg.head_dim ** -0.5)
+                                              scale=self.cfg.head_dim ** -0.5, implementation=implementation)
       return self._project(out_BLHK)
     seq_len = x_BLD.shape[1]
     causal_LM = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
