@@ -22,7 +22,7 @@ from mintrain.config import ConfigError
 from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.models import collective_matmul
-from mintrain.models.layers import MATMUL
+from mintrain.models.layers import MATMUL, linear
 from mintrain.models.transformer import REMAT_OPTIONS, attention_kernel
 from mintrain.optimizer import decay_mask
 from mintrain.partitioning import AxisRules
@@ -346,3 +346,30 @@ def test_training_continues_identically_after_restoring_into_the_other_layout(un
     losses[scan] = train_loop.run(config, tmp_path / str(scan), devices=mesh_devices(config),
                                   restore_from=str(workdir), print_fn=quiet).losses
   np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+
+@pytest.mark.parametrize('subscripts,x_axes,w_axes,out_axes', [
+    ('BLD,DGF->BLGF', ('batch', 'length', 'embed'), ('embed', None, 'mlp'), None),  # x smaller than dy.
+    ('BLF,FD->BLD', ('batch', 'length', 'mlp'), ('mlp', 'embed'), ('batch', 'length', 'embed')),  # dy smaller
+])
+def test_linear_has_the_einsum_value_and_gradients(subscripts, x_axes, w_axes, out_axes):
+  config = load_config('dp4_tp2')
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  rules = AxisRules.from_config(config.partitioning)
+  rng = np.random.RandomState(0)
+  x_shape, w_shape = (8, 16, 32), ((32, 2, 64) if 'G' in subscripts else (32, 16))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(rng.randn(*x_shape).astype(np.float32), rules.activation_spec(x_axes))
+    w = jax.device_put(rng.randn(*w_shape).astype(np.float32), rules.activation_spec(w_axes))
+    out_spec = out_axes and rules.activation_spec(out_axes)
+
+    def summed(fn):
+      loss = lambda x, w: jnp.sum(jnp.sin(fn(subscripts, x, w, out_spec)))  # noqa: E731
+      return jax.jit(jax.value_and_grad(loss, (0, 1)))
+
+    value, grads = summed(linear)(x, w)
+    expected_value, expected_grads = summed(lambda s, x, w, o: jnp.einsum(s, x, w, out_sharding=o))(x, w)
+  np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+  for got, want in zip(grads, expected_grads):
+    assert got.sharding == want.sharding
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
