@@ -16,6 +16,8 @@ Performance options (`TransformerConfig`), each computing the same function as t
                on an NVIDIA GPU in bfloat16/float16, XLA elsewhere: `attention_kernel`).
   mlp_overlap  the MLP's tensor-parallel communication overlapped with its matmuls
                (`collective_matmul`).
+  loss_chunks  the output layer and the loss fused (`mintrain.loss.fused_cross_entropy`), over that
+               many sequence chunks; 0 computes the logits, then the loss.
 """
 
 from __future__ import annotations
