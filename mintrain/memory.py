@@ -3,7 +3,9 @@
 Parameters, gradients and optimizer state are exact (their resolved layouts);
 activations are an estimate of what the backward pass keeps for one
 micro-batch: per layer, the inputs of every matmul, norm and nonlinearity, and
-the attention probabilities; plus the float32 logits. With `model.remat`, a
+the attention probabilities; plus the float32 logits and their softmax (with the
+fused loss, `model.loss_chunks`, only one chunk's at a time, and the hidden states'
+gradient that it keeps instead). With `model.remat`, a
 layer keeps only its input ('full') or its input and its matmul outputs
 ('save_matmuls'), and one layer's full activations are live again while its
 backward pass recomputes them. XLA may keep less (it fuses) or more
@@ -62,8 +64,10 @@ def activation_bytes(config: ml_collections.ConfigDict, rules: AxisRules, mesh: 
     # Input; plus, when saving matmuls, q/k/v, the attention projection, gate, up and down outputs.
     kept = c * d if remat == 'full' else c * (3 * d + 3 * heads * m.head_dim + 2 * mlp)
     layers = m.num_layers * kept + per_token_layer  # One layer's activations, recomputed for its backward.
-  logits = 2 * 4 * m.vocab_size / rules.ways('vocab', mesh.shape)  # Float32 logits and their softmax.
-  return int(rows * seq * (layers + logits + c * d))
+  chunks = m.get('loss_chunks', 1)
+  logits = 2 * 4 * m.vocab_size / rules.ways('vocab', mesh.shape) / max(chunks, 1)  # Float32, and softmax.
+  loss_grad = c * d if chunks else 0  # The fused loss keeps d loss / d hidden states, formed in its forward.
+  return int(rows * seq * (layers + logits + loss_grad + c * d))
 
 
 def device_memory_limit(device: jax.Device) -> int | None:

@@ -217,15 +217,19 @@ def test_performance_options_take_only_known_values():
     load_config('single', 'model.loss_chunks=3')
 
 
-def test_activation_estimate_follows_remat():
-  def activations(remat, layers):
-    config = load_config('dp4_tp2', f'model.remat={remat}', f'model.num_layers={layers}')
+def test_activation_estimate_follows_remat_and_loss_chunks():
+  def activations(remat, layers, chunks=1):
+    config = load_config('dp4_tp2', f'model.remat={remat}', f'model.num_layers={layers}',
+                         f'model.loss_chunks={chunks}')
     return memory.activation_bytes(config, AxisRules.from_config(config.partitioning), make_mesh(config.mesh))
 
   assert activations('full', 4) < activations('save_matmuls', 4) < activations('none', 4)
+  rows, seq_len, embed_dim, vocab = 32 // 4, 64, 128, 384
   # Under full remat each further layer keeps only its input: batch rows x length x embed values.
-  rows, seq_len, embed_dim = 32 // 4, 64, 128
   assert activations('full', 4) - activations('full', 2) == 2 * rows * seq_len * embed_dim * 4
+  # Fused over 4 chunks, a quarter of the float32 logits and softmax (vocab split over model=2) is live.
+  logits_and_softmax = rows * seq_len * 2 * 4 * vocab // 2
+  assert activations('none', 4, 1) - activations('none', 4, 4) == logits_and_softmax * 3 // 4
 
 
 def _saved_residuals(*overrides) -> list[tuple[int, str]]:
