@@ -45,7 +45,6 @@ HELPERS = ('gather', 'AxisRules.reshard')  # Their time goes to the layer that g
 # their stacks name whichever layer came first. Its matmuls form one row instead.
 LINEAR = ('linear', '_linear', '_linear_fwd', '_linear_bwd')
 CONTAINERS = ('while', 'call', 'conditional')  # Their time is that of the ops inside, which are counted.
-WARMUP = 6  # Steps before the profiled one: on CPU the host heap takes a few to reach its steady size.
 INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = .*? ([a-z][a-z-]*)\(.*?metadata=\{([^}]*)\}')
 
 
@@ -130,7 +129,7 @@ def main() -> int:
 
   with jax.set_mesh(built.mesh), tempfile.TemporaryDirectory(prefix='mintrain_breakdown_') as trace_dir:
     state = compiled.state
-    for _ in range(1 if args.smoke else WARMUP):  # Outside the trace.
+    for _ in range(1 if args.smoke else harness.WARMUP):  # Outside the trace.
       state, _ = compiled.compiled(state, batches[0])
       jax.block_until_ready(state)
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)

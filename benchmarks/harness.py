@@ -33,6 +33,9 @@ from mintrain.train_step import make_train_step
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
+# Untimed steps before timing: on CPU the host heap takes a few steps to reach its steady size
+# (mintrain.host_allocator), and the steps before that page-fault.
+WARMUP = 6
 BENCH_TINY = REPO / 'configs' / 'bench_tiny.py'  # The model for step time and overhead.
 FALLBACK = REPO / 'configs' / 'dp4_tp2.py'
 

@@ -172,8 +172,7 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   harness.config_arguments(parser)
   parser.add_argument('--steps', type=int, default=5, help='timed steps of each')
-  # On CPU the host heap takes a few steps to grow to its steady size (mintrain.host_allocator).
-  parser.add_argument('--warmup', type=int, default=6, help='untimed steps of each after compiling')
+  parser.add_argument('--warmup', type=int, default=harness.WARMUP, help='untimed steps of each first')
   parser.add_argument('--smoke', action='store_true', help='tiny model, one step (a few seconds)')
   args = parser.parse_args()
 

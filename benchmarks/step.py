@@ -64,8 +64,7 @@ def main() -> int:
   harness.config_arguments(parser, 'config override applied to every variant; repeatable')
   parser.add_argument('--only', nargs='+', choices=sorted(VARIANTS), default=None, help='variants to run')
   parser.add_argument('--steps', type=int, default=5, help='timed steps per variant')
-  # On CPU the host heap takes a few steps to grow to its steady size (mintrain.host_allocator).
-  parser.add_argument('--warmup', type=int, default=6, help='untimed steps after compiling')
+  parser.add_argument('--warmup', type=int, default=harness.WARMUP, help='untimed steps after compiling')
   parser.add_argument('--calibration_size', type=int, default=1024, help='square matmul size')
   parser.add_argument('--smoke', action='store_true', help='tiny model, baseline, one step')
   args = parser.parse_args()

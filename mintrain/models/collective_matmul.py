@@ -26,8 +26,6 @@ order: the reduce-scatter consumes them in the same relative order, so no device
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -39,7 +37,7 @@ def ring_axes(rules: AxisRules) -> tuple[tuple[str, ...], int]:
   """(mesh axes of `mlp`, their total size on the current mesh): the ring of the overlapped MLP."""
   axes = spec_axes(rules.activation_spec(('mlp',))[0])
   mesh = jax.sharding.get_abstract_mesh()
-  return axes, math.prod(mesh.shape[a] for a in axes) if not mesh.empty else 1
+  return axes, rules.ways('mlp', mesh.shape) if not mesh.empty else 1
 
 
 def _ring_mlp(x_BCD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array, *,
