@@ -39,6 +39,13 @@ def small(name, *overrides):
   return load_config(base, *SMALL, *mesh, *overrides)
 
 
+def build(config):
+  """(mesh, rules, setup) of `config` on as many simulated devices as its mesh takes."""
+  mesh = make_mesh(config.mesh, mesh_devices(config))
+  rules = AxisRules.from_config(config.partitioning)
+  return mesh, rules, train_state.setup(config, rules, mesh)
+
+
 def flat(tree) -> dict:
   return {train_state.path_str(path): x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -59,8 +66,7 @@ def assert_close(actual: dict, expected: dict, **tolerance):
 def host_params():
   """Parameters of the unrolled model drawn once; every case moves them to its mesh and layout."""
   config = small('single')
-  mesh = make_mesh(config.mesh, mesh_devices(config))
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  mesh, _, setup = build(config)
   with jax.set_mesh(mesh):
     return host(setup.init().params)
 
@@ -68,9 +74,7 @@ def host_params():
 def loss_and_grads(host_params, name, *overrides):
   """(loss, host gradients by unrolled path) of the first synthetic batch, on `name`'s mesh."""
   config = small(name, *overrides)
-  mesh = make_mesh(config.mesh, mesh_devices(config))
-  rules = AxisRules.from_config(config.partitioning)
-  setup = train_state.setup(config, rules, mesh)
+  mesh, rules, setup = build(config)
   params = ckpt_lib.fill(setup.abstract_state.params,
                          ckpt_lib.convert_layers(host_params, to_scanned=config.model.scan_layers))
 
@@ -197,8 +201,7 @@ def test_stacked_norm_scales_are_not_weight_decayed():
   masks = {}
   for scan in (False, True):
     config = small('single', f'model.scan_layers={scan}')
-    mesh = make_mesh(config.mesh, mesh_devices(config))
-    setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+    _, _, setup = build(config)
     masks[scan] = {path.removesuffix('.value'): bool(decays) for path, decays in
                    flat(decay_mask(setup.abstract_state.params)).items()}
   assert not masks[True]['blocks.attn_norm.scale'] and masks[True]['blocks.mlp.wo_FD']
@@ -235,9 +238,7 @@ def test_activation_estimate_follows_remat_and_loss_chunks():
 def _saved_residuals(*overrides) -> list[tuple[int, str]]:
   """(elements, description) of what the loss's backward pass keeps, as `print_saved_residuals` lists it."""
   config = load_config('dp4_tp2', 'data.source=synthetic', 'model.num_layers=3', *overrides)
-  mesh = make_mesh(config.mesh, mesh_devices(config))
-  rules = AxisRules.from_config(config.partitioning)
-  setup = train_state.setup(config, rules, mesh)
+  mesh, rules, setup = build(config)
   listing = io.StringIO()
   with jax.set_mesh(mesh), contextlib.redirect_stdout(listing):
     micro = jax.tree.map(lambda x: x[0], next(make_batches(config, mesh, rules)))
@@ -280,8 +281,7 @@ def test_all_options_together_train_like_the_default_model(unrolled_run):
 
 def restore_on(config, path):
   """The state `train.py --restore_from path` starts from, and the abstract state it must match."""
-  mesh = make_mesh(config.mesh, mesh_devices(config))
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  mesh, _, setup = build(config)
   with jax.set_mesh(mesh):
     state, _ = train_loop.initial_state(config, setup, None, restore_from=str(path), params_only=False,
                                         print_fn=quiet)
@@ -290,8 +290,7 @@ def restore_on(config, path):
 
 def restore_tree(config, workdir, params_only=False):
   """The newest checkpoint's state tree, read straight into the config's model and mesh."""
-  mesh = make_mesh(config.mesh, mesh_devices(config))
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  mesh, _, setup = build(config)
   checkpoints = ckpt_lib.Checkpoints(workdir / 'checkpoints', read_only=True)
   with jax.set_mesh(mesh):
     tree, _, _ = checkpoints.restore(checkpoints.steps()[-1], setup.abstract_state, params_only=params_only)
