@@ -1,4 +1,4 @@
-"""Logical axis names -> mesh axes, t5x-style.
+"""Logical axis names -> mesh axes, resolved like t5x and MaxText.
 
 Models name the dimensions of their parameters and activations with logical
 names (`batch`, `embed`, `mlp`, ...). This module is the only place where those
@@ -6,11 +6,14 @@ names meet mesh axes. Rules are data: an ordered list of
 `(logical_name, mesh_axes)` pairs, where `mesh_axes` is a mesh axis name, a
 tuple of names, or None (replicated).
 
-Resolution of one array's logical axes into a `PartitionSpec`: for each
-dimension, the first rule for its name whose mesh axes are all still free in
-this spec wins. A mesh axis is never bound twice in one spec. A name with no
-rule at all is an error; a name whose every rule is taken is an error too,
-unless one of its rules is `None` (add `(name, None)` as a fallback).
+Resolution of one array's logical axes into a `PartitionSpec` follows
+`flax.linen.logical_to_mesh_axes`, so rule tables ported from t5x and MaxText
+mean the same here: rules are walked in priority order (list order) across all
+dimensions of the array, and a rule binds its dimension when that dimension is
+still unbound and none of the rule's mesh axes is already used in this spec.
+A `None` rule always binds, so `(name, None)` after a name's other rules is its
+fallback. Unlike Flax, which replicates what no rule binds, a named dimension
+with no rule at all is an error, and so is one whose every rule was taken.
 
 Parameters are resolved twice: with `param_rules + rules` for their storage
 layout (FSDP keeps `embed` on `fsdp` at rest), and with `rules` alone for their
@@ -43,14 +46,21 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
   return tuple(mesh_axes)
 
 
+def _is_mesh_axes(mesh_axes: Any) -> bool:
+  """Flax also accepts a list of names (a config may turn tuples into lists)."""
+  return (mesh_axes is None or isinstance(mesh_axes, str)
+          or isinstance(mesh_axes, (tuple, list)) and all(isinstance(a, str) for a in mesh_axes))
+
+
 def normalize_rules(rules: Iterable[Sequence[Any]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """Rules as hashable `(name, (mesh_axis, ...))` pairs; `()` means replicated."""
   out = []
   for rule in rules:
-    if len(rule) != 2 or not isinstance(rule[0], str):
+    if (not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str)
+        or not _is_mesh_axes(rule[1])):
       raise PartitioningError(
           f'Bad partitioning rule {rule!r}: expected (logical_name, mesh_axes) with '
-          'mesh_axes a mesh axis name, a tuple of names, or None.')
+          'mesh_axes a mesh axis name, a tuple (or list) of names, or None.')
     name, mesh_axes = rule
     axes = _as_tuple(mesh_axes)
     if len(set(axes)) != len(axes):
@@ -63,29 +73,32 @@ def normalize_rules(rules: Iterable[Sequence[Any]]) -> tuple[tuple[str, tuple[st
 
 def resolve(logical_axes: Sequence[str | None], rules: Sequence[tuple[str, tuple[str, ...]]],
             *, what: str = 'array') -> P:
-  """PartitionSpec for one array: first free rule per dimension wins."""
-  used: dict[str, int] = {}
-  spec: list[MeshAxes] = []
+  """PartitionSpec for one array, with rules in priority order as `flax.linen.logical_to_mesh_axes`.
+
+  A name used by two dimensions (which Flax rejects) is resolved as two names: each rule binds every
+  still-unbound dimension of its name, left to right, while its mesh axes are free.
+  """
   for dim, name in enumerate(logical_axes):
-    if name is None:
-      spec.append(None)
-      continue
-    candidates = [axes for rule_name, axes in rules if rule_name == name]
-    if not candidates:
+    if name is not None and all(rule_name != name for rule_name, _ in rules):
       raise PartitioningError(
           f'Logical axis `{name}` (dim {dim} of `{what}`) has no partitioning rule. '
           f"Add ('{name}', None) to partitioning.rules to replicate it, or map it to a mesh axis.")
-    chosen = next((axes for axes in candidates if not any(a in used for a in axes)), None)
-    if chosen is None:
-      taken = ', '.join(f'`{a}` (by dim {used[a]})' for axes in candidates for a in axes if a in used)
+  bound: list[tuple[str, ...] | None] = [None] * len(logical_axes)
+  used: dict[str, int] = {}
+  for rule_name, axes in rules:
+    for dim, name in enumerate(logical_axes):
+      if name == rule_name and bound[dim] is None and not any(a in used for a in axes):
+        bound[dim] = axes
+        used.update(dict.fromkeys(axes, dim))
+  for dim, name in enumerate(logical_axes):
+    if name is not None and bound[dim] is None:
+      taken = ', '.join(f'`{a}` (by dim {used[a]})' for rule_name, axes in rules if rule_name == name
+                        for a in axes if a in used)
       raise PartitioningError(
           f'Logical axis `{name}` (dim {dim} of `{what}`): every rule for it names a mesh axis '
           f'already used in this spec: {taken}. A mesh axis can shard one dimension only. '
           f"Add a fallback rule ('{name}', None) after the others.")
-    for a in chosen:
-      used[a] = dim
-    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
-  return P(*spec)
+  return P(*(None if not axes else axes[0] if len(axes) == 1 else axes for axes in bound))
 
 
 def spec_axes(entry: MeshAxes) -> tuple[str, ...]:
