@@ -17,6 +17,7 @@ from jax.sharding import AxisType, Mesh
 from mintrain import host_allocator
 
 AXES = ('data', 'fsdp', 'model')
+_XLA_CPU_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
 
 class MeshError(ValueError):
@@ -48,15 +49,20 @@ def devices_needed(sizes: Mapping[str, int], default: int = 8) -> int:
 
 
 def simulate_cpu_devices(count: int) -> None:
-  """Asks XLA for `count` host (CPU) devices, and sets the host allocator up for XLA:CPU
-  (`host_allocator`). Must run before the JAX backend starts."""
-  from jax._src import xla_bridge
-  if xla_bridge.backends_are_initialized():
-    return
-  host_allocator.keep_freed_memory()
-  flags = os.environ.get('XLA_FLAGS', '')
-  if '--xla_force_host_platform_device_count' not in flags:
-    os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={count}'.strip()
+  """Asks JAX for `count` CPU devices, and tunes the host allocator if the run will use the CPU
+  backend (`host_allocator.keep_freed_memory_if_cpu`).
+
+  Call before the JAX backend starts: once it has, JAX refuses a new count, and this returns without
+  changing anything. A count chosen already, with `jax_num_cpu_devices` (JAX_NUM_CPU_DEVICES) or
+  XLA_FLAGS=--xla_force_host_platform_device_count, is kept. Only JAX's CPU backend reads the count:
+  on a GPU or TPU host the accelerators stay the default devices, with `count` CPU devices beside them.
+  """
+  if jax.config.jax_num_cpu_devices < 0 and _XLA_CPU_COUNT_FLAG not in os.environ.get('XLA_FLAGS', ''):
+    try:
+      jax.config.update('jax_num_cpu_devices', count)
+    except RuntimeError:  # The backend has started.
+      return
+  host_allocator.keep_freed_memory_if_cpu()
 
 
 def pick_devices(count: int) -> tuple[list[jax.Device], str | None]:

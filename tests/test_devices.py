@@ -1,0 +1,154 @@
+"""Device setup from public JAX only: simulated CPU devices, the CPU-only allocator setting, and the
+cluster launchers read from their environment variables."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from conftest import REPO
+
+from mintrain import distributed, host_allocator
+
+CUDA_PLUGIN = ['jax_plugins.xla_cuda12']
+# Variables that would make this machine look like part of a cluster.
+LAUNCHER_PREFIXES = ('SLURM_', 'OMPI_', 'TPU_', 'MEGASCALE_', 'KUBERNETES_', 'JOB_COMPLETION_INDEX',
+                     distributed.ENV_ADDRESS, distributed.ENV_COUNT, distributed.ENV_ID)
+
+
+def fresh_python(code: str, **env_extra: str) -> str:
+  """Runs `code` in a new interpreter with no device settings inherited from the tests; its stdout."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('XLA_FLAGS', 'JAX_PLATFORMS', 'JAX_NUM_CPU_DEVICES')}
+  env.update(env_extra)
+  result = subprocess.run([sys.executable, '-c', code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 0, result.stderr
+  return result.stdout.strip()
+
+
+@pytest.mark.parametrize('count', [2, 8])
+def test_simulate_cpu_devices_gives_exactly_that_many_cpu_devices(count):
+  out = fresh_python(f'from mintrain import mesh; mesh.simulate_cpu_devices({count}); '
+                     'import jax; print(len(jax.devices("cpu")))')
+  assert out == str(count)
+
+
+def test_simulate_cpu_devices_after_the_backend_started_changes_nothing():
+  out = fresh_python('import jax; from mintrain import host_allocator, mesh; jax.devices(); '
+                     'host_allocator.keep_freed_memory_if_cpu = lambda: print("allocator"); '
+                     'mesh.simulate_cpu_devices(4); print(len(jax.devices("cpu")))')
+  assert out == '1'
+
+
+def test_a_device_count_in_xla_flags_is_kept():
+  out = fresh_python('from mintrain import mesh; mesh.simulate_cpu_devices(8); '
+                     'import jax; print(len(jax.devices("cpu")))',
+                     XLA_FLAGS='--xla_force_host_platform_device_count=3')
+  assert out == '3'
+
+
+def test_no_mintrain_module_uses_private_jax():
+  users = [p.relative_to(REPO) for p in (REPO / 'mintrain').rglob('*.py') if 'jax._src' in p.read_text()]
+  assert not users
+
+
+def test_allocator_applies_when_jax_platforms_puts_cpu_first():
+  assert host_allocator.cpu_backend_expected('cpu', CUDA_PLUGIN)
+  assert host_allocator.cpu_backend_expected('cpu,cuda', CUDA_PLUGIN)
+  assert not host_allocator.cpu_backend_expected('cuda,cpu', [])
+  assert not host_allocator.cpu_backend_expected('tpu,cpu', [])
+
+
+def test_allocator_applies_without_jax_platforms_only_when_no_accelerator_is_installed():
+  assert host_allocator.cpu_backend_expected(None, [])
+  assert host_allocator.cpu_backend_expected('', [])
+  assert not host_allocator.cpu_backend_expected(None, CUDA_PLUGIN)
+  assert not host_allocator.cpu_backend_expected(None, ['libtpu'])
+
+
+def test_allocator_is_applied_under_jax_platforms_cpu_even_with_an_accelerator_installed(monkeypatch):
+  assert jax.config.jax_platforms == 'cpu'  # Set by conftest.py.
+  applied = []
+  monkeypatch.setattr(host_allocator, 'accelerator_backends', lambda: CUDA_PLUGIN)
+  monkeypatch.setattr(host_allocator, 'keep_freed_memory', lambda: applied.append(True) or True)
+  assert host_allocator.keep_freed_memory_if_cpu()
+  assert applied == [True]
+
+
+def test_a_pjrt_plugin_in_the_jax_plugins_namespace_is_an_accelerator(tmp_path, monkeypatch):
+  (tmp_path / 'jax_plugins' / 'xla_fake').mkdir(parents=True)
+  (tmp_path / 'jax_plugins' / 'xla_fake' / '__init__.py').write_text('')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert 'jax_plugins.xla_fake' in host_allocator.accelerator_backends()
+
+
+def test_libtpu_named_by_tpu_library_path_is_an_accelerator(tmp_path, monkeypatch):
+  (tmp_path / 'libtpu.so').write_bytes(b'')
+  monkeypatch.setenv('TPU_LIBRARY_PATH', str(tmp_path / 'libtpu.so'))
+  assert 'TPU_LIBRARY_PATH' in host_allocator.accelerator_backends()
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+  """An environment without any launcher's variables, whatever machine the tests run on."""
+  for name in list(os.environ):
+    if name.startswith(LAUNCHER_PREFIXES):
+      monkeypatch.delenv(name)
+  return monkeypatch
+
+
+def test_no_launcher_variables_means_no_cluster(no_cluster):
+  assert distributed.detected_cluster() is None
+  assert distributed.settings() is None
+
+
+def test_slurm_gives_process_count_and_id(no_cluster):
+  for name, value in {'SLURM_JOB_ID': '4711', 'SLURM_STEP_NODELIST': 'node[001-002]', 'SLURM_NTASKS': '2',
+                      'SLURM_PROCID': '1', 'SLURM_LOCALID': '0'}.items():
+    no_cluster.setenv(name, value)
+  assert distributed.detected_cluster() == distributed.Launcher('slurm', 2, 1)
+
+
+def test_slurm_without_a_job_step_is_not_a_cluster(no_cluster):
+  no_cluster.setenv('SLURM_JOB_ID', '4711')
+  no_cluster.setenv('SLURM_NTASKS', '2')
+  assert distributed.detected_cluster() is None
+
+
+def test_open_mpi_gives_process_count_and_id(no_cluster):
+  no_cluster.setenv('OMPI_MCA_orte_hnp_uri', '1531576320.0;tcp://10.96.0.1:34911')
+  no_cluster.setenv('OMPI_COMM_WORLD_SIZE', '2')
+  no_cluster.setenv('OMPI_COMM_WORLD_RANK', '1')
+  assert distributed.detected_cluster() == distributed.Launcher('ompi', 2, 1)
+
+
+def test_open_mpi_comes_before_slurm_as_in_jax(no_cluster):
+  for name in ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID'):
+    no_cluster.setenv(name, '1')
+  no_cluster.setenv('OMPI_MCA_orte_hnp_uri', '1531576320.0;tcp://10.96.0.1:34911')
+  assert distributed.detected_cluster().name == 'ompi'
+
+
+def test_gke_tpu_pod_leaves_count_and_id_to_jax(no_cluster):
+  no_cluster.setattr(distributed, '_on_cloud_tpu', lambda: True)
+  no_cluster.setenv('TPU_WORKER_HOSTNAMES', 'w0,w1')
+  no_cluster.setenv('TPU_WORKER_ID', '1')
+  assert distributed.detected_cluster() == distributed.Launcher('gketpu', None, None)
+
+
+def test_settings_take_count_and_id_from_slurm(no_cluster):
+  for name, value in {'SLURM_JOB_ID': '4711', 'SLURM_STEP_NODELIST': 'node001', 'SLURM_NTASKS': '4',
+                      'SLURM_PROCID': '3', 'SLURM_LOCALID': '1'}.items():
+    no_cluster.setenv(name, value)
+  assert distributed.settings() == distributed.Settings(None, 4, 3, 'slurm')
+  assert distributed.settings(num_processes=8, process_id=5).num_processes == 8  # Flags win.
+
+
+def test_inconsistent_launcher_process_id_is_an_error(no_cluster):
+  no_cluster.setenv('OMPI_MCA_orte_hnp_uri', '1531576320.0;tcp://10.96.0.1:34911')
+  no_cluster.setenv('OMPI_COMM_WORLD_SIZE', '2')
+  no_cluster.setenv('OMPI_COMM_WORLD_RANK', '2')
+  with pytest.raises(distributed.DistributedError, match=r'process id 2 must be in \[0, 2\)'):
+    distributed.settings()
