@@ -1,7 +1,8 @@
 """Metric writers and the figures they report.
 
-Writers are clu's: a console line, TensorBoard event files in WORKDIR/tensorboard
-and WORKDIR/metrics.jsonl, all behind one `MultiWriter`, on process 0 only.
+Writers: a console line, TensorBoard event files in WORKDIR/tensorboard (written by
+tensorboardX, so no process imports TensorFlow) and WORKDIR/metrics.jsonl, all behind
+one `MultiWriter`, on process 0 only.
 Throughput follows MaxText's conventions: step time excludes the compiling first
 step, model FLOPs come from the analytic count in `flops.py`, and MFU divides
 the achieved model FLOP/s per device by the device's peak.
@@ -12,11 +13,11 @@ from __future__ import annotations
 import datetime
 import json
 import pathlib
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
-from clu import metric_writers
-from clu.metric_writers import interface
+from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summaries
 
 from mintrain import hardware
 
@@ -47,35 +48,20 @@ def format_line(step: int, scalars: Scalars, total_steps: int | None = None) -> 
   return ' | '.join(parts)
 
 
-class ScalarWriter(interface.MetricWriter):
-  """A writer of scalars and hyperparameters only; clu's other kinds of data are dropped."""
+class Writer(Protocol):
+  """What the train loop writes to: scalars at every logged step, hyperparameters once."""
 
-  def write_summaries(self, step, values, metadata=None) -> None:
-    pass
+  def write_scalars(self, step: int, scalars: Scalars) -> None: ...
 
-  def write_images(self, step, images) -> None:
-    pass
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None: ...
 
-  def write_videos(self, step, videos) -> None:
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate) -> None:
-    pass
-
-  def write_texts(self, step, texts) -> None:
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None) -> None:
-    pass
-
-  def flush(self) -> None:
-    pass
+  def flush(self) -> None: ...
 
   def close(self) -> None:
-    pass
+    """Idempotent: a second call does nothing."""
 
 
-class ConsoleWriter(ScalarWriter):
+class ConsoleWriter:
   """One line per record: progress, the figures in CONSOLE, and the ETA."""
 
   def __init__(self, print_fn: Callable[[str], None], total_steps: int):
@@ -87,8 +73,14 @@ class ConsoleWriter(ScalarWriter):
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     pass  # The config is in hparams.json and TensorBoard; on the console it would bury the report.
 
+  def flush(self) -> None:
+    pass
 
-class JsonlWriter(ScalarWriter):
+  def close(self) -> None:
+    pass
+
+
+class JsonlWriter:
   """`metrics.jsonl`: one JSON object per record; hyperparameters go to `hparams.json`."""
 
   def __init__(self, workdir: pathlib.Path):
@@ -102,18 +94,75 @@ class JsonlWriter(ScalarWriter):
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     self.hparams_path.write_text(json.dumps(dict(hparams), indent=1, sort_keys=True) + '\n')
 
+  def flush(self) -> None:
+    pass  # Each record is closed as it is written.
+
+  def close(self) -> None:
+    pass
+
+
+class TensorBoardWriter:
+  """Event files in `logdir`: one scalar per tag and step, and the hyperparameters as the session start
+  of TensorBoard's HParams plugin, which then offers every scalar tag as a metric (as `hp.hparams` does)."""
+
+  def __init__(self, logdir: pathlib.Path):
+    self.events = SummaryWriter(str(logdir))
+
+  def write_scalars(self, step: int, scalars: Scalars) -> None:
+    for tag, value in scalars.items():
+      self.events.add_scalar(tag, float(value), int(step))
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    _, session_start, _ = hparams_summaries(dict(hparams), {})
+    self.events.file_writer.add_summary(session_start)
+
+  def flush(self) -> None:
+    self.events.flush()
+
+  def close(self) -> None:
+    self.events.close()  # tensorboardX ignores a second close.
+
+
+class MultiWriter:
+  """Passes every call on to each of `writers`; with none, a writer that does nothing."""
+
+  def __init__(self, writers: Sequence[Writer] = ()):
+    self.writers = list(writers)
+
+  def write_scalars(self, step: int, scalars: Scalars) -> None:
+    for writer in self.writers:
+      writer.write_scalars(step, scalars)
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    for writer in self.writers:
+      writer.write_hparams(hparams)
+
+  def flush(self) -> None:
+    for writer in self.writers:
+      writer.flush()
+
+  def close(self) -> None:
+    for writer in self.writers:
+      writer.close()
+
+  def __enter__(self) -> MultiWriter:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
 
 def make_writer(workdir: str | pathlib.Path | None, *, is_main: bool, total_steps: int,
-                print_fn: Callable[[str], None] = print) -> interface.MetricWriter:
+                print_fn: Callable[[str], None] = print) -> MultiWriter:
   """Console + TensorBoard + metrics.jsonl on process 0; nothing elsewhere."""
   if not is_main:
-    return metric_writers.MultiWriter([])
-  writers: list[interface.MetricWriter] = [ConsoleWriter(print_fn, total_steps)]
+    return MultiWriter()
+  writers: list[Writer] = [ConsoleWriter(print_fn, total_steps)]
   if workdir is not None:
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    writers += [metric_writers.SummaryWriter(str(workdir / 'tensorboard')), JsonlWriter(workdir)]
-  return metric_writers.MultiWriter(writers)
+    writers += [TensorBoardWriter(workdir / 'tensorboard'), JsonlWriter(workdir)]
+  return MultiWriter(writers)
 
 
 def flat_hparams(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
