@@ -27,15 +27,11 @@ if str(REPO) not in sys.path:
 
 import jax  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from mintrain import checkpoint as ckpt_lib  # noqa: E402
-from mintrain import config as config_lib  # noqa: E402
 from mintrain import mesh as mesh_lib  # noqa: E402
-from mintrain import train_state  # noqa: E402
-from mintrain.data.batches import make_batches  # noqa: E402
-from mintrain.optimizer import schedule  # noqa: E402
-from mintrain.partitioning import AxisRules  # noqa: E402
+from mintrain.build import Run  # noqa: E402
 from mintrain.train_loop import checkpoint_metadata  # noqa: E402
-from mintrain.train_step import make_train_step  # noqa: E402
 
 SAVE_MESH = 'dp4_tp2'
 RESTORE_MESHES = ('dp4_tp2', 'fsdp8', 'tp8', 'single')  # Config names; the first is the saving mesh.
@@ -66,13 +62,9 @@ class Row:
   restore_s: dict[str, float]  # Mesh config name -> median restore time, until the arrays are ready.
 
 
-def build(mesh_name: str, overrides: tuple[str, ...], devices: list):
-  """configs/MESH_NAME.py with `overrides`: (config, mesh, rules, train_state.Setup)."""
-  config = config_lib.load(REPO / 'configs' / f'{mesh_name}.py', COMMON + overrides)
-  config_lib.validate(config)
-  mesh = mesh_lib.make_mesh(config.mesh, devices[:mesh_lib.devices_needed(config.mesh)])
-  rules = AxisRules.from_config(config.partitioning)
-  return config, mesh, rules, train_state.setup(config, rules, mesh)
+def build(mesh_name: str, overrides: tuple[str, ...], devices: list) -> Run:
+  """The run of configs/MESH_NAME.py with `overrides`."""
+  return harness.build(harness.load(REPO / 'configs' / f'{mesh_name}.py', COMMON + overrides), devices)
 
 
 def dir_bytes(path: pathlib.Path) -> int:
@@ -82,14 +74,13 @@ def dir_bytes(path: pathlib.Path) -> int:
 def measure(name: str, overrides: tuple[str, ...], devices: list, workdir: pathlib.Path, *, saves: int,
             steps_between: int, restores: int) -> Row:
   """Trains on dp4_tp2 with `saves` saves in between, then restores the last one on every mesh."""
-  config, mesh, rules, setup = build(SAVE_MESH, overrides, devices)
+  run = build(SAVE_MESH, overrides, devices)
   checkpoints = ckpt_lib.Checkpoints(workdir / name, keep=saves)  # Keep all: no deletion mid-measurement.
   step_times, blocked, total = [], [], []
-  with jax.set_mesh(mesh):
-    state = setup.init()
-    step_fn = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, config.train.steps),
-                              use_dropout=config.model.dropout_rate > 0)
-    batches = make_batches(config, mesh, rules)
+  with jax.set_mesh(run.mesh):
+    state = run.init()
+    step_fn = run.train_step
+    batches = run.batches()
     state, metrics = step_fn(state, next(batches))  # Compiles.
     jax.block_until_ready((state, metrics))
     for _ in range(saves):
@@ -100,7 +91,7 @@ def measure(name: str, overrides: tuple[str, ...], devices: list, workdir: pathl
         jax.block_until_ready((state, metrics))
         step_times.append(time.perf_counter() - start)
       step = int(state.step)
-      metadata = checkpoint_metadata(config, mesh, step)
+      metadata = checkpoint_metadata(run, step)
       start = time.perf_counter()
       checkpoints.save(step, state, data_state=batches.get_state(), metadata=metadata)
       blocked.append(time.perf_counter() - start)
@@ -110,18 +101,18 @@ def measure(name: str, overrides: tuple[str, ...], devices: list, workdir: pathl
 
   restore_s = {}
   for mesh_name in RESTORE_MESHES:
-    _, target_mesh, _, target = build(mesh_name, overrides, devices)
+    target = build(mesh_name, overrides, devices)
     times = []
-    with jax.set_mesh(target_mesh):
+    with jax.set_mesh(target.mesh):
       for _ in range(restores):
         start = time.perf_counter()
-        tree, _, _ = checkpoints.restore(step, target.abstract_state)
+        tree = checkpoints.restore(step, target.abstract_state).state
         jax.block_until_ready(tree)
         times.append(time.perf_counter() - start)
         assert int(tree['step']) == step, (int(tree['step']), step)
     restore_s[mesh_name] = statistics.median(times)
   checkpoints.close()
-  params = sum(math.prod(p.shape) for p in setup.layout)
+  params = sum(math.prod(p.shape) for p in run.layout)
   return Row(name, params, statistics.median(step_times), blocked[0], statistics.median(blocked),
              statistics.median(total), bytes_written, restore_s)
 

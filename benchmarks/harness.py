@@ -1,4 +1,5 @@
-"""What the step benchmarks share: build the train step exactly as `train_loop.run` does, compile it, time it.
+"""What the step benchmarks share: build the run exactly as `train_loop.run` does (`mintrain.build`), compile
+the step, time it.
 
 Every number is taken with `jax.block_until_ready`, after compiling ahead (`lower(...).compile()`, as the
 loop does), so compile time and step time are reported apart. Batches are made before the timed steps:
@@ -26,10 +27,9 @@ from jax.sharding import Mesh
 from mintrain import config as config_lib
 from mintrain import mesh as mesh_lib
 from mintrain import train_state
-from mintrain.data.batches import make_batches
-from mintrain.optimizer import schedule
-from mintrain.partitioning import AxisRules
-from mintrain.train_step import make_train_step
+from mintrain.build import Run
+from mintrain.build import build as mintrain_build
+from mintrain.config import Config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -79,36 +79,19 @@ def missing_keys(path: pathlib.Path, overrides: Sequence[str]) -> list[str]:
   return missing
 
 
-def load(path: pathlib.Path, overrides: Sequence[str]) -> ml_collections.ConfigDict:
-  config = config_lib.load(path, tuple(overrides))
-  config_lib.validate(config)
-  return config
+def load(path: pathlib.Path, overrides: Sequence[str]) -> Config:
+  return config_lib.validate(config_lib.load(path, tuple(overrides)))
 
 
-@dataclasses.dataclass
-class Built:
-  """A config's mesh, layout and train step, set up as the training loop does."""
-
-  config: ml_collections.ConfigDict
-  mesh: Mesh
-  rules: AxisRules
-  setup: train_state.Setup
-  step_fn: object  # The jitted train step (state donated).
+def build(config: Config, devices: Sequence[jax.Device]) -> Run:
+  """The config's run, as the training loop builds it, on the first devices its mesh needs."""
+  return mintrain_build(config, list(devices)[:mesh_lib.devices_needed(config.mesh.sizes)])
 
 
-def build(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]) -> Built:
-  mesh = mesh_lib.make_mesh(config.mesh, list(devices)[:mesh_lib.devices_needed(config.mesh)])
-  rules = AxisRules.from_config(config.partitioning)
-  setup = train_state.setup(config, rules, mesh)
-  step_fn = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, config.train.steps),
-                            use_dropout=config.model.dropout_rate > 0)
-  return Built(config, mesh, rules, setup, step_fn)
-
-
-def device_batches(built: Built, count: int) -> list[dict[str, jax.Array]]:
+def device_batches(built: Run, count: int) -> list[dict[str, jax.Array]]:
   """`count` global batches, already on their devices."""
   with jax.set_mesh(built.mesh):
-    batches = make_batches(built.config, built.mesh, built.rules)
+    batches = built.batches()
     return [jax.block_until_ready(next(batches)) for _ in range(count)]
 
 
@@ -124,19 +107,19 @@ class Compiled:
     return self.lower_s + self.compile_s
 
 
-def compile_step(built: Built, batch: dict[str, jax.Array]) -> Compiled:
+def compile_step(built: Run, batch: dict[str, jax.Array]) -> Compiled:
   """Initialises the state and compiles the step ahead, as `train_loop.run` does before step one."""
   with jax.set_mesh(built.mesh):
-    state = jax.block_until_ready(built.setup.init())
+    state = jax.block_until_ready(built.init())
     start = time.perf_counter()
-    lowered = built.step_fn.lower(state, batch)
+    lowered = built.train_step.lower(state, batch)
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     done = time.perf_counter()
   return Compiled(compiled, state, lowered_at - start, done - lowered_at)
 
 
-def time_steps(compiled: Compiled, built: Built, batches: Sequence[dict[str, jax.Array]], *, warmup: int,
+def time_steps(compiled: Compiled, built: Run, batches: Sequence[dict[str, jax.Array]], *, warmup: int,
                steps: int, after_step: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
   """(seconds of each timed step, loss of every step) of `warmup` untimed then `steps` timed steps.
 
@@ -164,8 +147,8 @@ def memory_analysis(compiled: Compiled) -> dict[str, int]:
           'alias': m.alias_size_in_bytes, 'temp': m.temp_size_in_bytes}
 
 
-def param_count(built: Built) -> int:
-  return sum(math.prod(p.shape) for p in built.setup.layout)
+def param_count(built: Run) -> int:
+  return sum(math.prod(p.shape) for p in built.layout)
 
 
 def describe_config(path: pathlib.Path, overrides: Sequence[str]) -> str:

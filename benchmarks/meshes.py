@@ -27,7 +27,6 @@ if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
 from benchmarks import harness  # noqa: E402
-from mintrain import memory  # noqa: E402
 
 MESHES = ('single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2')
 # Every split dimension divides by 8: heads, mlp and vocab for tp8, embed for fsdp8, batch for dp8.
@@ -59,7 +58,7 @@ def main() -> int:
     compiled = harness.compile_step(built, batches[0])
     params_b = harness.first_device_bytes(compiled.state.params)
     opt_b = harness.first_device_bytes(compiled.state.opt_state)
-    plan = memory.plan(config, built.rules, built.mesh, built.setup.layout, built.setup.abstract_state)
+    plan = built.plan
     if (params_b, opt_b) != (plan.params, plan.opt_state):
       print(f'note: on {name} the arrays hold {params_b} + {opt_b} bytes per device; the layout says '
             f'{plan.params} + {plan.opt_state}', flush=True)

@@ -19,6 +19,7 @@ alternate, so load from other processes on a shared machine slows both alike.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import pathlib
 import statistics
@@ -148,7 +149,8 @@ def make_hand_step(hp: dict, mesh: jax.sharding.Mesh, params: dict):
 # The comparison.
 # ---------------------------------------------------------------------------------------------------------
 def hyperparameters(config) -> dict:
-  return {**config.model.to_dict(), **config.optimizer.to_dict(), 'steps': config.train.steps}
+  return {**dataclasses.asdict(config.model), **dataclasses.asdict(config.optimizer),
+          'steps': config.train.steps}
 
 
 def copy_params(mintrain_params, hp: dict, mesh: jax.sharding.Mesh) -> dict:
@@ -181,7 +183,7 @@ def main() -> int:
   overrides += tuple(args.override) + (SMOKE if args.smoke else ())
   steps, warmup = (1, 1) if args.smoke else (args.steps, args.warmup)
   config = harness.load(path, overrides)
-  if config.model.name != 'transformer' or config.train.grad_accum_steps != 1 or config.model.dropout_rate:
+  if config.model_name != 'transformer' or config.train.grad_accum_steps != 1 or config.model.dropout_rate:
     print('overhead.py compares the transformer with grad_accum_steps=1 and no dropout only.')
     return 1
   hp = hyperparameters(config)

@@ -4,7 +4,7 @@ Llama's shape at toy size (untied embeddings, 32k vocabulary, gated MLP 4x wide)
 that matmuls, not launch overhead, dominate a step on an accelerator.
 """
 
-from configs import base
+from . import base
 
 
 def get_config():

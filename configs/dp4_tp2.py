@@ -1,6 +1,6 @@
 """4-way data x 2-way tensor parallelism (the default run)."""
 
-from configs import base
+from . import base
 
 
 def get_config():

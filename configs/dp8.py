@@ -1,6 +1,6 @@
 """8-way data parallelism: params replicated, batch split."""
 
-from configs import base
+from . import base
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """4-way FSDP x 2-way tensor parallelism."""
 
-from configs import base
+from . import base
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """8-way FSDP: batch and parameters (on `embed`) split 8 ways."""
 
-from configs import base
+from . import base
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """The tutorial MLP classifier on synthetic data, 4-way data x 2-way tensor parallelism."""
 
-from configs import base
+from . import base
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """One device: the reference every other mesh must match."""
 
-from configs import base
+from . import base
 
 
 def get_config():

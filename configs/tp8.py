@@ -1,6 +1,6 @@
 """8-way tensor parallelism: heads, mlp and vocab split 8 ways."""
 
-from configs import base
+from . import base
 
 
 def get_config():

@@ -11,13 +11,14 @@ temporary directories are removed when a manager opens the directory.
 Restoring takes the abstract state of the *current* mesh as its target, so
 each device reads only its own shard, whatever mesh the checkpoint came from.
 
-A transformer's blocks are saved as `blocks.<i>.X` per layer, or as `blocks.X` with a
-leading layer dimension under `model.scan_layers`. A checkpoint of either layout restores
-into the other: it is read in its own layout, then stacked or unstacked in memory.
+Layers stacked on a leading `layers` axis (`model.scan_layers`) and layers saved one by one
+restore into each other (`layers.Relayout`): the checkpoint is read in its own layout, then each
+array is stacked or split on the devices. The metadata records every array's logical axes for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import pathlib
@@ -25,17 +26,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from orbax.checkpoint import checkpoint_managers as policies
 
 import mintrain
-from mintrain.train_state import TrainState, path_str
+from mintrain import mesh as mesh_lib
+from mintrain.models.layers import Relayout
+from mintrain.train_state import TrainState, flat_logical_axes, path_str
 
 CHECKPOINTS = 'checkpoints'
-BLOCKS = 'blocks'  # Transformer.blocks: per layer (`blocks.<i>.X`) or stacked (`blocks.X`).
+LOGICAL_AXES = 'logical_axes'  # Metadata key: {array path: its logical axes}, for `Relayout`.
 
 
 class CheckpointError(RuntimeError):
@@ -86,6 +86,22 @@ def find_run_checkpoints(path: str | pathlib.Path) -> tuple[pathlib.Path, int | 
       f'its {CHECKPOINTS}/ directory, or one step directory inside it.')
 
 
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """What a restore read: the state tree (a dict of TrainState's fields, or only `params`), the input
+  pipeline's position and the metadata saved with it."""
+
+  step: int
+  state: dict[str, Any]
+  data: dict[str, Any]
+  metadata: dict[str, Any]
+
+  @property
+  def mesh(self) -> str:
+    """The mesh it was saved on, as `mesh.describe` writes it."""
+    return mesh_lib.describe(self.metadata.get('mesh', {})) or 'unknown'
+
+
 class Checkpoints:
   """The checkpoints of one run directory: when to save, how many to keep, how to restore."""
 
@@ -121,10 +137,12 @@ class Checkpoints:
   def save(self, step: int, state: TrainState, *, data_state: Mapping[str, Any],
            metadata: Mapping[str, Any]) -> None:
     """Starts an asynchronous save; returns once the arrays are copied off the devices."""
+    tree = state_tree(state)
+    metadata = {**metadata, LOGICAL_AXES: {k: v for k, v in flat_logical_axes(tree).items() if v is not None}}
     args = ocp.args.Composite(
-        state=ocp.args.PyTreeSave(state_tree(state)),
+        state=ocp.args.PyTreeSave(tree),
         data=ocp.args.JsonSave(dict(data_state)),
-        metadata=ocp.args.JsonSave(dict(metadata)))
+        metadata=ocp.args.JsonSave(metadata))
     try:  # Also raises a failure of the previous save, which Orbax reports here.
       self.manager.save(step, args=args, force=True)
     except Exception as e:
@@ -145,6 +163,13 @@ class Checkpoints:
   def metadata(self, step: int) -> dict[str, Any]:
     restored = self.manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
     return dict(restored.metadata)
+
+  def _recorded_axes(self, step: int) -> dict[str, Any]:
+    """The logical axes saved with `step`; none for checkpoints from before they were (or unreadable)."""
+    try:
+      return self.metadata(step).get(LOGICAL_AXES, {})
+    except Exception:  # A damaged metadata file is reported by the restore that needs it.
+      return {}
 
   def array_metadata(self, step: int) -> dict[str, Any]:
     """Path -> Orbax ArrayMetadata (shape, dtype, saved sharding) of every saved array; reads no array."""
@@ -185,23 +210,24 @@ class Checkpoints:
           f'({len(problems)} mismatched arrays): {listing}. Use the model config it was saved with '
           f'(scripts/inspect_checkpoint.py {self.step_dir(step)} shows it).')
 
-  def restore(self, step: int, abstract_state: TrainState, *,
-              params_only: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(state tree, data state, metadata) of `step`, laid out as `abstract_state` (the current mesh).
+  def restore(self, step: int, abstract_state: TrainState, *, params_only: bool = False) -> Restored:
+    """`step` laid out as `abstract_state` (the current mesh); only `params` with `params_only`.
 
-    A checkpoint whose blocks are stacked differently from the target's (`model.scan_layers`)
-    is converted on restore.
+    A checkpoint whose layers are stacked differently from the target's is read in its own layout,
+    then converted (`Relayout`).
     """
     target = state_tree(abstract_state)
     if params_only:
       target = {'params': target['params']}
+    target_arrays, target_axes = _leaves(target), flat_logical_axes(target)
     saved_tree = self._metadata_tree(step)
-    saved_arrays, target_arrays = _leaves(saved_tree), _leaves(target)
-    saved = layers_layout(saved_arrays)
-    convert = saved is not None and layers_layout(target_arrays) not in (None, saved)
+    saved_arrays = _leaves(saved_tree)
+    recorded = self._recorded_axes(step)
+    relayout = Relayout.plan({p: (tuple(x.shape), target_axes[p]) for p, x in target_arrays.items()},
+                             {p: tuple(recorded[p]) if p in recorded else None for p in saved_arrays})
     source = target
-    if convert:  # Read the checkpoint in its own layout (and containers), then convert.
-      flat = convert_layers(target_arrays, saved == 'scanned')
+    if relayout:  # Read the checkpoint in its own layout (and containers), then convert.
+      flat = relayout.saved_layout(target_arrays)
       self.check_shapes(step, saved_arrays, flat)
       source = jax.tree_util.tree_map_with_path(lambda path, _: flat[path_str(path)],
                                                 {key: saved_tree[key] for key in target})
@@ -209,18 +235,20 @@ class Checkpoints:
       self.check_shapes(step, saved_arrays, target_arrays)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=_restore_args(source, partial=params_only or convert),
+          state=_restore_args(source, partial=params_only or bool(relayout)),
           data=ocp.args.JsonRestore(),
           metadata=ocp.args.JsonRestore()))
     except Exception as e:
       bad = self._unreadable_arrays(step, source)
       what = f'array(s) {", ".join(bad)}' if bad else 'its data or metadata files'
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: cannot read '
-                            f'{what} ({_first_line(e)}).') from e
-    state = restored.state
-    if convert:
-      state = fill(target, convert_layers(_leaves(state), saved != 'scanned'))
-    return dict(state), dict(restored.data or {}), dict(restored.metadata or {})
+                                   f'{what} ({_first_line(e)}).') from e
+    state = dict(restored.state)
+    if relayout:
+      flat = relayout.apply(_leaves(state), target_arrays)
+      leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+      state = jax.tree_util.tree_unflatten(treedef, [flat[path_str(path)] for path, _ in leaves])
+    return Restored(step, state, dict(restored.data or {}), dict(restored.metadata or {}))
 
   def _unreadable_arrays(self, step: int, target: Any) -> list[str]:
     """Restores arrays one at a time to name the ones that fail (only after a failed restore)."""
@@ -236,7 +264,7 @@ class Checkpoints:
     return bad
 
   def restore_newest(self, abstract_state: TrainState, *, params_only: bool, fallback: bool,
-                     warn: Callable[[str], None]) -> tuple[int, tuple[dict, dict, dict]]:
+                     warn: Callable[[str], None]) -> Restored:
     """The newest intact checkpoint; older ones are tried, with a warning, only if `fallback`."""
     steps = self.steps()
     if not steps:
@@ -244,7 +272,7 @@ class Checkpoints:
     *older, newest = steps
     while True:
       try:
-        return newest, self.restore(newest, abstract_state, params_only=params_only)
+        return self.restore(newest, abstract_state, params_only=params_only)
       except DamagedCheckpointError as e:
         if not older:
           raise CheckpointError(f'{e} There is no older checkpoint to fall back to.') from e
@@ -253,75 +281,6 @@ class Checkpoints:
                                 f'{older[-1]} instead.') from e
         warn(f'warning: {e} Falling back to step {older[-1]}.')
         newest = older.pop()
-
-
-def _split_layer_path(path: str) -> tuple[str, int | None, str] | None:
-  """'params.blocks.3.attn.w' -> ('params.blocks', 3, 'attn.w'); 'params.blocks.attn.w' -> (.., None, ..)."""
-  parts = path.split('.')
-  if BLOCKS not in parts[:-1]:
-    return None
-  i = parts.index(BLOCKS) + 1
-  if parts[i].isdigit():
-    return '.'.join(parts[:i]), int(parts[i]), '.'.join(parts[i + 1:])
-  return '.'.join(parts[:i]), None, '.'.join(parts[i:])
-
-
-def layers_layout(flat: Mapping[str, Any]) -> str | None:
-  """'scanned' or 'unscanned' for a flat {path: array} of a transformer's state, None without blocks."""
-  for path in flat:
-    split = _split_layer_path(path)
-    if split is not None:
-      return 'unscanned' if split[1] is not None else 'scanned'
-  return None
-
-
-def _stack(xs: list[Any]) -> Any:
-  """Arrays (or abstract arrays) of every layer -> one with a leading layer dimension."""
-  if isinstance(xs[0], jax.ShapeDtypeStruct):
-    sharding = xs[0].sharding
-    if isinstance(sharding, NamedSharding):
-      sharding = NamedSharding(sharding.mesh, P(None, *sharding.spec))
-    return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype, sharding=sharding)
-  return jnp.stack(xs)
-
-
-def _layer(x: Any, i: int) -> Any:
-  """Layer i of a stacked array (or abstract array)."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    sharding = x.sharding
-    if isinstance(sharding, NamedSharding):
-      sharding = NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
-    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
-  return x[i]
-
-
-def convert_layers(flat: Mapping[str, Any], to_scanned: bool) -> dict[str, Any]:
-  """A flat {path: array} with its blocks stacked (`blocks.<i>.X` -> `blocks.X`) or unstacked.
-
-  Applies to every part of the state that mirrors the parameters (Adam's mu and nu too).
-  """
-  out, groups = {}, {}
-  for path, x in flat.items():
-    split = _split_layer_path(path)
-    if split is None:
-      out[path] = x
-    elif to_scanned and split[1] is not None:
-      groups.setdefault((split[0], split[2]), {})[split[1]] = x
-    elif not to_scanned and split[1] is None:
-      for i in range(x.shape[0]):
-        out[f'{split[0]}.{i}.{split[2]}'] = _layer(x, i)
-    else:
-      out[path] = x
-  for (head, rest), layers in groups.items():
-    out[f'{head}.{rest}'] = _stack([layers[i] for i in range(len(layers))])
-  return out
-
-
-def fill(target: Any, flat: Mapping[str, Any]) -> Any:
-  """The tree of `target` (abstract arrays), each leaf taken from `flat` by path, in the target's sharding."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-  return jax.tree_util.tree_unflatten(
-      treedef, [jax.device_put(flat[path_str(path)], x.sharding) for path, x in leaves])
 
 
 def _array_handlers() -> ocp.type_handlers.TypeHandlerRegistry | None:

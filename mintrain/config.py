@@ -1,43 +1,270 @@
-"""Loading and validating ml_collections configs, before anything touches a device."""
+"""The run's config: ml_collections files and `key.path=value` overrides, parsed once into frozen sections.
+
+`load` reads a config file by path; `validate` turns the ConfigDict into a `Config` whose sections
+(mesh, partitioning, model, data, train, optimizer, eval, checkpoint, metrics, profile) are frozen
+dataclasses, every option checked against its meaning before any device is touched. Each module
+receives only its own section. Defaults live in `configs/base.py` alone; a config saved by an older
+mintrain goes through `upgrade`, which fills the keys added since from there.
+"""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import difflib
+import hashlib
 import importlib.util
 import pathlib
 import sys
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_collections
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DTYPES = ('float32', 'bfloat16')
+from mintrain import fields, models, partitioning
+from mintrain.fields import ConfigError, option
+
+BASE = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'base.py'
+MESH_AXES = ('data', 'fsdp', 'model')
 
 
-class ConfigError(ValueError):
-  """A config value that cannot work; the message names the key and what to change."""
+def _mesh_size(value: int) -> str | None:
+  return None if value >= 1 or value == -1 else 'must be a positive integer, or -1 for all remaining devices'
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = option(check=_mesh_size)
+  fsdp: int = option(check=_mesh_size)
+  model: int = option(check=_mesh_size)
+
+  def __post_init__(self):
+    if list(self.sizes.values()).count(-1) > 1:
+      raise ConfigError(f'mesh sizes may have one -1 (all remaining devices), not several; got '
+                        f'{", ".join(f"mesh.{k}={v}" for k, v in self.sizes.items())}.')
+
+  @property
+  def sizes(self) -> dict[str, int]:
+    return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitioningConfig:
+  rules: tuple = option()
+  param_rules: tuple = option()
+
+  def __post_init__(self):
+    for key in ('rules', 'param_rules'):
+      try:
+        partitioning.normalize_rules(getattr(self, key))
+      except partitioning.PartitioningError as e:
+        raise ConfigError(f'partitioning.{key}: {e}') from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: str = option(choices=('stdlib', 'text', 'tokens', 'synthetic'))
+  path: str = option()
+  eval_fraction: float = option(at_least=0, below=1)
+  token_dtype: str = option(choices=('uint16', 'uint32'))
+  max_bytes: int = option(at_least=0)
+  num_threads: int = option(at_least=0)
+  prefetch: int = option(at_least=0)
+  device_prefetch: int = option(at_least=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  every_steps: int = option(at_least=0)
+  steps: int = option(at_least=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = option(at_least=1)
+  global_batch_size: int = option(at_least=1)
+  seq_len: int = option(at_least=1)
+  grad_accum_steps: int = option(at_least=1)
+  log_every: int = option(at_least=1)
+
+  def __post_init__(self):
+    if self.global_batch_size % self.grad_accum_steps:
+      raise ConfigError(
+          f'train.global_batch_size={self.global_batch_size} is not divisible by '
+          f'train.grad_accum_steps={self.grad_accum_steps}; every micro-batch must have the same size.')
+
+  @property
+  def micro_batch_size(self) -> int:
+    return self.global_batch_size // self.grad_accum_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+  peak_tflops: float = option(at_least=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+  start_step: int = option(at_least=-1)
+  num_steps: int = option(at_least=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = option(at_least=0)
+  keep: int = option(at_least=0)
+  fallback_to_previous: bool = option()
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  learning_rate: float = option(above=0)
+  warmup_steps: int = option(at_least=0)
+  end_lr_fraction: float = option(at_least=0, at_most=1)
+  b1: float = option(at_least=0, below=1)
+  b2: float = option(at_least=0, below=1)
+  eps: float = option(above=0)
+  weight_decay: float = option(at_least=0)
+  grad_clip_norm: float = option(at_least=0)
+
+
+SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,
+            'train': TrainConfig, 'metrics': MetricsConfig, 'profile': ProfileConfig,
+            'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A validated run config; `model` is the typed config of the family `model_name`."""
+
+  seed: int
+  model_name: str
+  model: Any
+  mesh: MeshConfig
+  partitioning: PartitioningConfig
+  data: DataConfig
+  train: TrainConfig
+  optimizer: OptimizerConfig
+  eval: EvalConfig
+  checkpoint: CheckpointConfig
+  metrics: MetricsConfig
+  profile: ProfileConfig
+
+  @property
+  def family(self) -> models.Family:
+    return models.family(self.model_name)
+
+  def to_dict(self) -> dict[str, Any]:
+    """The options as plain values: what a checkpoint saves and `validate` reads back."""
+    out = {'seed': self.seed, 'model': {'name': self.model_name, **fields.to_dict(self.model)}}
+    out.update({name: fields.to_dict(getattr(self, name)) for name in SECTIONS})
+    return out
+
+  def replace(self, **sections: Any) -> Config:
+    return dataclasses.replace(self, **sections)
+
+
+def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
+  """The typed config; a ConfigError names the first key whose value cannot work, and what can."""
+  values = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+  expected = {'seed', 'model', *SECTIONS}
+  for key in values:
+    if key not in expected:
+      raise ConfigError(f'Unknown config key {key!r} at the top level; keys there: '
+                        f'{", ".join(sorted(expected))}.')
+  for key in expected - set(values):
+    raise ConfigError(f'Config key {key!r} is missing; configs/base.py has its default.')
+  seed = fields.build(_Seed, {'seed': values['seed']}, 'config').seed
+  model = dict(values['model'])
+  name = model.pop('name', None)
+  family = models.family(name)
+  sections = {key: fields.build(cls, values[key], key) for key, cls in SECTIONS.items()}
+  model_cfg = fields.build(family.config, model, 'model')
+  family.check(model_cfg, sections['train'].seq_len)
+  return Config(seed=seed, model_name=name, model=model_cfg, **sections)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seed:
+  seed: int = option(at_least=0)
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """configs/base.py: every default, in one place."""
+  return load(BASE)
+
+
+def upgrade(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A config saved by any mintrain version (a checkpoint's), with the keys added since then filled in
+  from configs/base.py. A model of another family than base's keeps its own section whole."""
+  merged = defaults().to_dict()
+  for key, value in saved.items():
+    if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping) and not (
+        key == 'model' and value.get('name') != merged['model']['name']):
+      merged[key] = {**merged[key], **value}
+    else:
+      merged[key] = value
+  return ml_collections.ConfigDict(merged)
 
 
 def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-  """Loads a config file (`get_config()`) and applies `key.path=value` overrides."""
-  path = pathlib.Path(path)
+  """A config file's `get_config()` with `key.path=value` overrides applied.
+
+  The file is loaded by path as a module of its folder's package, so it can import its neighbours
+  (`from . import base`) wherever it lives; nothing is added to `sys.path`.
+  """
+  path = pathlib.Path(path).expanduser()
   if not path.is_file():
     raise ConfigError(f'Config file {path} does not exist; see configs/ for the available ones.')
-  if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))  # Config files import `configs.base`.
-  spec = importlib.util.spec_from_file_location(f'_mintrain_config_{path.stem}', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  try:
+    module = _load_module(path.resolve())
+    get_config = module.get_config
+  except ConfigError:
+    raise
+  except AttributeError:
+    raise ConfigError(f'Config file {path} has no get_config() function returning the config.') from None
+  except Exception as e:
+    where = f' (line {e.lineno})' if isinstance(e, SyntaxError) else ''
+    raise ConfigError(f'Config file {path} does not load{where}: {type(e).__name__}: {e}') from None
+  try:
+    config = get_config()
+  except Exception as e:
+    raise ConfigError(f'Config file {path}: get_config() raised {type(e).__name__}: {e}') from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f'Config file {path}: get_config() returned a {type(config).__name__}, '
+                      'not a ConfigDict.')
   apply_overrides(config, overrides)
   return config
+
+
+def _load_module(path: pathlib.Path) -> types.ModuleType:
+  """`path` as module `<package>.<stem>`, its package the folder it is in (registered once, by folder)."""
+  folder = path.parent
+  package = f'_mintrain_configs_{hashlib.sha1(str(folder).encode()).hexdigest()[:12]}'
+  if package not in sys.modules:
+    spec = importlib.util.spec_from_loader(package, loader=None, is_package=True)
+    module = importlib.util.module_from_spec(spec)
+    module.__path__ = [str(folder)]
+    sys.modules[package] = module
+  name = f'{package}.{path.stem}'
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # So the file's own relative imports of it find it.
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules[name]
+    raise
+  return module
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
   """Sets each `key.path=value` override."""
   for item in overrides:
     key, sep, value = item.partition('=')
-    if not sep:
-      raise ConfigError(f'Override {item!r} must look like key.path=value.')
+    if not sep or not key:
+      raise ConfigError(f'Override {item!r} must look like key.path=value (e.g. train.steps=100).')
     set_value(config, key, value)
 
 
@@ -49,28 +276,21 @@ def set_value(config: ml_collections.ConfigDict, key: str, value: str) -> None:
     if not isinstance(node, ml_collections.ConfigDict) or name not in node:
       where = '.'.join(parents[:i]) or 'the top level'
       options = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-      close = [o for o in options if _close(o, name)]
+      close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
       hint = f' Did you mean {", ".join(close)}?' if close else f' Keys there: {", ".join(options)}.'
       raise ConfigError(f'Unknown config key {key!r}: no {name!r} under {where}.{hint}')
-    if name != leaf or i < len(parents):
+    if i < len(parents):
       node = node[name]
-  current = node[leaf]
-  node[leaf] = _parse(value, current, key)
+  node[leaf] = _parse(value, node[leaf], key)
 
 
-def _close(a: str, b: str) -> bool:
-  import difflib
-  return difflib.SequenceMatcher(None, a, b).ratio() >= 0.6 or a.startswith(b) or b.startswith(a)
-
-
-def _parse(text: str, current, key: str):
-  import ast
+def _parse(text: str, current: Any, key: str) -> Any:
   if isinstance(current, str):
     return text
   try:
     value = ast.literal_eval(text)
-  except (ValueError, SyntaxError) as e:
-    raise ConfigError(f'Cannot parse {key}={text!r} as a {type(current).__name__}.') from e
+  except (ValueError, SyntaxError):
+    raise ConfigError(f'Cannot parse {key}={text!r} as a {type(current).__name__}.') from None
   if isinstance(current, bool) and not isinstance(value, bool):
     raise ConfigError(f'{key} expects True or False, got {text!r}.')
   if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -79,52 +299,3 @@ def _parse(text: str, current, key: str):
       isinstance(current, (list, tuple)) and isinstance(value, (list, tuple))):
     raise ConfigError(f'{key} expects a {type(current).__name__}, got {text!r}.')
   return value
-
-
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks values that are wrong on any mesh. Mesh-dependent checks live in `mesh`/`partitioning`."""
-  sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.model]
-  if any(not isinstance(s, int) or (s < 1 and s != -1) for s in sizes) or sizes.count(-1) > 1:
-    raise ConfigError(f'mesh sizes must be positive integers with at most one -1 '
-                      f'(all remaining devices); got data={sizes[0]}, fsdp={sizes[1]}, model={sizes[2]}.')
-  t = config.train
-  for key in ('steps', 'global_batch_size', 'seq_len', 'grad_accum_steps', 'log_every'):
-    if not isinstance(t[key], int) or t[key] < 1:
-      raise ConfigError(f'train.{key} must be a positive integer; got {t[key]!r}.')
-  if t.global_batch_size % t.grad_accum_steps:
-    raise ConfigError(
-        f'train.global_batch_size={t.global_batch_size} is not divisible by '
-        f'train.grad_accum_steps={t.grad_accum_steps}; every micro-batch must have the same size.')
-  m = config.model
-  for key in ('param_dtype', 'compute_dtype'):
-    if m[key] not in DTYPES:
-      raise ConfigError(f'model.{key}={m[key]!r}; choose one of {DTYPES}.')
-  if not 0.0 <= m.dropout_rate < 1.0:
-    raise ConfigError(f'model.dropout_rate={m.dropout_rate} must be in [0, 1).')
-  if m.name == 'transformer' and m.head_dim % 2:
-    raise ConfigError(f'model.head_dim={m.head_dim} must be even for rotary embeddings.')
-  if m.name == 'transformer':
-    from mintrain.models.transformer import ATTENTION_OPTIONS, REMAT_OPTIONS
-    for key, options in (('remat', REMAT_OPTIONS), ('attention', ATTENTION_OPTIONS)):
-      if m.get(key, options[0]) not in options:  # Configs saved before the option existed lack it.
-        raise ConfigError(f'model.{key}={m[key]!r}; choose one of {options}.')
-    chunks = m.get('loss_chunks', 1)
-    if not isinstance(chunks, int) or chunks < 0 or (chunks and t.seq_len % chunks):
-      raise ConfigError(f'model.loss_chunks={chunks!r} must be 0 (logits, then the loss) or a positive '
-                        f'divisor of train.seq_len={t.seq_len} (the fused loss over that many chunks).')
-
-
-def micro_batch_size(config: ml_collections.ConfigDict) -> int:
-  return config.train.global_batch_size // config.train.grad_accum_steps
-
-
-def check_batch_divisible(config: ml_collections.ConfigDict, batch_ways: int, batch_axes: str) -> None:
-  """The micro-batch must split evenly over the mesh axes that `batch` maps to."""
-  micro = micro_batch_size(config)
-  if micro % batch_ways:
-    ok = batch_ways * config.train.grad_accum_steps
-    raise ConfigError(
-        f'`batch` (micro-batch of {micro} = train.global_batch_size {config.train.global_batch_size} '
-        f'/ train.grad_accum_steps {config.train.grad_accum_steps}) is split over {batch_axes} '
-        f'= {batch_ways} devices; {micro} % {batch_ways} != 0. Use a global batch that is a '
-        f'multiple of {ok}.')

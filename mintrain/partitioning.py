@@ -118,9 +118,9 @@ class AxisRules:
   param_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
   @classmethod
-  def from_config(cls, partitioning: Mapping[str, Any]) -> AxisRules:
-    return cls(normalize_rules(partitioning['rules']),
-               normalize_rules(partitioning.get('param_rules', ())))
+  def from_config(cls, partitioning: Any) -> AxisRules:
+    """From the `partitioning` section (`config.PartitioningConfig`)."""
+    return cls(normalize_rules(partitioning.rules), normalize_rules(partitioning.param_rules))
 
   def activation_spec(self, logical_axes: Sequence[str | None], what: str = 'activation') -> P:
     return resolve(logical_axes, self.rules, what=what)

@@ -1,4 +1,4 @@
-"""Autoregressive sampling from a Transformer with a KV cache.
+"""Autoregressive sampling from a language model with a KV cache (`decode` and `init_cache`).
 
 Shape letters: B batch, P prompt length, N new tokens, S cache length (P + N), V vocab.
 
@@ -21,24 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mintrain.models.transformer import BLHK, KVCache, Transformer, TransformerConfig
-from mintrain.partitioning import AxisRules
+from mintrain.models.transformer import KVCache, Transformer
 
 # RoPE angles come from float32 positions, which are exact integers only up to 2**24.
 MAX_POSITIONS = 2**24
-
-
-def init_cache(cfg: TransformerConfig, batch: int, max_len: int, dtype: jnp.dtype,
-               rules: AxisRules | None = None) -> KVCache:
-  """Zero keys and values for `max_len` positions in every layer.
-
-  With `rules` (and a mesh set) they are laid out as the attention's (batch, length, heads, kv),
-  so the cache is split like the activations that fill it.
-  """
-  shape = (batch, max_len, cfg.num_heads, cfg.head_dim)
-  spec = None if rules is None or jax.sharding.get_abstract_mesh().empty else rules.activation_spec(BLHK)
-  return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
-          for _ in range(cfg.num_layers)]
 
 
 def sample_token(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_k: int) -> jax.Array:
@@ -105,8 +91,7 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
               max_new_tokens: int, temperature: float, top_k: int) -> jax.Array:
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_BP.shape
-  cache = init_cache(model.cfg, batch, prompt_len + max_new_tokens, jnp.dtype(model.cfg.compute_dtype),
-                     model.rules)
+  cache = model.init_cache(batch, prompt_len + max_new_tokens, jnp.dtype(model.cfg.compute_dtype))
   logits_BPV, cache = model.decode(prompt_BP, cache, 0)
   first_B = _next_token(logits_BPV, key, 0, temperature, top_k)
 

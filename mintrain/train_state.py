@@ -1,9 +1,9 @@
 """The train state, its layout on the mesh, and its sharded initialisation.
 
-Order matters: the parameter layout is found by abstract evaluation outside the
-mesh and validated (divisibility, rules) before anything is traced on the
-mesh; then the state is initialised inside `jit`, each parameter drawn
-directly in its storage sharding.
+Order matters (`mintrain.build`): the parameter layout is found by abstract
+evaluation outside the mesh and validated (divisibility, rules) before anything
+is traced on the mesh; then the state is initialised inside `jit`, each
+parameter drawn directly in its storage sharding.
 """
 
 from __future__ import annotations
@@ -11,19 +11,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from mintrain import partitioning
-from mintrain.config import check_batch_divisible
-from mintrain.models import make_model
-from mintrain.optimizer import make_optimizer
+from mintrain.models import Family
 from mintrain.partitioning import AxisRules
 
 
@@ -60,17 +58,30 @@ def path_str(path: tuple) -> str:
   return '.'.join(name(k) for k in path)
 
 
-def param_layout(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) -> list[ParamInfo]:
-  """Every parameter's shape, logical axes and layout; raises on any layout error.
+def flat_logical_axes(tree: Any) -> dict[str, tuple[str | None, ...] | None]:
+  """{path: logical axes} of every array leaf of a state, named as a full flatten names it
+  (`path_str`); None for leaves that are not parameters (or mirror none, like Adam's count)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]:
+    axes = tuple(leaf.get_metadata()['out_sharding']) if _is_variable(leaf) else None
+    for sub, _ in jax.tree_util.tree_flatten_with_path(leaf)[0]:
+      out[path_str(path + sub)] = axes
+  return out
 
-  Abstract evaluation only: no parameter is allocated.
-  """
-  rules.check_mesh_axes(mesh.axis_names)
-  batch_axes = partitioning.spec_axes(rules.activation_spec(('batch',))[0])
-  check_batch_divisible(config, rules.ways('batch', mesh.shape),
-                        ' x '.join(f'`{a}`' for a in batch_axes) or 'no mesh axes')
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def abstract_model(family: Family, model: Any, rules: AxisRules, seed: int) -> nnx.Module:
+  """The model with ShapeDtypeStructs for parameters, found outside any mesh: allocates nothing."""
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    abstract = nnx.eval_shape(lambda: make_model(config.model, rules, config.seed))
+    return nnx.eval_shape(lambda: family.make(model, rules, nnx.Rngs(params=seed)))
+
+
+def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[ParamInfo]:
+  """Every parameter's shape, logical axes and layout; raises on any layout error."""
+  rules.check_mesh_axes(mesh.axis_names)
   rows = []
   for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
     name, axes = path_str(path), var.get_metadata()['out_sharding']
@@ -83,48 +94,20 @@ def param_layout(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh
   return rows
 
 
-def make_init(config: ml_collections.ConfigDict, rules: AxisRules,
-              tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, Callable[[], TrainState]]:
-  """The model's graph definition and a function that builds the state (call it under `jit`)."""
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_model(config.model, rules, config.seed)),
-                            nnx.Param)
+def make_init(family: Family, model: Any, rules: AxisRules, tx: optax.GradientTransformation,
+              seed: int) -> tuple[Callable[[], TrainState], Callable[[nnx.State], TrainState]]:
+  """(init, from_params): the whole state drawn from the seed, or built around given parameters
+  (a fresh optimizer state, step 0). Call them under `jit` on the mesh."""
+
+  def from_params(params: nnx.State) -> TrainState:
+    rng = jax.random.key_data(jax.random.key(seed + 1))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
 
   def init() -> TrainState:
-    _, params = nnx.split(make_model(config.model, rules, config.seed), nnx.Param)
-    rng = jax.random.key_data(jax.random.key(config.seed + 1))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=rng)
+    _, params = nnx.split(family.make(model, rules, nnx.Rngs(params=seed)), nnx.Param)
+    return from_params(params)
 
-  return graphdef, init
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything a run needs that follows from the config and the mesh."""
-
-  graphdef: nnx.GraphDef
-  tx: optax.GradientTransformation
-  layout: list[ParamInfo]
-  init: Callable[[], TrainState]  # jitted; call under the mesh.
-  abstract_state: TrainState  # ShapeDtypeStructs with concrete NamedShardings.
-
-
-def setup(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) -> Setup:
-  """Validates the layout, then traces (but does not run) the sharded init."""
-  layout = param_layout(config, rules, mesh)
-  tx = make_optimizer(config.optimizer, config.train.steps)
-  graphdef, init = make_init(config, rules, tx)
-  init = jax.jit(init)
-  with jax.set_mesh(mesh):
-    abstract_state = jax.eval_shape(init)
-  # eval_shape gives shardings on an AbstractMesh; restore targets need this mesh's devices.
-  def concrete(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    spec = x.sharding.spec if x.sharding is not None else PartitionSpec()
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-
-  abstract_state = jax.tree.map(concrete, abstract_state)
-  return Setup(graphdef, tx, layout, init, abstract_state)
+  return init, from_params
 
 
 def state_bytes_per_device(tree) -> int:

@@ -9,6 +9,7 @@ import argparse
 import os
 import pathlib
 import sys
+from typing import NoReturn
 
 # clu's metric writers import TensorFlow (only to write TensorBoard files); keep its C++ start-up notes
 # off stderr. TensorFlow still prints one absl line on import.
@@ -33,15 +34,20 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
   return overrides, [a for a in argv if not a.startswith(prefix)]
 
 
+def fail(message: str) -> NoReturn:
+  """One line on stderr and exit status 2: the input was wrong, nothing ran."""
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None):
-  """Parses `--config FILE` plus `--config.key.path=value` overrides; exits 2 on a bad config."""
+  """Parses `--config FILE` plus `--config.key.path=value` overrides into the validated config."""
   overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
   try:
-    config = config_lib.load(args.config, overrides)
-    config_lib.validate(config)
+    config = config_lib.validate(config_lib.load(args.config, overrides))
   except config_lib.ConfigError as e:
-    sys.exit(f'error: {e}')
+    fail(str(e))
   return args, config
 
 
@@ -59,19 +65,19 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument('--process_id', type=int, default=None)
 
 
-def devices_for(config, args: argparse.Namespace | None = None):
-  """Devices for the config's mesh: joins a multi-process run if one is set up, and simulates CPU
+def devices_for(mesh: config_lib.MeshConfig, args: argparse.Namespace | None = None):
+  """Devices for the mesh: joins a multi-process run if one is set up, and simulates CPU
   devices when the machine has too few (each process simulates its share)."""
   quiet_libraries()
-  needed = mesh_lib.devices_needed(config.mesh)
+  needed = mesh_lib.devices_needed(mesh.sizes)
   try:
     dist = distributed.settings(getattr(args, 'coordinator_address', None),
                                 getattr(args, 'num_processes', None), getattr(args, 'process_id', None))
   except distributed.DistributedError as e:
-    sys.exit(f'error: {e}')
+    fail(str(e))
   processes = dist.num_processes if dist is not None and dist.num_processes else 1
   if needed % processes:
-    sys.exit(f'error: the mesh needs {needed} devices, which {processes} processes cannot share evenly.')
+    fail(f'the mesh needs {needed} devices, which {processes} processes cannot share evenly.')
   mesh_lib.simulate_cpu_devices(needed // processes)
   if dist is not None:
     distributed.initialize(dist)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 
 import _bootstrap
@@ -36,19 +37,15 @@ def layout_config(config_file: str | None, overrides: list[str]) -> ml_collectio
 
 
 def sampling_config(saved: dict, layout: ml_collections.ConfigDict, overrides: list[str],
-                    num_samples: int) -> ml_collections.ConfigDict:
+                    num_samples: int) -> config_lib.Config:
   """The saved config on the sampling layout; its batch is the samples, so layout checks are about them."""
-  config = ml_collections.ConfigDict(saved)
+  config = config_lib.upgrade(saved)
   config.mesh = layout.mesh
   if 'partitioning' in layout:
     config.partitioning = layout.partitioning
   config_lib.apply_overrides(config, overrides)
   config.train.global_batch_size, config.train.grad_accum_steps = num_samples, 1
-  config_lib.validate(config)
-  if config.model.name != 'transformer':
-    raise config_lib.ConfigError(f'The checkpoint holds a model.name={config.model.name!r} model; '
-                                 'only a transformer can sample text.')
-  return config
+  return config_lib.validate(config)
 
 
 def main() -> int:
@@ -71,17 +68,18 @@ def main() -> int:
     parser.error('--temperature and --top_k must be >= 0')
   try:
     layout = layout_config(args.config, overrides)
+    mesh_config = config_lib.validate(config_lib.upgrade({'mesh': layout.mesh.to_dict()})).mesh
   except config_lib.ConfigError as e:
-    sys.exit(f'error: {e}')
+    _bootstrap.fail(str(e))
   with contextlib.redirect_stdout(sys.stderr):  # Its note too: stdout is for the text alone.
-    devices = _bootstrap.devices_for(layout)
+    devices = _bootstrap.devices_for(mesh_config)
 
   import jax
-  from flax import nnx
 
   from mintrain import checkpoint as ckpt_lib
   from mintrain import mesh as mesh_lib
-  from mintrain import sampling, train_state
+  from mintrain import sampling
+  from mintrain.build import build
   from mintrain.data import tokenizer
   from mintrain.partitioning import AxisRules, PartitioningError
 
@@ -93,21 +91,27 @@ def main() -> int:
     checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
     step = checkpoints.steps()[-1] if step is None else step
     config = sampling_config(checkpoints.metadata(step)['config'], layout, overrides, args.num_samples)
-    mesh = mesh_lib.make_mesh(config.mesh, devices)
-    rules = AxisRules.from_config(config.partitioning)
-    batch_ways = rules.ways('batch', mesh.shape)
+    mesh_shape = mesh_lib.make_mesh(config.mesh.sizes, devices).shape
+    batch_ways = AxisRules.from_config(config.partitioning).ways('batch', mesh_shape)
     if args.num_samples % batch_ways:
       note(f'note: {args.num_samples} sample(s) do not split over the {batch_ways} devices that `batch` maps '
            'to; replicating the batch instead.')
-      rules = AxisRules((('batch', ()),) + rules.rules, rules.param_rules)
-    setup = train_state.setup(config, rules, mesh)
-    tree, _, _ = checkpoints.restore(step, setup.abstract_state, params_only=True)
+      rules = (('batch', None),) + config.partitioning.rules
+      config = config.replace(partitioning=dataclasses.replace(config.partitioning, rules=rules))
+    run = build(config, devices)
+    params = checkpoints.restore(step, run.abstract_state, params_only=True).state['params']
     checkpoints.close()
   except (ckpt_lib.CheckpointError, config_lib.ConfigError, mesh_lib.MeshError, PartitioningError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
+    _bootstrap.fail(str(e))
+  mesh = run.mesh
+  with jax.set_mesh(mesh):
+    model = run.model(params)
+  if not hasattr(model, 'decode'):
+    _bootstrap.fail(f'The checkpoint holds a model.name={config.model_name!r} model, which cannot sample '
+                    'text '
+                    '(it has no decode step).')
 
-  vocab_size = config.model.vocab_size
+  vocab_size = model.cfg.vocab_size
   if args.top_k > vocab_size:
     parser.error(f'--top_k {args.top_k} exceeds the vocabulary ({vocab_size} tokens)')
   with_bos = vocab_size > tokenizer.BOS
@@ -126,7 +130,6 @@ def main() -> int:
        f'tokens, {how}.')
 
   with jax.set_mesh(mesh):
-    model = nnx.merge(setup.graphdef, tree['params'])
     prompt_BP = np.tile(prompt_P, (args.num_samples, 1))
     tokens_BN = sampling.generate(model, prompt_BP, args.max_new_tokens, temperature=args.temperature,
                                   top_k=args.top_k, key=jax.random.key(args.seed))

@@ -16,21 +16,18 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--config', default='configs/dp4_tp2.py', help='ml_collections config file')
   _, config = _bootstrap.parse(parser)
-  devices = _bootstrap.devices_for(config)
+  devices = _bootstrap.devices_for(config.mesh)
 
-  from mintrain import memory, report, train_state
-  from mintrain import mesh as mesh_lib
+  from mintrain import report
+  from mintrain.build import build
   from mintrain.config import ConfigError
-  from mintrain.partitioning import AxisRules, PartitioningError
+  from mintrain.mesh import MeshError
+  from mintrain.partitioning import PartitioningError
   try:
-    mesh = mesh_lib.make_mesh(config.mesh, devices)
-    rules = AxisRules.from_config(config.partitioning)
-    setup = train_state.setup(config, rules, mesh)
-    plan = memory.plan(config, rules, mesh, setup.layout, setup.abstract_state)
-  except (mesh_lib.MeshError, PartitioningError, ConfigError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  print(report.format_report(setup.layout, setup.abstract_state, mesh, plan))
+    run = build(config, devices)
+  except (MeshError, PartitioningError, ConfigError) as e:
+    _bootstrap.fail(str(e))
+  print(report.format_report(run.layout, run.abstract_state, run.mesh, run.plan))
   return 0
 
 

@@ -25,7 +25,7 @@ def main() -> int:
   args, config = _bootstrap.parse(parser)
   if args.restore_params_only and not args.restore_from:
     parser.error('--restore_params_only needs --restore_from PATH')
-  devices = _bootstrap.devices_for(config, args)
+  devices = _bootstrap.devices_for(config.mesh, args)
 
   from mintrain import train_loop
   from mintrain.checkpoint import CheckpointError

@@ -1,20 +1,33 @@
-"""Tests run on 8 simulated CPU devices; XLA reads this before the backend starts."""
+"""Tests run on 8 simulated CPU devices, chosen before the JAX backend starts.
 
+Compiled programs go to a persistent compilation cache for this session, shared with the scripts the
+tests start (they inherit the environment), so the many runs of the same small models compile once.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ['JAX_PLATFORMS'] = 'cpu'
-_FLAGS = os.environ.get('XLA_FLAGS', '')
-os.environ['XLA_FLAGS'] = f'{_FLAGS} --xla_force_host_platform_device_count=8'.strip()
+_CACHE = tempfile.mkdtemp(prefix='mintrain_test_jax_cache_')
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
+
+import jax  # noqa: E402
+
+jax.config.update('jax_num_cpu_devices', 8)  # Wins over a count in XLA_FLAGS; subprocesses do not inherit it.
 
 from mintrain import host_allocator  # noqa: E402
 
-host_allocator.keep_freed_memory()  # As the scripts do (mesh.simulate_cpu_devices).
+host_allocator.keep_freed_memory()  # As the scripts do on the CPU backend (mesh.simulate_cpu_devices).
 
 import pathlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from mintrain import config as config_lib  # noqa: E402
@@ -23,17 +36,23 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 MESH_CONFIGS = ('single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2')
 
 
-def load_config(name: str, *overrides: str):
-  """configs/NAME.py with `key=value` overrides, validated."""
-  config = config_lib.load(REPO / 'configs' / f'{name}.py', overrides)
-  config_lib.validate(config)
-  return config
+def load_config(name: str, *overrides: str) -> config_lib.Config:
+  """configs/NAME.py with `key=value` overrides, validated. MFU is taken against a fixed peak, not a
+  matmul calibration per run (tests/test_hardware.py covers the calibration)."""
+  return config_lib.validate(config_lib.load(REPO / 'configs' / f'{name}.py',
+                                             ('metrics.peak_tflops=1.0', *overrides)))
 
 
-def mesh_devices(config) -> list:
+def mesh_devices(config: config_lib.Config) -> list:
   """As many of the 8 simulated devices as the config's mesh uses."""
   from mintrain.mesh import devices_needed
-  return jax.devices()[:devices_needed(config.mesh)]
+  return jax.devices()[:devices_needed(config.mesh.sizes)]
+
+
+def build(config: config_lib.Config):
+  """The config's run on the devices its mesh uses."""
+  from mintrain.build import build
+  return build(config, mesh_devices(config))
 
 
 def quiet(*_):
@@ -51,3 +70,43 @@ def run_script(*args, timeout=300, env_extra=None) -> subprocess.CompletedProces
 @pytest.fixture(scope='session', autouse=True)
 def _eight_devices():
   assert jax.device_count() == 8, 'tests expect 8 simulated CPU devices (see conftest.py)'
+
+
+def _split_layer_path(path: str) -> tuple[str, int | None, str] | None:
+  """'params.blocks.3.attn.w' -> ('params.blocks', 3, 'attn.w'); 'params.blocks.attn.w' -> (.., None, ..)."""
+  parts = path.split('.')
+  if 'blocks' not in parts[:-1]:
+    return None
+  i = parts.index('blocks') + 1
+  if parts[i].isdigit():
+    return '.'.join(parts[:i]), int(parts[i]), '.'.join(parts[i + 1:])
+  return '.'.join(parts[:i]), None, '.'.join(parts[i:])
+
+
+def convert_layers(flat: dict, to_scanned: bool) -> dict:
+  """A flat {path: host array} of the transformer's state with its blocks stacked (`blocks.<i>.X` ->
+  `blocks.X`) or unstacked: the tests' own reference for moving parameters between the two layouts."""
+  import numpy as np
+  out, groups = {}, {}
+  for path, x in flat.items():
+    split = _split_layer_path(path)
+    if split is None:
+      out[path] = x
+    elif to_scanned and split[1] is not None:
+      groups.setdefault((split[0], split[2]), {})[split[1]] = x
+    elif not to_scanned and split[1] is None:
+      for i in range(x.shape[0]):
+        out[f'{split[0]}.{i}.{split[2]}'] = x[i]
+    else:
+      out[path] = x
+  for (head, rest), layers in groups.items():
+    out[f'{head}.{rest}'] = np.stack([layers[i] for i in range(len(layers))])
+  return out
+
+
+def fill(target, flat: dict):
+  """The tree of `target` (abstract arrays), each leaf taken from `flat` by path, in the target's sharding."""
+  from mintrain.train_state import path_str
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+  return jax.tree_util.tree_unflatten(
+      treedef, [jax.device_put(flat[path_str(path)], x.sharding) for path, x in leaves])

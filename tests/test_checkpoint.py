@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, restore onto other meshes, faults and bad input."""
 
+import dataclasses
 import itertools
 import json
 import signal
@@ -7,13 +8,12 @@ import signal
 import jax
 import numpy as np
 import pytest
-from conftest import MESH_CONFIGS, load_config, mesh_devices, quiet
+from conftest import MESH_CONFIGS, build, load_config, mesh_devices, quiet
 
 from mintrain import checkpoint as ckpt_lib
-from mintrain import train_loop, train_state
+from mintrain import train_loop
 from mintrain.mesh import make_mesh
 from mintrain.metrics import NonFiniteLossError
-from mintrain.partitioning import AxisRules
 
 # A small model keeps the many compiles of this file cheap; N steps, then N more.
 SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
@@ -51,10 +51,10 @@ def assert_bitwise_equal(a, b):
 
 def restore_on(config, path, params_only=False):
   """The state `train.py --restore_from path` would start from, on the config's mesh."""
-  mesh = make_mesh(config.mesh, mesh_devices(config))
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
+  setup = build(config)
   with jax.set_mesh(mesh):
-    state, _ = train_loop.initial_state(config, setup, None, restore_from=str(path),
+    state, _ = train_loop.initial_state(setup, None, restore_from=str(path),
                                         params_only=params_only, print_fn=quiet)
   return state, setup
 
@@ -240,10 +240,33 @@ def test_bad_restore_paths_give_one_line_errors(tmp_path):
 def test_nan_stops_the_run_and_keeps_the_newest_good_checkpoint(tmp_path):
   train(small('dp8', 'train.steps=2', 'checkpoint.every_steps=2'), tmp_path)
   poisoned = small('dp8', 'train.steps=6', 'checkpoint.every_steps=1')
-  poisoned.optimizer.learning_rate = float('nan')
+  poisoned = poisoned.replace(optimizer=dataclasses.replace(poisoned.optimizer, learning_rate=float('nan')))
   with pytest.raises(NonFiniteLossError, match='at step 3'):
     train(poisoned, tmp_path)
   checkpoints = ckpt_lib.Checkpoints(tmp_path / 'checkpoints', read_only=True)
   assert checkpoints.steps() == [2]
   state, _ = restore_on(small('dp8', 'train.steps=6'), tmp_path)
   assert all(np.isfinite(x).all() for x in host(state.params))
+
+
+def test_a_restore_initialises_only_what_the_checkpoint_lacks(tmp_path):
+  config = small('dp4_tp2', 'train.steps=2', 'checkpoint.every_steps=2')
+  saved = train(config, tmp_path).state
+
+  def fail():
+    raise AssertionError('a full fresh state was initialised before restoring')
+
+  run = dataclasses.replace(build(small('fsdp4_tp2', 'train.steps=2')), init=fail)
+  with jax.set_mesh(run.mesh):
+    state, data = train_loop.initial_state(run, None, restore_from=str(tmp_path), params_only=False,
+                                           print_fn=quiet)
+    assert int(state.step) == 2 and data['source'] == 'stdlib'
+    assert_bitwise_equal(state, saved)
+    fresh, data = train_loop.initial_state(run, None, restore_from=str(tmp_path), params_only=True,
+                                           print_fn=quiet)
+  assert int(fresh.step) == 0 and data == {}
+  assert_bitwise_equal(fresh.params, saved.params)
+  adam = fresh.opt_state[1][0]
+  assert all(not np.asarray(x).any() for x in jax.tree.leaves((adam.mu, adam.nu)))  # A fresh optimizer.
+  for x, wanted in zip(jax.tree.leaves(fresh), jax.tree.leaves(run.abstract_state)):
+    assert x.sharding == wanted.sharding

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -9,8 +10,16 @@ import pathlib
 import numpy as np
 import pytest
 
+from mintrain import config as config_lib
 from mintrain.data import pipeline, sources, tokenizer
 from mintrain.data.sources import DataError
+
+BASE_DATA = config_lib.validate(config_lib.defaults()).data
+
+
+def data_cfg(**values) -> config_lib.DataConfig:
+  """configs/base.py's data section with `values` set, unchecked, so the data layer's own errors show."""
+  return dataclasses.replace(BASE_DATA, **values)
 
 LETTERS = np.frombuffer(b'abcdefghijklmnopqrstuvwxyz \n', np.uint8)
 
@@ -30,16 +39,20 @@ def write_corpus(root: pathlib.Path, n_files: int = 24, size: int = 300, seed: i
 @pytest.fixture
 def corpus(tmp_path: pathlib.Path) -> dict:
   write_corpus(tmp_path / 'corpus')
-  return {'source': 'text', 'path': str(tmp_path / 'corpus' / '*.txt'), 'eval_fraction': 0.25}
+  return data_cfg(source='text', path=str(tmp_path / 'corpus' / '*.txt'), eval_fraction=0.25)
 
 
 def take(it, n: int) -> list[dict[str, np.ndarray]]:
   return [next(it) for _ in range(n)]
 
 
-def train_iter(cfg, *, batch=8, seq_len=8, seed=0, index=0, count=1, split='train'):
-  return pipeline.make_iterator(cfg, split=split, seq_len=seq_len, global_batch_size=batch, seed=seed,
-                                process_index=index, process_count=count)
+def train_iter(cfg, *, batch=8, seq_len=8, seed=0, index=0, count=1, split='train', micro=None):
+  """Process `index` of `count` holding an equal block of each micro-batch's rows."""
+  micro = micro or batch
+  share = micro // count
+  return pipeline.make_iterator(cfg, split=split, seq_len=seq_len, global_batch_size=batch,
+                                micro_batch_size=micro, rows=np.arange(index * share, (index + 1) * share),
+                                seed=seed)
 
 
 def rows(batches: list[dict[str, np.ndarray]]) -> list[tuple[int, ...]]:
@@ -91,7 +104,7 @@ def test_targets_are_inputs_shifted_by_one():
 
 def test_text_documents_are_each_preceded_by_bos(tmp_path):
   docs = write_corpus(tmp_path, n_files=5, size=40)
-  cfg = {'source': 'text', 'path': str(tmp_path / '*.txt'), 'eval_fraction': 0.5}
+  cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'), eval_fraction=0.5)
   streams = sources.load_split(cfg, 'train') + sources.load_split(cfg, 'eval')
   assert all(s[0] == tokenizer.BOS for s in streams)
   pieces = [p for s in streams for p in np.split(s, np.flatnonzero(s == tokenizer.BOS))[1:]]
@@ -103,10 +116,10 @@ def test_text_documents_are_each_preceded_by_bos(tmp_path):
 
 def test_split_is_disjoint_covering_and_the_same_from_any_working_directory(tmp_path, monkeypatch):
   write_corpus(tmp_path / 'corpus')
-  absolute = {'source': 'text', 'path': str(tmp_path / 'corpus' / '*.txt'), 'eval_fraction': 0.25}
+  absolute = data_cfg(source='text', path=str(tmp_path / 'corpus' / '*.txt'), eval_fraction=0.25)
   train, evals = (sources.load_split(absolute, s)[0] for s in ('train', 'eval'))
   monkeypatch.chdir(tmp_path)
-  relative = dict(absolute, path='corpus/*.txt')
+  relative = dataclasses.replace(absolute, path='corpus/*.txt')
   assert np.array_equal(sources.load_split(relative, 'train')[0], train)
   assert np.array_equal(sources.load_split(relative, 'eval')[0], evals)
   assert np.sum(train == tokenizer.BOS) + np.sum(evals == tokenizer.BOS) == 24
@@ -115,11 +128,11 @@ def test_split_is_disjoint_covering_and_the_same_from_any_working_directory(tmp_
 
 def test_adding_a_file_moves_no_other_file_between_splits(tmp_path):
   write_corpus(tmp_path, n_files=12)
-  cfg = {'source': 'text', 'path': str(tmp_path / '*.txt'), 'eval_fraction': 0.3}
-  keys = [k for k, _ in sources.glob_files(cfg['path'])]
+  cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'), eval_fraction=0.3)
+  keys = [k for k, _ in sources.glob_files(cfg.path)]
   before = {k: sources.in_eval(k, 0.3) for k in keys}
   (tmp_path / 'extra.txt').write_text('more text')
-  after = {k: sources.in_eval(k, 0.3) for k, _ in sources.glob_files(cfg['path'])}
+  after = {k: sources.in_eval(k, 0.3) for k, _ in sources.glob_files(cfg.path)}
   assert set(after) == set(before) | {'extra.txt'}
   assert all(after[k] == v for k, v in before.items())
   assert any(before.values()) and not all(before.values())
@@ -194,7 +207,7 @@ def test_unigram_bits_per_byte_is_the_eval_entropy(tmp_path, symbols, bits):
   tokens = np.concatenate([np.zeros(100, np.uint16), np.tile(np.array(symbols, np.uint16), 50)])
   tokens.tofile(tmp_path / 'c.bin')
   fraction = 50 * len(symbols) / len(tokens)  # The eval tail is exactly the tiled symbols.
-  cfg = {'source': 'tokens', 'path': str(tmp_path / '*.bin'), 'eval_fraction': fraction}
+  cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=fraction)
   assert pipeline.unigram_bits_per_byte(cfg) == pytest.approx(bits)
 
 
@@ -203,7 +216,7 @@ def test_unigram_bits_per_byte_is_the_eval_entropy(tmp_path, symbols, bits):
 def test_token_files_split_into_a_train_head_and_an_eval_tail(tmp_path):
   np.arange(100, dtype=np.uint32).tofile(tmp_path / 'a.bin')
   np.arange(200, 250, dtype=np.uint32).tofile(tmp_path / 'b.bin')
-  cfg = {'source': 'tokens', 'path': str(tmp_path / '*.bin'), 'token_dtype': 'uint32', 'eval_fraction': 0.2}
+  cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), token_dtype='uint32', eval_fraction=0.2)
   train, evals = sources.load_split(cfg, 'train'), sources.load_split(cfg, 'eval')
   assert [s.tolist() for s in train] == [list(range(80)), list(range(200, 240))]
   assert [s.tolist() for s in evals] == [list(range(80, 100)), list(range(240, 250))]
@@ -214,16 +227,16 @@ def test_token_files_split_into_a_train_head_and_an_eval_tail(tmp_path):
 
 def test_glob_that_matches_nothing_names_the_pattern(tmp_path):
   with pytest.raises(DataError, match=r"data.path=.*nothing.*matches no files"):
-    sources.load_split({'source': 'text', 'path': str(tmp_path / 'nothing' / '*.txt')}, 'train')
+    sources.load_split(data_cfg(source='text', path=str(tmp_path / 'nothing' / '*.txt')), 'train')
   with pytest.raises(DataError, match='data.path is empty'):
-    sources.load_split({'source': 'text'}, 'train')
+    sources.load_split(data_cfg(source='text'), 'train')
 
 
 @pytest.mark.parametrize('content, problem', [(b'abc\0def', 'binary'), (b'caf\xe9', 'not UTF-8')])
 def test_binary_or_non_utf8_file_is_named(tmp_path, content, problem):
   write_corpus(tmp_path, n_files=3)
   (tmp_path / 'bad.txt').write_bytes(content)
-  cfg = {'source': 'text', 'path': str(tmp_path / '*.txt'), 'eval_fraction': 0.01}
+  cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'), eval_fraction=0.01)
   split = 'eval' if sources.in_eval('bad.txt', 0.01) else 'train'
   with pytest.raises(DataError, match=f'bad.txt.*{problem}'):
     sources.load_split(cfg, split)
@@ -236,14 +249,14 @@ def test_unreadable_file_is_named(tmp_path, monkeypatch):
     raise PermissionError(13, 'Permission denied', str(self))
 
   monkeypatch.setattr(pathlib.Path, 'read_bytes', refuse)
-  cfg = {'source': 'text', 'path': str(tmp_path / '*.txt'), 'eval_fraction': 1e-9}
+  cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'), eval_fraction=1e-9)
   with pytest.raises(DataError, match=r'cannot read .*doc_00.txt \(Permission denied\)'):
     sources.load_split(cfg, 'train')
 
 
 def test_token_file_of_partial_tokens_names_the_dtype(tmp_path):
   (tmp_path / 'odd.bin').write_bytes(b'\x01\x00\x02')
-  cfg = {'source': 'tokens', 'path': str(tmp_path / '*.bin'), 'token_dtype': 'uint16'}
+  cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), token_dtype='uint16')
   with pytest.raises(DataError, match=r"odd.bin is 3 bytes, not a positive multiple of 2.*token_dtype"):
     sources.load_split(cfg, 'train')
 
@@ -252,7 +265,7 @@ def test_token_id_outside_the_vocabulary_names_file_and_position(tmp_path):
   tokens = np.full(64, 65, np.uint16)
   tokens[17] = 300
   tokens.tofile(tmp_path / 'ids.bin')
-  cfg = {'source': 'tokens', 'path': str(tmp_path / '*.bin'), 'eval_fraction': 0.1}
+  cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=0.1)
   with pytest.raises(DataError, match=r'ids.bin holds token id 300 at token 17, outside .*\[0, 257\)'):
     sources.load_split(cfg, 'train')
 
@@ -264,22 +277,22 @@ def test_sequence_longer_than_the_split_names_seq_len(corpus):
 
 def test_empty_eval_split_names_eval_fraction(tmp_path):
   write_corpus(tmp_path, n_files=3)
-  cfg = {'source': 'text', 'path': str(tmp_path / '*.txt')}
+  cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'))
   hashed_away = r'eval split .* empty: all 3 file\(s\) hash into train at data.eval_fraction=1e-09'
   with pytest.raises(DataError, match=hashed_away):
-    sources.load_split(dict(cfg, eval_fraction=1e-9), 'eval')
+    sources.load_split(dataclasses.replace(cfg, eval_fraction=1e-9), 'eval')
   with pytest.raises(DataError, match='eval_fraction=0 leaves the eval split empty'):
-    sources.load_split(dict(cfg, eval_fraction=0.0), 'eval')
+    sources.load_split(dataclasses.replace(cfg, eval_fraction=0.0), 'eval')
   np.zeros(10, np.uint16).tofile(tmp_path / 't.bin')
   with pytest.raises(DataError, match='eval split .* rounds to no tokens'):
-    sources.load_split({'source': 'tokens', 'path': str(tmp_path / '*.bin'), 'eval_fraction': 0.05}, 'eval')
+    sources.load_split(data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=0.05), 'eval')
 
 
 @pytest.mark.parametrize('cfg, kwargs, message', [
-    ({'source': 'synthetic'}, {}, "data.source='synthetic' is not a file source"),
-    ({'source': 'tokens', 'path': 'x', 'token_dtype': 'int8'}, {}, "data.token_dtype='int8'"),
-    ({'eval_fraction': 1.0}, {}, r'data.eval_fraction=1.0 must be in \[0, 1\)'),
-    ({}, {'batch': 6, 'count': 4}, 'train.global_batch_size=6 must be a positive multiple of the process'),
+    (data_cfg(source='synthetic'), {}, "data.source='synthetic' is not a file source"),
+    (data_cfg(source='tokens', path='x', token_dtype='int8'), {}, "data.token_dtype='int8'"),
+    (data_cfg(eval_fraction=1.0), {}, r'data.eval_fraction=1.0 must be in \[0, 1\)'),
+    (data_cfg(), {'batch': 6, 'micro': 4}, r'global_batch_size=6 must be a positive multiple of the micro'),
 ])
 def test_bad_settings_name_the_key(cfg, kwargs, message):
   with pytest.raises(DataError, match=message):
@@ -300,7 +313,7 @@ def test_stdlib_files_are_sorted_python_sources_without_tests():
 
 
 def test_stdlib_max_bytes_reads_only_the_leading_files_and_batches_from_them():
-  cfg = {'source': 'stdlib', 'max_bytes': 100_000, 'eval_fraction': 0.5}
+  cfg = data_cfg(source='stdlib', max_bytes=100_000, eval_fraction=0.5)
   streams = sources.load_split(cfg, 'train') + sources.load_split(cfg, 'eval')
   sizes = [p.stat().st_size for _, p in sources.stdlib_files()]
   n_files = int(np.searchsorted(np.cumsum(sizes), 100_000)) + 1

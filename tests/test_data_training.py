@@ -9,17 +9,16 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, load_config, mesh_devices, quiet
+from conftest import REPO, build, load_config, mesh_devices, quiet
 from flax import nnx
 
-from mintrain import train_loop, train_state
+from mintrain import train_loop
 from mintrain.checkpoint import Checkpoints
+from mintrain.config import ConfigError
 from mintrain.data import pipeline
 from mintrain.data.batches import batch_sharding, make_batches
-from mintrain.data.sources import DataError
 from mintrain.mesh import make_mesh
 from mintrain.partitioning import AxisRules
-from mintrain.train_step import make_eval_step
 
 TINY = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4',
         'model.head_dim=8', 'train.global_batch_size=8', 'train.seq_len=16', 'train.log_every=1')
@@ -37,7 +36,7 @@ def test_checkpointed_iterator_state_continues_the_exact_stream(tmp_path):
   config = load_config('dp8', *TINY, 'train.steps=3', 'checkpoint.every_steps=3')
   train_loop.run(config, tmp_path, devices=mesh_devices(config), print_fn=quiet)
   saved = json.loads((tmp_path / 'checkpoints' / '3' / 'data' / 'metadata').read_text())
-  mesh = make_mesh(config.mesh)
+  mesh = make_mesh(config.mesh.sizes)
   rules = AxisRules.from_config(config.partitioning)
   with jax.set_mesh(mesh):
     straight = make_batches(config, mesh, rules)
@@ -54,17 +53,16 @@ def test_checkpointed_iterator_state_continues_the_exact_stream(tmp_path):
 def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path):
   config = load_config('single', *TINY, 'data.source=text', f'data.path={tiny_corpus(tmp_path)}',
                        'data.eval_fraction=0.3', 'eval.steps=2')
-  mesh = make_mesh(config.mesh, mesh_devices(config))
+  mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
   rules = AxisRules.from_config(config.partitioning)
-  setup = train_state.setup(config, rules, mesh)
+  setup = build(config)
   with jax.set_mesh(mesh):
     state = setup.init()
     batches = make_batches(config, mesh, rules, split='eval')
-    metrics = train_loop.evaluate(make_eval_step(setup.graphdef), state.params, batches,
-                                  batches.get_state(), 2, config)
+    metrics = train_loop.evaluate(setup, state.params, batches, batches.get_state())
     model = nnx.merge(setup.graphdef, state.params)
-    local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8, seed=0,
-                                   process_index=0, process_count=1)
+    local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8,
+                                   micro_batch_size=8, rows=np.arange(8), seed=0)
     nats = []
     for _ in range(2):
       batch = next(local)
@@ -115,7 +113,7 @@ def test_batches_sent_ahead_are_on_their_devices_and_not_counted_in_the_saved_po
                                                                    f'data.path={tiny_corpus(tmp_path)}')
   ahead_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=2')
   plain_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=0')
-  mesh = make_mesh(ahead_config.mesh)
+  mesh = make_mesh(ahead_config.mesh.sizes)
   rules = AxisRules.from_config(ahead_config.partitioning)
   with jax.set_mesh(mesh):
     ahead, plain = make_batches(ahead_config, mesh, rules), make_batches(plain_config, mesh, rules)
@@ -132,7 +130,6 @@ def test_batches_sent_ahead_are_on_their_devices_and_not_counted_in_the_saved_po
 
 
 def test_negative_device_prefetch_names_the_key():
-  config = load_config('dp8', *TINY, 'data.source=synthetic', 'data.device_prefetch=-1')
-  mesh = make_mesh(config.mesh)
-  with pytest.raises(DataError, match=r'data.device_prefetch=-1 must be an integer >= 0'):
-    make_batches(config, mesh, AxisRules.from_config(config.partitioning))
+  # Checked with every other option when the config is read, before any device is touched.
+  with pytest.raises(ConfigError, match=r'data.device_prefetch=-1 must be an integer >= 0'):
+    load_config('dp8', *TINY, 'data.source=synthetic', 'data.device_prefetch=-1')

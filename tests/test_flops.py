@@ -4,9 +4,9 @@ import math
 
 import jax
 import pytest
-from conftest import load_config
+from conftest import build, load_config
 
-from mintrain import flops, train_state
+from mintrain import flops
 from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.optimizer import schedule
@@ -59,16 +59,15 @@ def test_mlp_matches_hand_count():
 ])
 def test_param_count_equals_the_models_parameters(name, overrides):
   config = load_config(name, *overrides, 'mesh.data=1', 'mesh.fsdp=1', 'mesh.model=1')
-  mesh = make_mesh(config.mesh, jax.devices()[:1])
-  layout = train_state.param_layout(config, AxisRules.from_config(config.partitioning), mesh)
+  layout = build(config).layout
   assert flops.param_count(config) == sum(math.prod(p.shape) for p in layout)
 
 
 def xla_train_step_flops(config) -> float:
   """XLA's FLOP count of the compiled train step on one device (cost_analysis is per device)."""
-  mesh = make_mesh(config.mesh, jax.devices()[:1])
+  mesh = make_mesh(config.mesh.sizes, jax.devices()[:1])
   rules = AxisRules.from_config(config.partitioning)
-  setup = train_state.setup(config, rules, mesh)
+  setup = build(config)
   with jax.set_mesh(mesh):
     step = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, config.train.steps),
                            use_dropout=False)

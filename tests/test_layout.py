@@ -5,13 +5,13 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, load_config, mesh_devices
+from conftest import REPO, build, load_config, mesh_devices
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mintrain import train_state
 from mintrain.mesh import make_mesh
-from mintrain.partitioning import AxisRules, PartitioningError
+from mintrain.partitioning import PartitioningError
 from mintrain.report import format_report
 
 # Storage layout under the default rules, written out by hand per logical-axes tuple.
@@ -44,8 +44,8 @@ def test_every_shipped_config_is_covered():
 @pytest.mark.parametrize('name', CONFIGS)
 def test_initialised_params_have_the_expected_sharding(name):
   config = load_config(name)
-  mesh = make_mesh(config.mesh, mesh_devices(config))
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
+  setup = build(config)
   with jax.set_mesh(mesh):
     state = setup.init()
   infos = {info.path: info for info in setup.layout}
@@ -61,8 +61,7 @@ def test_initialised_params_have_the_expected_sharding(name):
 
 def test_optimizer_state_is_sharded_like_the_params():
   config = load_config('fsdp4_tp2')
-  mesh = make_mesh(config.mesh)
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  setup = build(config)
   param_specs = [_strip(jax.typeof(x).sharding.spec) for x in jax.tree.leaves(setup.abstract_state.params)]
   adam = setup.abstract_state.opt_state[1][0]
   for moment in (adam.mu, adam.nu):
@@ -71,9 +70,9 @@ def test_optimizer_state_is_sharded_like_the_params():
 
 def test_layout_and_report_allocate_nothing():
   config = load_config('dp4_tp2')
-  mesh = make_mesh(config.mesh)
+  mesh = make_mesh(config.mesh.sizes)
   before = len(jax.live_arrays())
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  setup = build(config)
   report = format_report(setup.layout, setup.abstract_state, mesh)
   assert len(jax.live_arrays()) == before
   assert 'blocks.0.mlp.wi_gate_DF' in report and '(fsdp, model)' in report
@@ -82,8 +81,7 @@ def test_layout_and_report_allocate_nothing():
 
 def test_report_totals_match_per_parameter_bytes():
   config = load_config('fsdp8')
-  mesh = make_mesh(config.mesh)
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  setup = build(config)
   for info in setup.layout:  # Every parameter has an `embed` dimension, split 8 ways at rest.
     assert 'embed' in info.logical_axes
     assert info.bytes_per_device * 8 == np.prod(info.shape) * 4, info.path
@@ -93,16 +91,15 @@ def test_report_totals_match_per_parameter_bytes():
 
 def test_indivisible_dimension_fails_before_compiling_and_names_the_parameter():
   config = load_config('tp8', 'model.mlp_dim=500')
-  mesh = make_mesh(config.mesh)
   with pytest.raises(PartitioningError, match=r'`mlp` \(dim 1 of `blocks.0.mlp.wi_gate_DF`, size 500\)'):
-    train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+    build(config)
 
 
 def test_batch_that_does_not_split_over_the_batch_axes_is_an_error():
   from mintrain.config import ConfigError
   config = load_config('dp8', 'train.global_batch_size=12')
   with pytest.raises(ConfigError, match=r'micro-batch of 12.*`data` x `fsdp` = 8 devices'):
-    train_state.setup(config, AxisRules.from_config(config.partitioning), make_mesh(config.mesh))
+    build(config)
 
 
 def test_configs_do_not_name_parameters_and_models_do_not_name_mesh_axes():

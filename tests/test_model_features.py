@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config, mesh_devices, quiet
+from conftest import build as build_run
+from conftest import convert_layers, fill, load_config, mesh_devices, quiet
 
 from mintrain import checkpoint as ckpt_lib
 from mintrain import memory, train_loop, train_state
@@ -40,10 +41,9 @@ def small(name, *overrides):
 
 
 def build(config):
-  """(mesh, rules, setup) of `config` on as many simulated devices as its mesh takes."""
-  mesh = make_mesh(config.mesh, mesh_devices(config))
-  rules = AxisRules.from_config(config.partitioning)
-  return mesh, rules, train_state.setup(config, rules, mesh)
+  """(mesh, rules, run) of `config` on as many simulated devices as its mesh takes."""
+  run = build_run(config)
+  return run.mesh, run.rules, run
 
 
 def flat(tree) -> dict:
@@ -52,7 +52,7 @@ def flat(tree) -> dict:
 
 def host(tree) -> dict:
   """A state's arrays on the host by path, with stacked blocks split into layers."""
-  return ckpt_lib.convert_layers({k: np.asarray(v) for k, v in flat(jax.device_get(tree)).items()},
+  return convert_layers({k: np.asarray(v) for k, v in flat(jax.device_get(tree)).items()},
                                  to_scanned=False)
 
 
@@ -75,8 +75,8 @@ def loss_and_grads(host_params, name, *overrides):
   """(loss, host gradients by unrolled path) of the first synthetic batch, on `name`'s mesh."""
   config = small(name, *overrides)
   mesh, rules, setup = build(config)
-  params = ckpt_lib.fill(setup.abstract_state.params,
-                         ckpt_lib.convert_layers(host_params, to_scanned=config.model.scan_layers))
+  params = fill(setup.abstract_state.params,
+                         convert_layers(host_params, to_scanned=config.model.scan_layers))
 
   @jax.jit
   def step(params, batch):
@@ -146,7 +146,7 @@ def test_fused_loss_with_tied_embeddings_matches_on_two_meshes(host_params):
 def _mlp_on_ring(n, seq_len):
   """(overlapped, plain) forward and input gradient of the gated MLP on a mesh with `model` = n."""
   config = load_config('dp4_tp2', 'mesh.data=1', f'mesh.model={n}')
-  mesh = make_mesh(config.mesh, mesh_devices(config))
+  mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
   rules = AxisRules.from_config(config.partitioning)
   bld, rng = ('batch', 'length', 'embed'), np.random.RandomState(n)
   arrays = [(rng.randn(2, seq_len, 16), bld), (rng.randn(16, 8 * n) / 4, ('embed', 'mlp')),
@@ -186,8 +186,7 @@ def test_overlap_with_a_sequence_the_ring_does_not_divide_names_the_fix(host_par
 
 def test_stacked_params_declare_the_layers_axis_first_and_the_report_shows_it():
   config = small('fsdp4_tp2', 'model.scan_layers=True')
-  mesh = make_mesh(config.mesh)
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  mesh, _, setup = build(config)
   infos = {info.path: info for info in setup.layout}
   assert not any(path.startswith('blocks.0.') for path in infos)
   gate = infos['blocks.mlp.wi_gate_DF']
@@ -224,7 +223,8 @@ def test_activation_estimate_follows_remat_and_loss_chunks():
   def activations(remat, layers, chunks=1):
     config = load_config('dp4_tp2', f'model.remat={remat}', f'model.num_layers={layers}',
                          f'model.loss_chunks={chunks}')
-    return memory.activation_bytes(config, AxisRules.from_config(config.partitioning), make_mesh(config.mesh))
+    run = build_run(config)
+    return memory.activation_bytes(run.config, run.rules, run.mesh)
 
   assert activations('full', 4) < activations('save_matmuls', 4) < activations('none', 4)
   rows, seq_len, embed_dim, vocab = 32 // 4, 64, 128, 384
@@ -283,7 +283,7 @@ def restore_on(config, path):
   """The state `train.py --restore_from path` starts from, and the abstract state it must match."""
   mesh, _, setup = build(config)
   with jax.set_mesh(mesh):
-    state, _ = train_loop.initial_state(config, setup, None, restore_from=str(path), params_only=False,
+    state, _ = train_loop.initial_state(setup, None, restore_from=str(path), params_only=False,
                                         print_fn=quiet)
   return state, setup.abstract_state
 
@@ -293,7 +293,7 @@ def restore_tree(config, workdir, params_only=False):
   mesh, _, setup = build(config)
   checkpoints = ckpt_lib.Checkpoints(workdir / 'checkpoints', read_only=True)
   with jax.set_mesh(mesh):
-    tree, _, _ = checkpoints.restore(checkpoints.steps()[-1], setup.abstract_state, params_only=params_only)
+    tree = checkpoints.restore(checkpoints.steps()[-1], setup.abstract_state, params_only=params_only).state
   return tree
 
 
@@ -357,7 +357,7 @@ def test_training_continues_identically_after_restoring_into_the_other_layout(un
 ])
 def test_linear_has_the_einsum_value_and_gradients(subscripts, x_axes, w_axes, out_axes):
   config = load_config('dp4_tp2')
-  mesh = make_mesh(config.mesh, mesh_devices(config))
+  mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
   rules = AxisRules.from_config(config.partitioning)
   rng = np.random.RandomState(0)
   x_shape, w_shape = (8, 16, 32), ((32, 2, 64) if 'G' in subscripts else (32, 16))

@@ -14,12 +14,11 @@ import time
 
 import jax
 import numpy as np
-from conftest import REPO, load_config, mesh_devices, quiet
+from conftest import REPO, build, load_config, mesh_devices, quiet
 
 from mintrain import checkpoint as ckpt_lib
-from mintrain import train_loop, train_state
+from mintrain import train_loop
 from mintrain.mesh import make_mesh
-from mintrain.partitioning import AxisRules
 
 SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
          '--config.train.global_batch_size=16', '--config.train.seq_len=32', '--config.train.log_every=1',
@@ -65,6 +64,24 @@ def test_two_processes_train_with_the_losses_of_one(tmp_path):
   np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)
 
 
+# `batch` split over fsdp, then data: with 2 processes on data=2 x fsdp=2 x model=2, process 0 (data 0)
+# holds rows 0-3 and 8-11 of 16, not one block, so only the mesh can say which rows it must read.
+INTERLEAVED = ['--config.mesh.data=2', '--config.mesh.fsdp=2', '--config.mesh.model=2',
+               "--config.partitioning.rules=[('batch', ('fsdp', 'data')), ('length', None), ('embed', None), "
+               "('mlp', 'model'), ('heads', 'model'), ('kv', None), ('vocab', 'model'), ('classes', None), "
+               "('layers', None)]"]
+
+
+def test_each_process_reads_the_rows_its_devices_hold_whatever_the_batch_rule(tmp_path):
+  code, out = run_launch(2, tmp_path / 'two', *INTERLEAVED, '--config.train.steps=3',
+                         '--config.checkpoint.keep=0', '--config.train.grad_accum_steps=2')
+  assert code == 0, out
+  config = load_config('dp4_tp2', *overrides(SMALL + INTERLEAVED), 'train.steps=3', 'checkpoint.keep=0',
+                       'train.grad_accum_steps=2')
+  one = train_loop.run(config, tmp_path / 'one', devices=mesh_devices(config), print_fn=quiet)
+  np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)
+
+
 def test_checkpoint_of_two_processes_restores_in_one_and_in_four(tmp_path):
   code, out = run_launch(2, tmp_path / 'two', '--config.train.steps=3', '--config.checkpoint.every_steps=3')
   assert code == 0, out
@@ -74,10 +91,10 @@ def test_checkpoint_of_two_processes_restores_in_one_and_in_four(tmp_path):
   # One process, 8 devices: the parameters arrive equal to the saved ones, read on a single device.
   def restored(name, *extra):
     config = load_config(name, *overrides(SMALL), 'train.steps=5', *extra)
-    mesh = make_mesh(config.mesh, mesh_devices(config))
-    setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+    mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
+    setup = build(config)
     with jax.set_mesh(mesh):
-      state, _ = train_loop.initial_state(config, setup, None, restore_from=str(step_dir), params_only=False,
+      state, _ = train_loop.initial_state(setup, None, restore_from=str(step_dir), params_only=False,
                                           print_fn=quiet)
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
   for a, b in zip(restored('dp4_tp2'), restored('single')):

@@ -1,17 +1,17 @@
 """What a run reports: writers that agree, progress and MFU, compile time, profile, memory plan."""
 
 import json
+import tomllib
 
 import jax
 import numpy as np
 import pytest
-from conftest import load_config, mesh_devices
+from conftest import REPO, build, load_config, mesh_devices, run_script
+from google.protobuf import json_format
 from tensorboard.backend.event_processing import event_accumulator
-from tensorflow import make_ndarray
+from tensorboard.plugins.hparams import plugin_data_pb2
 
-from mintrain import memory, train_loop, train_state
-from mintrain.mesh import make_mesh
-from mintrain.partitioning import AxisRules
+from mintrain import memory, metrics, train_loop
 
 SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
          'train.seq_len=32', 'checkpoint.keep=0')
@@ -28,19 +28,21 @@ def run(tmp_path_factory):
   return workdir, result, records, lines
 
 
-def tensorboard_scalars(directory):
-  """{tag: {step: value}} of the scalar summaries, and all tags."""
-  acc = event_accumulator.EventAccumulator(str(directory), size_guidance={'tensors': 0})
+def read_tensorboard(directory):
+  """{tag: {step: value}} of the scalar summaries, all tags, and the hyperparameters, read as TensorBoard
+  reads them."""
+  acc = event_accumulator.EventAccumulator(str(directory), size_guidance={'scalars': 0})
   acc.Reload()
-  tags = acc.Tags()['tensors']
-  scalars = {tag: {e.step: float(make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
-             for tag in tags if not tag.startswith('_hparams_')}
-  return scalars, tags
+  scalars = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()['scalars']}
+  hparams_tags = acc.PluginTagToContent('hparams')
+  start = plugin_data_pb2.HParamsPluginData.FromString(hparams_tags['_hparams_/session_start_info'])
+  hparams = {k: json_format.MessageToDict(v) for k, v in start.session_start_info.hparams.items()}
+  return scalars, [*scalars, *hparams_tags], hparams
 
 
 def test_metrics_jsonl_and_tensorboard_hold_the_same_values(run):
   workdir, _, records, _ = run
-  scalars, tags = tensorboard_scalars(workdir / 'tensorboard')
+  scalars, tags, hparams = read_tensorboard(workdir / 'tensorboard')
   assert any(tag.startswith('_hparams_') for tag in tags)  # write_hparams ran once.
   compared = 0
   for record in records:
@@ -49,7 +51,20 @@ def test_metrics_jsonl_and_tensorboard_hold_the_same_values(run):
         np.testing.assert_allclose(scalars[key][record['step']], value, rtol=1e-6, err_msg=key)
         compared += 1
   assert compared > 20
-  assert json.loads((workdir / 'hparams.json').read_text())['model.embed_dim'] == 64
+  saved = json.loads((workdir / 'hparams.json').read_text())
+  assert saved['model.embed_dim'] == 64
+  assert hparams == saved
+
+
+def test_the_writer_is_a_context_manager_and_a_second_close_does_nothing(tmp_path):
+  lines = []
+  with metrics.make_writer(tmp_path, is_main=True, total_steps=4, print_fn=lines.append) as writer:
+    writer.write_hparams({'model.embed_dim': 64})
+    writer.write_scalars(4, {'loss': 2.5})
+  writer.close()
+  scalars, _, hparams = read_tensorboard(tmp_path / 'tensorboard')
+  assert scalars == {'loss': {4: 2.5}} and hparams == {'model.embed_dim': 64}
+  assert lines == ['step 4/4 (100%) | loss 2.5000']
 
 
 def test_every_logged_step_has_throughput_mfu_and_a_positive_eta(run):
@@ -91,10 +106,8 @@ def bytes_on(device, tree) -> int:
 def test_memory_plan_matches_the_bytes_of_the_real_sharded_arrays():
   for name in ('fsdp4_tp2', 'dp8'):
     config = load_config(name, *SMALL, 'train.grad_accum_steps=2')
-    mesh = make_mesh(config.mesh)
-    rules = AxisRules.from_config(config.partitioning)
-    setup = train_state.setup(config, rules, mesh)
-    plan = memory.plan(config, rules, mesh, setup.layout, setup.abstract_state)
+    setup = build(config)
+    mesh, plan = setup.mesh, setup.plan
     with jax.set_mesh(mesh):
       state = setup.init()
     device = mesh.devices.flat[0]
@@ -112,3 +125,14 @@ def test_a_plan_over_the_device_memory_warns_before_compiling(monkeypatch):
   warning = [i for i, line in enumerate(lines) if line.startswith('warning: the memory plan')]
   compiled = [i for i, line in enumerate(lines) if line.startswith('compiled the train step')]
   assert warning and compiled and warning[0] < compiled[0]
+
+
+def test_importing_the_train_loop_does_not_import_tensorflow():
+  result = run_script('-c', "import mintrain.train_loop, sys; assert 'tensorflow' not in sys.modules")
+  assert result.returncode == 0, f'`python -X importtime` shows which module imports it.\n{result.stderr}'
+
+
+def test_no_dependency_names_tensorflow():
+  project = tomllib.loads((REPO / 'pyproject.toml').read_text())['project']
+  requirements = [*project['dependencies'], *sum(project['optional-dependencies'].values(), [])]
+  assert requirements and not [r for r in requirements if 'tensorflow' in r.lower()]

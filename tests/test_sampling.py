@@ -4,10 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config, mesh_devices, quiet, run_script
+from conftest import build, convert_layers, fill, load_config, mesh_devices, quiet, run_script
 from flax import nnx
 
-from mintrain import checkpoint as ckpt_lib
 from mintrain import sampling, train_loop, train_state
 from mintrain.mesh import make_mesh
 from mintrain.models.transformer import BLHK
@@ -22,8 +21,8 @@ B, P, N = 8, 5, 12
 def host_params():
   """Parameters drawn once and moved to each mesh: the init compile is the slow part."""
   config = load_config('single', *SMALL)
-  mesh = make_mesh(config.mesh, mesh_devices(config))
-  setup = train_state.setup(config, AxisRules.from_config(config.partitioning), mesh)
+  mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
+  setup = build(config)
   with jax.set_mesh(mesh):
     return jax.device_get(setup.init().params)
 
@@ -34,12 +33,12 @@ def model_on(name, host_params, *overrides):
   With model.scan_layers=True among the overrides, the layers' parameters are stacked first.
   """
   config = load_config(name, *SMALL, *overrides)
-  mesh = make_mesh(config.mesh, mesh_devices(config))
+  mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
   rules = AxisRules.from_config(config.partitioning)
-  setup = train_state.setup(config, rules, mesh)
+  setup = build(config)
   flat = {train_state.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(host_params)[0]}
-  params = ckpt_lib.fill(setup.abstract_state.params,
-                         ckpt_lib.convert_layers(flat, to_scanned=config.model.scan_layers))
+  params = fill(setup.abstract_state.params,
+                         convert_layers(flat, to_scanned=config.model.scan_layers))
   return mesh, rules, nnx.merge(setup.graphdef, params)
 
 
@@ -69,7 +68,7 @@ def test_decode_in_chunks_gives_the_training_forward_logits(host_params, name, o
   @jax.jit
   def cached_logits(params, tokens_BL):
     model = nnx.merge(graphdef, params)
-    cache = sampling.init_cache(model.cfg, B, tokens_BL.shape[1], jnp.float32, model.rules)
+    cache = model.init_cache(B, tokens_BL.shape[1], jnp.float32)
     out, start = [], 0
     for size in chunks:
       logits_BLV, cache = model.decode(tokens_BL[:, start:start + size], cache, start)

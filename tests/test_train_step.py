@@ -1,9 +1,11 @@
 """The sharded train step: types, mesh invariance, gradient accumulation, learning, NaN."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
-from conftest import MESH_CONFIGS, load_config, mesh_devices, quiet
+from conftest import MESH_CONFIGS, build, load_config, mesh_devices, quiet
 from flax import nnx
 
 from mintrain import train_loop, train_state
@@ -29,9 +31,9 @@ def _strip(spec):
 
 def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time():
   config = load_config('fsdp4_tp2')
-  mesh = make_mesh(config.mesh)
+  mesh = make_mesh(config.mesh.sizes)
   rules = AxisRules.from_config(config.partitioning)
-  setup = train_state.setup(config, rules, mesh)
+  setup = build(config)
   expected = {info.path: _strip(info.spec) for info in setup.layout}
   seen = {}
 
@@ -74,9 +76,9 @@ def test_four_micro_batches_equal_one_four_times_larger_batch():
   results = {}
   for accum in (1, 4):
     config = load_config('dp4_tp2', 'train.global_batch_size=32', f'train.grad_accum_steps={accum}')
-    mesh = make_mesh(config.mesh)
+    mesh = make_mesh(config.mesh.sizes)
     rules = AxisRules.from_config(config.partitioning)
-    setup = train_state.setup(config, rules, mesh)
+    setup = build(config)
     with jax.set_mesh(mesh):
       state = setup.init()
       step = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, 10), use_dropout=False)
@@ -106,6 +108,6 @@ def test_mlp_learns_its_teacher_under_tensor_parallelism():
 
 def test_nan_loss_stops_the_run_and_names_the_step():
   config = load_config('dp8', 'train.steps=6', 'train.log_every=3')
-  config.optimizer.learning_rate = float('nan')
+  config = config.replace(optimizer=dataclasses.replace(config.optimizer, learning_rate=float('nan')))
   with pytest.raises(NonFiniteLossError, match=r'Non-finite .*param_norm=nan at step 1'):
     train_loop.run(config, None, print_fn=quiet)

@@ -2,8 +2,8 @@
 
 A global batch has shape (grad_accum_steps, micro_batch, ...): the leading axis
 is scanned over by the train step, the second is split over the batch mesh axes.
-Each process reads only its own rows (`global_batch_size / process_count` per
-step) and contributes them with `jax.make_array_from_process_local_data`.
+Each process reads only the rows its devices hold (`process_rows`, from the mesh)
+and hands each device its slice of them (`jax.make_array_from_callback`).
 
 The iterators are checkpointable: `get_state()` is a JSON-able dict that a
 checkpoint stores, and `set_state()` makes a restored run see exactly the
@@ -13,16 +13,18 @@ batches the uninterrupted one would have seen.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from mintrain.data import pipeline, sources, synthetic
+from mintrain.data import pipeline
 from mintrain.partitioning import AxisRules
+
+if TYPE_CHECKING:
+  from mintrain.config import Config
 
 LocalBatch = dict[str, np.ndarray]
 EVAL_STEP_OFFSET = 1 << 40  # Synthetic eval batches use step numbers training never reaches.
@@ -34,24 +36,33 @@ def batch_sharding(mesh: Mesh, rules: AxisRules, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, jax.P(None, *batch_spec, *([None] * (ndim - 2))))
 
 
+def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> np.ndarray:
+  """The rows of dimension 1 (the micro-batch) of a global batch of `shape` laid out as `sharding` that
+  this process's devices hold, sorted: what it must read (t5x's `get_data_layout`, for any layout).
+
+  Taken from the mesh, not from `process_index`, so any rule for `batch` and any device order feed the
+  right rows; processes that hold the same rows (a batch replicated across them) read the same ones.
+  """
+  rows = set()
+  for index in sharding.addressable_devices_indices_map(shape).values():
+    rows.update(range(*index[1].indices(shape[1])))
+  return np.array(sorted(rows))
+
+
 class SyntheticRows:
   """This process's rows of the synthetic global batch of each step; state is the next step."""
 
-  def __init__(self, config: ml_collections.ConfigDict, process_index: int, process_count: int,
-               first_step: int = 0):
-    self.config, self.step = config, first_step
-    local = config.train.global_batch_size // process_count
-    self.rows = np.arange(process_index * local, (process_index + 1) * local)
+  def __init__(self, make_rows: Callable[[int, np.ndarray], LocalBatch], accum: int, micro_batch_size: int,
+               rows: np.ndarray, first_step: int = 0):
+    self.make_rows, self.step = make_rows, first_step
+    # Row r of micro-batch a is row a * M + r of the step's global batch, as in `pipeline`.
+    self.rows = (np.arange(accum)[:, None] * micro_batch_size + rows[None, :]).reshape(-1)
 
   def __iter__(self) -> SyntheticRows:
     return self
 
   def __next__(self) -> LocalBatch:
-    m, seed = self.config.model, self.config.seed
-    if m.name == 'mlp':
-      batch = synthetic.classification_rows(seed, self.step, self.rows, m.input_dim, m.num_classes)
-    else:
-      batch = synthetic.token_rows(seed, self.step, self.rows, self.config.train.seq_len, m.vocab_size)
+    batch = self.make_rows(self.step, self.rows)
     self.step += 1
     return batch
 
@@ -71,10 +82,11 @@ class GlobalBatches:
   """
 
   def __init__(self, local: Iterator[LocalBatch], source: str, mesh: Mesh, rules: AxisRules, accum: int,
-               global_batch_size: int, ahead: int = 0):
+               global_batch_size: int, rows: np.ndarray, ahead: int = 0):
     self.local, self.source = local, source
     self.mesh, self.rules, self.accum = mesh, rules, accum
     self.micro = global_batch_size // accum
+    self.rows = rows  # Of each micro-batch, the ones this process reads (`process_rows`).
     self.ahead = ahead
     self.ready: collections.deque[tuple[dict[str, Any], dict[str, jax.Array]]] = collections.deque()
 
@@ -88,12 +100,17 @@ class GlobalBatches:
     return self.ready.popleft()[1]
 
   def _to_devices(self, local_batch: LocalBatch) -> dict[str, jax.Array]:
+    """Each device gets its slice of the rows this process read, wherever they sit in the batch."""
     out = {}
     for key, value in local_batch.items():
-      local = value.reshape(self.accum, value.shape[0] // self.accum, *value.shape[1:])
+      local = value.reshape(self.accum, len(self.rows), *value.shape[1:])
       shape = (self.accum, self.micro, *value.shape[1:])
-      sharding = batch_sharding(self.mesh, self.rules, len(shape))
-      out[key] = jax.make_array_from_process_local_data(sharding, local, shape)
+
+      def shard(index: tuple[slice, ...], local=local) -> np.ndarray:
+        wanted = np.arange(*index[1].indices(self.micro))
+        return local[index[0], np.searchsorted(self.rows, wanted)][(slice(None), slice(None), *index[2:])]
+
+      out[key] = jax.make_array_from_callback(shape, batch_sharding(self.mesh, self.rules, len(shape)), shard)
     return out
 
   def get_state(self) -> dict[str, Any]:
@@ -110,22 +127,20 @@ class GlobalBatches:
     self.local.set_state(state['iterator'])
 
 
-def _local_iterator(config: ml_collections.ConfigDict, split: str, seed: int) -> Iterator[LocalBatch]:
-  index, count = jax.process_index(), jax.process_count()
-  if config.data.source == 'synthetic':
-    return SyntheticRows(config, index, count, first_step=EVAL_STEP_OFFSET if split == 'eval' else 0)
-  return pipeline.make_iterator(config.data, split=split, seq_len=config.train.seq_len,
-                                global_batch_size=config.train.global_batch_size, seed=seed,
-                                process_index=index, process_count=count)
-
-
-def make_batches(config: ml_collections.ConfigDict, mesh: Mesh, rules: AxisRules, *,
-                 split: str = 'train') -> GlobalBatches:
+def make_batches(config: Config, mesh: Mesh, rules: AxisRules, *, split: str = 'train') -> GlobalBatches:
   """Global batches of `split`: train batches run on forever (`data.device_prefetch` of them on their
   devices ahead of the step), eval batches restart per evaluation."""
-  ahead = sources.option(config.data, 'device_prefetch') if split == 'train' else 0
-  if not isinstance(ahead, int) or ahead < 0:
-    raise sources.DataError(f'data.device_prefetch={ahead!r} must be an integer >= 0 (batches sent to '
-                            'the devices ahead of the step).')
-  return GlobalBatches(_local_iterator(config, split, config.seed), config.data.source, mesh, rules,
-                       config.train.grad_accum_steps, config.train.global_batch_size, ahead=ahead)
+  data, train = config.data, config.train
+  shape = (train.grad_accum_steps, train.micro_batch_size)
+  rows = process_rows(batch_sharding(mesh, rules, len(shape)), shape)
+  if data.source == 'synthetic':
+    def make_rows(step: int, rows: np.ndarray) -> LocalBatch:
+      return config.family.synthetic_rows(config.model, config.seed, step, rows, train.seq_len)
+    local = SyntheticRows(make_rows, train.grad_accum_steps, train.micro_batch_size, rows,
+                          first_step=EVAL_STEP_OFFSET if split == 'eval' else 0)
+  else:
+    local = pipeline.make_iterator(data, split=split, seq_len=train.seq_len,
+                                   global_batch_size=train.global_batch_size,
+                                   micro_batch_size=train.micro_batch_size, rows=rows, seed=config.seed)
+  return GlobalBatches(local, data.source, mesh, rules, train.grad_accum_steps, train.global_batch_size, rows,
+                       ahead=data.device_prefetch if split == 'train' else 0)

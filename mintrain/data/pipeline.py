@@ -1,4 +1,4 @@
-"""Grain pipelines of packed byte sequences: one process's local batches, checkpointable.
+"""Grain pipelines of packed byte sequences: one process's share of each batch, checkpointable.
 
 Packing: each token stream is cut into windows of seq_len + 1 tokens at stride seq_len
 (neighbours share one token), so every token but a stream's first is a target exactly once;
@@ -6,22 +6,27 @@ a tail shorter than a window is dropped. inputs = window[:-1], targets = window[
 
 Order: train windows are shuffled globally with the seed, each epoch differently: Grain's
 `shuffle` folds the epoch of an index past the end into its seed (seed + epoch), and `repeat()`
-makes the index run on forever. Global batch s is the shuffled windows [s * G, (s + 1) * G);
-process p builds only its rows [p * G / P, (p + 1) * G / P). So the global batch and the iterator
-state ({'next_index': steps taken}) do not depend on the process count, and a run can resume on
-another one. Eval windows come in order, unshuffled, and repeat as often as asked for.
+makes the index run on forever. Global batch s is the shuffled windows [s * G, (s + 1) * G), its
+micro-batch a the windows [a * M, (a + 1) * M) of those; a process reads only the rows of each
+micro-batch that its devices hold (`batches.process_rows`, from the mesh), and nothing else. So the
+global batch and the iterator state ({'next_index': steps taken}) depend on neither the process count
+nor the layout, and a run can resume on any. Eval windows come in order, unshuffled, and repeat as
+often as asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grain
 import numpy as np
 
 from mintrain.data import sources, tokenizer
 from mintrain.data.sources import DataError
+
+if TYPE_CHECKING:
+  from mintrain.config import DataConfig
 
 
 class PackedSequences:
@@ -51,46 +56,59 @@ def split_inputs_targets(windows_BL: np.ndarray) -> dict[str, np.ndarray]:
           'targets': np.ascontiguousarray(windows_BL[:, 1:])}
 
 
-def _check_layout(seq_len: int, global_batch_size: int, process_index: int, process_count: int) -> None:
-  if not isinstance(seq_len, int) or seq_len < 1:
-    raise DataError(f'train.seq_len={seq_len!r} must be a positive integer.')
-  if not isinstance(process_count, int) or not 0 <= process_index < process_count:
-    raise DataError(f'process_index={process_index} must be in [0, process_count={process_count}).')
-  if not isinstance(global_batch_size, int) or global_batch_size < 1 or global_batch_size % process_count:
-    raise DataError(f'train.global_batch_size={global_batch_size} must be a positive multiple of the '
-                    f'process count {process_count}; each process reads an equal share.')
+class ProcessRows:
+  """Random access to one process's windows of each global batch, in order: step s, micro-batch a,
+  then row `rows[j]` of that micro-batch; a Grain data source over `windows` (which may be endless)."""
+
+  def __init__(self, windows: grain.MapDataset, global_batch_size: int, micro_batch_size: int,
+               rows: np.ndarray):
+    self.windows, self.rows = windows, rows
+    self.global_batch, self.micro = global_batch_size, micro_batch_size
+    self.per_step = global_batch_size // micro_batch_size * len(rows)
+
+  def __len__(self) -> int:
+    return len(self.windows) // self.global_batch * self.per_step
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    step, rest = divmod(index, self.per_step)
+    micro, j = divmod(rest, len(self.rows))
+    return self.windows[step * self.global_batch + micro * self.micro + int(self.rows[j])]
 
 
-def make_dataset(data_cfg: Mapping[str, Any], *, split: str, seq_len: int, global_batch_size: int,
-                 seed: int, process_index: int, process_count: int) -> grain.IterDataset:
+def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
+                 micro_batch_size: int, rows: np.ndarray, seed: int) -> grain.IterDataset:
   """This process's endless local batches of `split`; `iter()` it afresh to restart (e.g. per eval).
 
-  Elements are {'inputs', 'targets'}: int32 (global_batch_size // process_count, seq_len).
+  Elements are {'inputs', 'targets'}: int32 (global_batch_size // micro_batch_size * len(rows), seq_len),
+  micro-batch by micro-batch, each holding `rows` of its micro-batch.
   """
-  _check_layout(seq_len, global_batch_size, process_index, process_count)
+  if not isinstance(seq_len, int) or seq_len < 1:
+    raise DataError(f'train.seq_len={seq_len!r} must be a positive integer.')
+  if global_batch_size < 1 or micro_batch_size < 1 or global_batch_size % micro_batch_size:
+    raise DataError(f'train.global_batch_size={global_batch_size} must be a positive multiple of the '
+                    f'micro-batch ({micro_batch_size}).')
+  if not len(rows) or min(rows) < 0 or max(rows) >= micro_batch_size:
+    raise DataError(f'rows {list(rows)} must be some of the micro-batch\'s {micro_batch_size} rows.')
   streams = sources.load_split(data_cfg, split)
   windows = PackedSequences(streams, seq_len)
   if not len(windows):
     raise DataError(f'The {split} split of {sources.describe(data_cfg)} has {max(len(s) for s in streams)} '
                     f'tokens in its longest stream, fewer than train.seq_len + 1 = {seq_len + 1}; '
                     f'lower train.seq_len or add data.')
-  threads, prefetch = sources.option(data_cfg, 'num_threads'), sources.option(data_cfg, 'prefetch')
-  if not isinstance(threads, int) or not isinstance(prefetch, int) or threads < 0 or prefetch < 0:
-    raise DataError(f'data.num_threads={threads!r} and data.prefetch={prefetch!r} must be integers >= 0.')
   ds = grain.MapDataset.source(windows)
   if split == 'train':
     ds = ds.shuffle(seed=seed % 2**32)
-  ds = ds.repeat().batch(global_batch_size // process_count, drop_remainder=True)
-  ds = ds[process_index::process_count].map(split_inputs_targets)
+  mine = ProcessRows(ds.repeat(), global_batch_size, micro_batch_size, np.asarray(rows))
+  ds = grain.MapDataset.source(mine).batch(mine.per_step, drop_remainder=True).map(split_inputs_targets)
+  threads, prefetch = data_cfg.num_threads, data_cfg.prefetch
   read = grain.ReadOptions(num_threads=min(threads, prefetch), prefetch_buffer_size=prefetch)
   return ds.to_iter_dataset(read)
 
 
-def make_iterator(data_cfg: Mapping[str, Any], *, split: str, seq_len: int, global_batch_size: int,
-                  seed: int, process_index: int, process_count: int) -> grain.DatasetIterator:
-  """An iterator over `make_dataset(...)`; `get_state()` is a JSON-able dict, `set_state` resumes it."""
-  return iter(make_dataset(data_cfg, split=split, seq_len=seq_len, global_batch_size=global_batch_size,
-                           seed=seed, process_index=process_index, process_count=process_count))
+def make_iterator(data_cfg: DataConfig, **layout) -> grain.DatasetIterator:
+  """An iterator over `make_dataset(data_cfg, **layout)`; `get_state()` is a JSON-able dict, `set_state`
+  resumes it."""
+  return iter(make_dataset(data_cfg, **layout))
 
 
 def token_counts(streams: Sequence[np.ndarray]) -> np.ndarray:
@@ -103,7 +121,7 @@ def token_counts(streams: Sequence[np.ndarray]) -> np.ndarray:
   return counts
 
 
-def unigram_bits_per_byte(data_cfg: Mapping[str, Any], *, split: str = 'eval') -> float:
+def unigram_bits_per_byte(data_cfg: DataConfig, *, split: str = 'eval') -> float:
   """Entropy of the split's own token frequencies: the loss a model ignoring context cannot beat.
 
   Counts every token of the split, BOS included, as the training loss does.

@@ -22,18 +22,18 @@ import hashlib
 import os
 import pathlib
 import sysconfig
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mintrain.data import tokenizer
 
+if TYPE_CHECKING:
+  from mintrain.config import DataConfig
+
 SOURCES = ('stdlib', 'text', 'tokens')
 SPLITS = ('train', 'eval')
 TOKEN_DTYPES = ('uint16', 'uint32')
-DEFAULTS = {'source': 'stdlib', 'path': '', 'eval_fraction': 0.05, 'token_dtype': 'uint16', 'max_bytes': 0,
-            'num_threads': 1, 'prefetch': 4, 'device_prefetch': 1}
 STDLIB_EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages', 'dist-packages',
                                   '__pycache__'})
 _SCAN_CHUNK = 1 << 24  # Tokens checked per step when validating a token file.
@@ -43,15 +43,10 @@ class DataError(ValueError):
   """Unusable data or data settings; the message names the file or key and what to change."""
 
 
-def option(data_cfg: Mapping[str, Any], key: str) -> Any:
-  """`data_cfg[key]`, or its default when the config does not set it."""
-  return data_cfg[key] if key in data_cfg else DEFAULTS[key]
-
-
-def describe(data_cfg: Mapping[str, Any]) -> str:
+def describe(data_cfg: DataConfig) -> str:
   """The source as the config names it, for error messages."""
-  source = option(data_cfg, 'source')
-  return f'data.source={source!r}' if source == 'stdlib' else f'data.path={option(data_cfg, "path")!r}'
+  source = data_cfg.source
+  return f'data.source={source!r}' if source == 'stdlib' else f'data.path={data_cfg.path!r}'
 
 
 def in_eval(key: str, eval_fraction: float) -> bool:
@@ -132,15 +127,15 @@ def join_documents(docs: list[bytes]) -> np.ndarray:
   return out
 
 
-def _text_streams(data_cfg: Mapping[str, Any], split: str) -> list[np.ndarray]:
-  where, fraction = describe(data_cfg), option(data_cfg, 'eval_fraction')
-  files = stdlib_files() if option(data_cfg, 'source') == 'stdlib' else glob_files(option(data_cfg, 'path'))
-  files = _first_bytes(files, option(data_cfg, 'max_bytes'))
+def _text_streams(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
+  where, fraction = describe(data_cfg), data_cfg.eval_fraction
+  files = stdlib_files() if data_cfg.source == 'stdlib' else glob_files(data_cfg.path)
+  files = _first_bytes(files, data_cfg.max_bytes)
   mine = [path for key, path in files if in_eval(key, fraction) == (split == 'eval')]
   if not mine:
     owner = 'eval' if split == 'train' else 'train'
     change = 'lower' if split == 'train' else 'raise'
-    more = ', raise data.max_bytes' if option(data_cfg, 'max_bytes') else ''
+    more = ', raise data.max_bytes' if data_cfg.max_bytes else ''
     raise DataError(f'The {split} split of {where} is empty: all {len(files)} file(s) hash into {owner} at '
                     f'data.eval_fraction={fraction}; {change} it{more} or add files.')
   return [join_documents([read_text(path, where) for path in mine])]
@@ -156,15 +151,15 @@ def _check_ids(part: np.ndarray, path: pathlib.Path, offset: int) -> None:
                       f'mintrain.data.tokenizer or check data.token_dtype.')
 
 
-def _token_streams(data_cfg: Mapping[str, Any], split: str) -> list[np.ndarray]:
-  dtype_name, fraction = option(data_cfg, 'token_dtype'), option(data_cfg, 'eval_fraction')
+def _token_streams(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
+  dtype_name, fraction = data_cfg.token_dtype, data_cfg.eval_fraction
   if dtype_name not in TOKEN_DTYPES:
     raise DataError(f'data.token_dtype={dtype_name!r}; choose one of {TOKEN_DTYPES}.')
   dtype = np.dtype(dtype_name)
-  max_bytes = option(data_cfg, 'max_bytes')
+  max_bytes = data_cfg.max_bytes
   budget = max_bytes // dtype.itemsize if max_bytes else None
   streams = []
-  for _, path in glob_files(option(data_cfg, 'path')):
+  for _, path in glob_files(data_cfg.path):
     size = path.stat().st_size
     if size == 0 or size % dtype.itemsize:
       raise DataError(f'data.path: {path} is {size} bytes, not a positive multiple of {dtype.itemsize} '
@@ -189,9 +184,9 @@ def _token_streams(data_cfg: Mapping[str, Any], split: str) -> list[np.ndarray]:
   return streams
 
 
-def load_split(data_cfg: Mapping[str, Any], split: str) -> list[np.ndarray]:
+def load_split(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
   """The token streams of `split` ('train' or 'eval'), validated; DataError names what to change."""
-  source, fraction = option(data_cfg, 'source'), option(data_cfg, 'eval_fraction')
+  source, fraction = data_cfg.source, data_cfg.eval_fraction
   if source not in SOURCES:
     raise DataError(f'data.source={source!r} is not a file source; choose one of {SOURCES}.')
   if split not in SPLITS:
@@ -200,8 +195,8 @@ def load_split(data_cfg: Mapping[str, Any], split: str) -> list[np.ndarray]:
     raise DataError(f'data.eval_fraction={fraction} must be in [0, 1).')
   if split == 'eval' and fraction == 0.0:
     raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
-  if not isinstance(option(data_cfg, 'max_bytes'), int) or option(data_cfg, 'max_bytes') < 0:
-    raise DataError(f'data.max_bytes={option(data_cfg, "max_bytes")!r} must be an integer >= 0 (0: no cap).')
+  if not isinstance(data_cfg.max_bytes, int) or data_cfg.max_bytes < 0:
+    raise DataError(f'data.max_bytes={data_cfg.max_bytes!r} must be an integer >= 0 (0: no cap).')
   if source == 'tokens':
     return _token_streams(data_cfg, split)
   return _text_streams(data_cfg, split)

@@ -9,13 +9,15 @@ all-gather (and, in the backward pass, the reduce-scatter) happens inside the
 layer that needs it.
 
 A stack of identical layers can also hold its parameters stacked on a leading
-`layers` axis (`stack_layers`), so a `scan` runs one compiled layer N times.
+`layers` axis (`stack_layers`), so a `scan` runs one compiled layer N times. A checkpoint
+saved in one layout restores into the other (`Relayout`), keyed on that axis.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,18 +31,21 @@ LAYERS = 'layers'  # Logical name of the leading dimension of stacked per-layer 
 
 
 def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None],
-          dtype: jnp.dtype, rules: AxisRules) -> nnx.Param:
+          dtype: jnp.dtype, rules: AxisRules, *, decay: bool | None = None) -> nnx.Param:
   """A parameter with its logical axes declared next to it.
 
   Under a mesh it is drawn directly in its storage sharding, so no device ever
   holds the whole of a sharded parameter. Without one (shape discovery before
-  validation) it is created unsharded.
+  validation) it is created unsharded. `decay`: whether the optimizer's weight
+  decay applies (metadata `weight_decay`); by default matrices take it, vectors
+  (norm scales, biases) do not.
   """
   axes = tuple(axes)
   spec = None if jax.sharding.get_abstract_mesh().empty else rules.param_spec(axes)
   value = init(rngs.params(), tuple(shape), dtype, out_sharding=spec)
+  decay = len(shape) >= 2 if decay is None else decay
   # The logical names are metadata only: Flax must not map them to mesh axes itself.
-  return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False, weight_decay=decay)
 
 
 def gather(p: nnx.Param, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
@@ -51,14 +56,27 @@ def gather(p: nnx.Param, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
 MATMUL = 'weight_matmul'  # Checkpoint name of `linear`'s outputs, for remat policies.
 
 
-def linear(subscripts: str, x: jax.Array, w: jax.Array, out_sharding=None) -> jax.Array:
+LINEAR_OPTIONS = ('auto', 'custom_vjp', 'einsum')
+
+
+def linear_for_platform(option: str, platform: str) -> str:
+  """'auto' -> the custom VJP on CPU, where it was measured to help (BENCHMARKS.md), else plain einsum."""
+  if option != 'auto':
+    return option
+  return 'custom_vjp' if platform == 'cpu' else 'einsum'
+
+
+def linear(subscripts: str, x: jax.Array, w: jax.Array, out_sharding=None, *,
+           custom_vjp: bool = True) -> jax.Array:
   """`jnp.einsum(subscripts, x, w)` of activations `x` with a weight `w`, output named `MATMUL`.
 
-  Same value and gradients as the einsum; only the weight gradient's operand order differs.
-  Autodiff forms it as `einsum(dy, x)` and XLA:CPU's matmul then copies `dy` transposed (fused
-  with whatever produced `dy`, e.g. SiLU's backward); here the smaller of `x` and `dy` is the
-  one that gets transposed.
+  Same value and gradients as the einsum; with `custom_vjp` only the weight gradient's operand
+  order differs. Autodiff forms it as `einsum(dy, x)` and XLA:CPU's matmul then copies `dy`
+  transposed (fused with whatever produced `dy`, e.g. SiLU's backward); the custom VJP transposes
+  the smaller of `x` and `dy` instead.
   """
+  if not custom_vjp:
+    return checkpoint_name(jnp.einsum(subscripts, x, w, out_sharding=out_sharding), MATMUL)
   return checkpoint_name(_linear(subscripts, x, w, out_sharding), MATMUL)
 
 
@@ -142,3 +160,96 @@ def split_layers(stacked: nnx.Module) -> tuple[Callable[[list[jax.Array]], nnx.M
                              is_leaf=_is_variable)
   params_N, treedef = jax.tree.flatten(layer_state)
   return lambda params: nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), params_N
+
+
+def _without_index(path: str) -> list[tuple[str, int, int]]:
+  """(path without one all-digit component, that index, its position) for each such component."""
+  parts = path.split('.')
+  return [('.'.join(parts[:k] + parts[k + 1:]), int(p), k) for k, p in enumerate(parts) if p.isdigit()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Relayout:
+  """How arrays saved in one layer layout map onto a target in the other, by flat dotted paths.
+
+  A target array whose leading logical axis is `layers` and that the checkpoint lacks is stacked
+  from per-layer arrays (`blocks.<i>.X` -> `blocks.X`); a target per-layer array that the checkpoint
+  lacks is sliced from a saved array stacked on `layers`. Paths mirror the parameters anywhere in
+  the state (Adam's moments too).
+  """
+
+  stack: dict[str, tuple[str, ...]]  # Target path (stacked) -> the saved per-layer paths, in layer order.
+  unstack: dict[str, tuple[str, ...]]  # Saved path (stacked) -> the target per-layer paths, in layer order.
+
+  @classmethod
+  def plan(cls, target: Mapping[str, tuple[tuple[int, ...], tuple[str | None, ...] | None]],
+           saved_axes: Mapping[str, tuple[str | None, ...] | None]) -> Relayout:
+    """`target`: {path: (shape, logical axes)}; `saved_axes`: {path: logical axes or None (not recorded)}."""
+    per_layer: dict[str, tuple[int, dict[int, str]]] = {}  # Stacked name -> (index position, {i: path}).
+    for path in saved_axes:
+      for stacked, i, k in _without_index(path):
+        per_layer.setdefault(stacked, (k, {}))[1][i] = path
+    stack, unstack = {}, {}
+    for path, (shape, axes) in target.items():
+      if path in saved_axes:
+        continue
+      if axes and axes[0] == LAYERS and path in per_layer:
+        k, _ = per_layer[path]
+        parts = path.split('.')
+        stack[path] = tuple('.'.join(parts[:k] + [str(i)] + parts[k:]) for i in range(shape[0]))
+        continue
+      for stacked, i, _ in _without_index(path):
+        if stacked in saved_axes and (saved_axes[stacked] or (LAYERS,))[0] == LAYERS:
+          unstack.setdefault(stacked, {})[i] = path
+          break
+    return cls(stack, {s: tuple(d[i] for i in sorted(d)) for s, d in unstack.items()})
+
+  def __bool__(self) -> bool:
+    return bool(self.stack or self.unstack)
+
+  def saved_layout(self, target: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The arrays to read in the checkpoint's own layout, each sharded as its part of the target."""
+    out = {path: x for path, x in target.items() if path not in self.stack
+           and not any(path in parts for parts in self.unstack.values())}
+    for path, sources in self.stack.items():
+      x = target[path]
+      for source in sources:
+        out[source] = _abstract(x.shape[1:], x.dtype, x.sharding, drop_leading=True)
+    for source, parts in self.unstack.items():
+      x = target[parts[0]]
+      out[source] = _abstract((len(parts), *x.shape), x.dtype, x.sharding, drop_leading=False)
+    return out
+
+  def apply(self, saved: dict[str, jax.Array],
+            target: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """The target's arrays from arrays read in the saved layout; consumes `saved`.
+
+    One jitted stack or split per array, donating its inputs, so the state is never held in both layouts.
+    """
+    out = {}
+    for path, sources in self.stack.items():
+      out[path] = _stack_fn(target[path].sharding)(tuple(saved.pop(s) for s in sources))
+    for source, parts in self.unstack.items():
+      pieces = _split_fn(tuple(target[p].sharding for p in parts))(saved.pop(source))
+      out.update(zip(parts, pieces))
+    out.update(saved)
+    return out
+
+
+def _abstract(shape: tuple[int, ...], dtype, sharding, *, drop_leading: bool) -> jax.ShapeDtypeStruct:
+  """An abstract array of `shape` sharded like its stacked (or per-layer) counterpart."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = tuple(sharding.spec)[1:] if drop_leading else (None, *sharding.spec)
+    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.P(*spec))
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+@functools.cache
+def _stack_fn(sharding) -> Callable[[tuple[jax.Array, ...]], jax.Array]:
+  return jax.jit(jnp.stack, out_shardings=sharding, donate_argnums=0)
+
+
+@functools.cache
+def _split_fn(shardings: tuple) -> Callable[[jax.Array], tuple[jax.Array, ...]]:
+  return jax.jit(lambda x: tuple(x[i] for i in range(len(shardings))), out_shardings=shardings,
+                 donate_argnums=0)

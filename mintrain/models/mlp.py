@@ -12,21 +12,33 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from mintrain.data import synthetic
+from mintrain.fields import option
 from mintrain.loss import cross_entropy
+from mintrain.models.family import Family, Ways
 from mintrain.models.layers import dropout, gather, param
 from mintrain.partitioning import AxisRules
+
+DTYPES = ('float32', 'bfloat16')
+
+
+def _positive(dims: tuple[int, ...]) -> str | None:
+  return None if dims and all(d >= 1 for d in dims) else 'must be one or more positive widths'
 
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
-  input_dim: int = 784
-  hidden_dims: tuple[int, ...] = (1024, 1024, 1024)
-  num_classes: int = 10
-  dropout_rate: float = 0.0
-  param_dtype: str = 'float32'
-  compute_dtype: str = 'float32'
+  """The `model` section of an MLP run (configs/mlp_dp4_tp2.py)."""
+
+  input_dim: int = option(at_least=1)
+  hidden_dims: tuple[int, ...] = option(check=_positive)
+  num_classes: int = option(at_least=1)
+  dropout_rate: float = option(at_least=0, below=1)
+  param_dtype: str = option(choices=DTYPES)
+  compute_dtype: str = option(choices=DTYPES)
 
 
 class MLP(nnx.Module):
@@ -66,3 +78,35 @@ class MLP(nnx.Module):
            dropout_key: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy of the class predictions against `labels_B`."""
     return cross_entropy(self(inputs_BD, dropout_key=dropout_key), labels_B)
+
+
+def _dims(cfg: MLPConfig) -> tuple[int, ...]:
+  return (cfg.input_dim, *cfg.hidden_dims, cfg.num_classes)
+
+
+def train_flops_per_row(cfg: MLPConfig, seq_len: int, causal_half: bool = True) -> float:
+  """Training FLOPs per example (3x forward, as for the transformer).
+
+  The first layer needs no input gradient, so XLA does 2 * in * out fewer FLOPs
+  there than this count; the convention counts every matmul the same way.
+  """
+  dims = _dims(cfg)
+  return 3 * sum(2 * a * b for a, b in zip(dims[:-1], dims[1:]))
+
+
+def activation_bytes(cfg: MLPConfig, rows: int, seq_len: int, ways: Ways) -> int:
+  """Each layer's input and its pre-activation, per example."""
+  return rows * sum(2 * w * np.dtype(cfg.compute_dtype).itemsize for w in _dims(cfg))
+
+
+FAMILY = Family(
+    config=MLPConfig,
+    make=lambda cfg, rules, rngs: MLP(cfg, rules=rules, rngs=rngs),
+    param_count=lambda cfg: sum(a * b + b for a, b in zip(_dims(cfg)[:-1], _dims(cfg)[1:])),
+    train_flops_per_row=train_flops_per_row,
+    tokens_per_row=lambda cfg, seq_len: 1,  # Examples, not tokens.
+    activation_bytes=activation_bytes,
+    compute_dtype=lambda cfg: cfg.compute_dtype,
+    synthetic_rows=lambda cfg, seed, step, rows, seq_len: synthetic.classification_rows(
+        seed, step, rows, cfg.input_dim, cfg.num_classes),
+)

@@ -17,7 +17,11 @@ Performance options (`TransformerConfig`), each computing the same function as t
   mlp_overlap  the MLP's tensor-parallel communication overlapped with its matmuls
                (`collective_matmul`).
   loss_chunks  the output layer and the loss fused (`mintrain.loss.fused_cross_entropy`), over that
-               many sequence chunks; 0 computes the logits, then the loss.
+               many sequence chunks; 0 computes the logits, then the loss; -1 (auto) fuses on CPU only.
+  linear       'custom_vjp' forms weight gradients with the smaller operand transposed (`layers.linear`);
+               'einsum' leaves them to autodiff; 'auto' takes the custom VJP on CPU only.
+
+`FAMILY` is what the rest of mintrain knows of this model (`mintrain.models.family`).
 """
 
 from __future__ import annotations
@@ -27,11 +31,26 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from mintrain.data import synthetic, tokenizer
+from mintrain.fields import ConfigError, option
 from mintrain.loss import cross_entropy, fused_cross_entropy
 from mintrain.models import collective_matmul
-from mintrain.models.layers import MATMUL, RMSNorm, dropout, gather, linear, param, split_layers, stack_layers
+from mintrain.models.family import Family, Ways
+from mintrain.models.layers import (
+  LINEAR_OPTIONS,
+  MATMUL,
+  RMSNorm,
+  dropout,
+  gather,
+  linear,
+  linear_for_platform,
+  param,
+  split_layers,
+  stack_layers,
+)
 from mintrain.partitioning import AxisRules
 
 BLD = ('batch', 'length', 'embed')
@@ -53,6 +72,7 @@ REMAT_POLICIES = {
 }
 REMAT_OPTIONS = ('none', *REMAT_POLICIES)
 ATTENTION_OPTIONS = ('einsum', 'dot_product')
+DTYPES = ('float32', 'bfloat16')
 
 
 def attention_kernel(platform: str, dtype: jnp.dtype, head_dim: int) -> str:
@@ -63,24 +83,47 @@ def attention_kernel(platform: str, dtype: jnp.dtype, head_dim: int) -> str:
   return 'cudnn' if platform in ('gpu', 'cuda') and cudnn_ok else 'xla'
 
 
+def _even(value: int) -> str | None:
+  return None if value % 2 == 0 else 'must be even for rotary embeddings'
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  vocab_size: int
-  embed_dim: int
-  num_layers: int
-  num_heads: int
-  head_dim: int
-  mlp_dim: int
-  tie_embeddings: bool = True
-  rope_base: float = 10000.0
-  dropout_rate: float = 0.0
-  param_dtype: str = 'float32'
-  compute_dtype: str = 'float32'
-  remat: str = 'none'  # One of REMAT_OPTIONS.
-  scan_layers: bool = False
-  attention: str = 'einsum'  # One of ATTENTION_OPTIONS.
-  mlp_overlap: bool = False
-  loss_chunks: int = 1  # N: output layer and loss fused over N sequence chunks; 0: logits, then loss.
+  """The `model` section of a transformer run; configs/base.py has the defaults and their meaning."""
+
+  vocab_size: int = option(at_least=1)
+  embed_dim: int = option(at_least=1)
+  num_layers: int = option(at_least=1)
+  num_heads: int = option(at_least=1)
+  head_dim: int = option(at_least=2, check=_even)
+  mlp_dim: int = option(at_least=1)
+  tie_embeddings: bool = option()
+  rope_base: float = option(above=0)
+  dropout_rate: float = option(at_least=0, below=1)
+  param_dtype: str = option(choices=DTYPES)
+  compute_dtype: str = option(choices=DTYPES)
+  remat: str = option(choices=REMAT_OPTIONS)
+  scan_layers: bool = option()
+  attention: str = option(choices=ATTENTION_OPTIONS)
+  mlp_overlap: bool = option()
+  loss_chunks: int = option(at_least=-1)  # -1: auto; 0: logits, then loss; N: fused over N chunks.
+  linear: str = option(choices=LINEAR_OPTIONS)  # How weight matmuls form their gradient.
+  platform: str = option(derived=True, default='cpu')  # Of the mesh's devices; picks kernels.
+
+
+def check(cfg: TransformerConfig, seq_len: int) -> None:
+  if cfg.loss_chunks > 0 and seq_len % cfg.loss_chunks:
+    raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} must be 0 (logits, then the loss), a positive '
+                      f'divisor of train.seq_len={seq_len} (the fused loss over that many chunks), '
+                      'or -1 (auto).')
+
+
+def for_platform(cfg: TransformerConfig, platform: str) -> TransformerConfig:
+  """Options left to 'auto' set for the platform: the fused loss and `linear`'s custom VJP were measured
+  to help on CPU only (BENCHMARKS.md), so elsewhere they stay off until measured there."""
+  chunks = cfg.loss_chunks if cfg.loss_chunks >= 0 else (1 if platform == 'cpu' else 0)
+  return dataclasses.replace(cfg, platform=platform, loss_chunks=chunks,
+                             linear=linear_for_platform(cfg.linear, platform))
 
 
 def rope(x_BLHK: jax.Array, base: float, positions_L: jax.Array | None = None) -> jax.Array:
@@ -117,7 +160,7 @@ class Attention(nnx.Module):
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     q_BLHK, k_BMHK, v_BMHK = self._qkv(x_BLD, None)
     if self.cfg.attention == 'dot_product':
-      implementation = attention_kernel(jax.default_backend(), q_BLHK.dtype, self.cfg.head_dim)
+      implementation = attention_kernel(self.cfg.platform, q_BLHK.dtype, self.cfg.head_dim)
       out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, is_causal=True,
                                               scale=self.cfg.head_dim ** -0.5, implementation=implementation)
       return self._project(out_BLHK)
@@ -144,7 +187,8 @@ class Attention(nnx.Module):
     """Queries and keys rotated for their positions, and values; all laid out as BLHK."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
     w_DCHK = jnp.stack([gather(w, rules, dtype) for w in (self.wq_DHK, self.wk_DHK, self.wv_DHK)], axis=1)
-    qkv_BLCHK = linear('BLD,DCHK->BLCHK', x_BLD, w_DCHK)  # C: query, key, value in one matmul.
+    # C: query, key, value in one matmul.
+    qkv_BLCHK = linear('BLD,DCHK->BLCHK', x_BLD, w_DCHK, custom_vjp=cfg.linear == 'custom_vjp')
     q_BLHK, k_BLHK, v_BLHK = qkv_BLCHK[:, :, 0], qkv_BLCHK[:, :, 1], qkv_BLCHK[:, :, 2]
     q_BLHK = rules.reshard(rope(q_BLHK, cfg.rope_base, positions_L), BLHK)
     k_BLHK = rules.reshard(rope(k_BLHK, cfg.rope_base, positions_L), BLHK)
@@ -165,7 +209,8 @@ class Attention(nnx.Module):
     rules, dtype = self.rules, out_BLHK.dtype
     out_BLHK = rules.reshard(out_BLHK, BLHK)
     # Contracting the sharded heads needs an explicit output layout (a reduce over `model`).
-    return linear('BLHK,HKD->BLD', out_BLHK, gather(self.wo_HKD, rules, dtype), rules.activation_spec(BLD))
+    return linear('BLHK,HKD->BLD', out_BLHK, gather(self.wo_HKD, rules, dtype), rules.activation_spec(BLD),
+                  custom_vjp=self.cfg.linear == 'custom_vjp')
 
 
 class GatedMLP(nnx.Module):
@@ -181,7 +226,7 @@ class GatedMLP(nnx.Module):
     self.wi_gate_DF = param(rngs, init, (d, f), ('embed', 'mlp'), dtype, rules)
     self.wi_up_DF = param(rngs, init, (d, f), ('embed', 'mlp'), dtype, rules)
     self.wo_FD = param(rngs, init, (f, d), ('mlp', 'embed'), dtype, rules)
-    self.rules, self.overlap = rules, cfg.mlp_overlap
+    self.rules, self.overlap, self.custom_vjp = rules, cfg.mlp_overlap, cfg.linear == 'custom_vjp'
 
   def __call__(self, x_BLD: jax.Array, *, overlap: bool = True) -> jax.Array:
     """`overlap=False` forces the plain path (decode steps are too short to split into chunks)."""
@@ -193,10 +238,10 @@ class GatedMLP(nnx.Module):
       return rules.reshard(collective_matmul.gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, rules), BLD)
     # Gate and up as one matmul: one pass over x and a wider, faster product.
     w_DGF = jnp.stack([w_gate_DF, w_up_DF], axis=1)
-    gate_up_BLGF = linear('BLD,DGF->BLGF', x_BLD, w_DGF)
+    gate_up_BLGF = linear('BLD,DGF->BLGF', x_BLD, w_DGF, custom_vjp=self.custom_vjp)
     gate_BLF, up_BLF = gate_up_BLGF[:, :, 0], gate_up_BLGF[:, :, 1]
     h_BLF = rules.reshard(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    return linear('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD))
+    return linear('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD), custom_vjp=self.custom_vjp)
 
 
 class Block(nnx.Module):
@@ -230,7 +275,7 @@ class Transformer(nnx.Module):
     dtype = jnp.dtype(cfg.param_dtype)
     embed_init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
     self.embedding_VD = param(rngs, embed_init, (cfg.vocab_size, cfg.embed_dim), ('vocab', 'embed'), dtype,
-                              rules)
+                              rules, decay=False)  # A lookup table: decay would pull rare tokens to zero.
     blocks = [Block(cfg, rules=rules, rngs=rngs) for _ in range(cfg.num_layers)]
     # With scan_layers, one Block whose parameters are all layers' stacked on a leading `layers` axis.
     self.blocks = stack_layers(blocks, rules) if cfg.scan_layers else nnx.List(blocks)
@@ -249,7 +294,7 @@ class Transformer(nnx.Module):
     """Mean cross-entropy of the next-token predictions against `targets_BL`."""
     table_VD, x_BLD = self._embed(tokens_BL)
     x_BLD = self._run_blocks(x_BLD, dropout_key)
-    if not self.cfg.loss_chunks:
+    if self.cfg.loss_chunks <= 0:
       return cross_entropy(self._logits(x_BLD, table_VD), targets_BL)
     return fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, self.rules,
                                self.cfg.loss_chunks)
@@ -268,6 +313,14 @@ class Transformer(nnx.Module):
       x_BLD, kv = block.decode(x_BLD, kv, start)
       new_cache.append(kv)
     return self._logits(x_BLD, table_VD), new_cache
+
+  def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
+    """Zero keys and values for `max_len` positions in every layer, laid out (under a mesh) as the
+    attention's (batch, length, heads, kv), so the cache is split like the activations that fill it."""
+    shape = (batch, max_len, self.cfg.num_heads, self.cfg.head_dim)
+    spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(BLHK)
+    return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
+            for _ in range(self.cfg.num_layers)]
 
   def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
     """Every block in turn: unrolled, or one `scan` over the stacked layers; rematerialised as configured."""
@@ -317,3 +370,71 @@ class Transformer(nnx.Module):
     if self.cfg.tie_embeddings:
       return table_VD.T
     return gather(self.unembed_DV, self.rules, table_VD.dtype)
+
+
+def forward_flops_per_token(cfg: TransformerConfig, seq_len: int, *,
+                            causal_half: bool = True) -> dict[str, float]:
+  """Forward matmul FLOPs per token, by part (all layers summed); MaxText's convention (`mintrain.flops`)."""
+  d, f, h, k = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.head_dim
+  attention = 4 * seq_len * h * k  # Scores (q.k) and probs @ v: 2*L*H*K each per query.
+  if causal_half:
+    attention /= 2
+  return {
+      'qkv': cfg.num_layers * 2 * d * 3 * h * k,
+      'attention': cfg.num_layers * attention,
+      'out_proj': cfg.num_layers * 2 * h * k * d,
+      'mlp': cfg.num_layers * 2 * d * f * 3,  # Gate, up and down.
+      'logits': 2 * d * cfg.vocab_size,
+  }
+
+
+def train_flops_per_row(cfg: TransformerConfig, seq_len: int, causal_half: bool = True) -> float:
+  """Training (forward + backward) FLOPs of one sequence."""
+  return 3 * sum(forward_flops_per_token(cfg, seq_len, causal_half=causal_half).values()) * seq_len
+
+
+def param_count(cfg: TransformerConfig) -> int:
+  d, f, h, k, v = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.head_dim, cfg.vocab_size
+  block = 4 * d * h * k + 3 * d * f + 2 * d  # q, k, v, out; gate, up, down; two norm scales.
+  return v * d + cfg.num_layers * block + d + (0 if cfg.tie_embeddings else d * v)
+
+
+def activation_bytes(cfg: TransformerConfig, rows: int, seq_len: int, ways: Ways) -> int:
+  """What the backward pass keeps for `rows` sequences on one device (`mintrain.memory`).
+
+  Per layer, the inputs of every matmul, norm and nonlinearity and the attention probabilities; plus
+  the float32 logits and their softmax (with the fused loss, one chunk's at a time, and the hidden
+  states' gradient that it keeps instead). With remat, a layer keeps only its input ('full') or its
+  input and its matmul outputs ('save_matmuls'), and one layer's full activations are live again
+  while its backward pass recomputes them.
+  """
+  c, d = np.dtype(cfg.compute_dtype).itemsize, cfg.embed_dim
+  heads, mlp = cfg.num_heads / ways('heads'), cfg.mlp_dim / ways('mlp')
+  per_token_layer = (c * (4 * d + 4 * heads * cfg.head_dim + 3 * mlp)  # Norms, q/k/v/out, gate/up/product.
+                     + heads * seq_len * (4 + c))  # Attention scores (float32) and probabilities.
+  if cfg.remat == 'none':
+    layers = cfg.num_layers * per_token_layer
+  else:
+    # Input; plus, when saving matmuls, q/k/v, the attention projection, gate, up and down outputs.
+    kept = c * d if cfg.remat == 'full' else c * (3 * d + 3 * heads * cfg.head_dim + 2 * mlp)
+    layers = cfg.num_layers * kept + per_token_layer  # One layer's activations, recomputed for its backward.
+  chunks = cfg.loss_chunks
+  logits = 2 * 4 * cfg.vocab_size / ways('vocab') / max(chunks, 1)  # Float32, and softmax.
+  loss_grad = c * d if chunks > 0 else 0  # The fused loss keeps d loss / d hidden states from its forward.
+  return int(rows * seq_len * (layers + logits + loss_grad + c * d))
+
+
+FAMILY = Family(
+    config=TransformerConfig,
+    make=lambda cfg, rules, rngs: Transformer(cfg, rules=rules, rngs=rngs),
+    param_count=param_count,
+    train_flops_per_row=train_flops_per_row,
+    tokens_per_row=lambda cfg, seq_len: seq_len,
+    activation_bytes=activation_bytes,
+    compute_dtype=lambda cfg: cfg.compute_dtype,
+    synthetic_rows=lambda cfg, seed, step, rows, seq_len: synthetic.token_rows(seed, step, rows, seq_len,
+                                                                               cfg.vocab_size),
+    for_platform=for_platform,
+    eval_metrics=lambda cfg, loss: {'eval_bits_per_byte': tokenizer.bits_per_byte(loss)},
+    check=check,
+)

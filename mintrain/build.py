@@ -1,0 +1,99 @@
+"""One way to build a run: from a validated config and devices to the mesh, rules, layout, state
+set-up, step functions and batches. The training loop, the scripts, the benchmarks and the tests all
+start here.
+
+Nothing is allocated: the layout comes from abstract evaluation and is validated (rules, divisibility,
+batch split) before anything is traced on the mesh; `init` and the steps are jitted, not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mintrain import memory, partitioning, train_state
+from mintrain import mesh as mesh_lib
+from mintrain.config import Config, ConfigError
+from mintrain.data.batches import GlobalBatches, make_batches
+from mintrain.optimizer import make_optimizer, schedule
+from mintrain.partitioning import AxisRules
+from mintrain.train_state import ParamInfo, TrainState
+from mintrain.train_step import make_eval_step, make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """Everything a run needs that follows from the config and the devices."""
+
+  config: Config  # Its model options set for the devices' platform (`Family.for_platform`).
+  mesh: Mesh
+  rules: AxisRules
+  layout: list[ParamInfo]
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  abstract_state: TrainState  # ShapeDtypeStructs with concrete NamedShardings of `mesh`.
+  init: Callable[[], TrainState]  # Jitted; call under the mesh.
+  from_params: Callable[[nnx.State], TrainState]  # Jitted: fresh optimizer state and step 0 around params.
+  train_step: Callable  # Jitted, state donated: (state, batch) -> (state, metrics).
+  eval_step: Callable  # Jitted: (params, batch) -> mean loss.
+  plan: memory.MemoryPlan
+
+  def batches(self, split: str = 'train') -> GlobalBatches:
+    """Global batches of `split`, each process reading only its devices' rows; call under the mesh."""
+    return make_batches(self.config, self.mesh, self.rules, split=split)
+
+  def model(self, params: nnx.State) -> nnx.Module:
+    """The model module with these parameters (e.g. restored ones), to call or sample from."""
+    return nnx.merge(self.graphdef, params)
+
+
+def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
+  """The run of `config` on a mesh over `devices` (default: all of the default backend's)."""
+  mesh = mesh_lib.make_mesh(config.mesh.sizes, devices)
+  family = config.family
+  config = config.replace(model=family.for_platform(config.model, mesh.devices.flat[0].platform))
+  rules = AxisRules.from_config(config.partitioning)
+  rules.check_mesh_axes(mesh.axis_names)
+  _check_batch_split(config, rules, mesh)
+  abstract = train_state.abstract_model(family, config.model, rules, config.seed)
+  layout = train_state.param_layout(abstract, rules, mesh)
+  graphdef, _ = nnx.split(abstract, nnx.Param)
+  tx = make_optimizer(config.optimizer, config.train.steps)
+  init, from_params = train_state.make_init(family, config.model, rules, tx, config.seed)
+  init = jax.jit(init)
+  with jax.set_mesh(mesh):
+    abstract_state = _concrete(jax.eval_shape(init), mesh)
+  from_params = jax.jit(from_params, out_shardings=jax.tree.map(lambda x: x.sharding, abstract_state),
+                        donate_argnums=0)
+  # Every step gets dropout keys; a model without dropout never reads them, and XLA drops their math.
+  train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True)
+  plan = memory.plan(config, rules, mesh, layout, abstract_state)
+  return Run(config, mesh, rules, layout, graphdef, tx, abstract_state, init, from_params, train_step,
+             make_eval_step(graphdef), plan)
+
+
+def _concrete(tree, mesh: Mesh):
+  """eval_shape's shardings are on an AbstractMesh; restore targets need this mesh's devices."""
+  def one(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    spec = x.sharding.spec if x.sharding is not None else PartitionSpec()
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+  return jax.tree.map(one, tree)
+
+
+def _check_batch_split(config: Config, rules: AxisRules, mesh: Mesh) -> None:
+  """The micro-batch must split evenly over the mesh axes that `batch` maps to."""
+  train, ways = config.train, rules.ways('batch', mesh.shape)
+  if train.micro_batch_size % ways:
+    axes = partitioning.spec_axes(rules.activation_spec(('batch',))[0])
+    named = ' x '.join(f'`{a}`' for a in axes) or 'no mesh axes'
+    raise ConfigError(
+        f'`batch` (micro-batch of {train.micro_batch_size} = train.global_batch_size '
+        f'{train.global_batch_size} '
+        f'/ train.grad_accum_steps {train.grad_accum_steps}) is split over {named} '
+        f'= {ways} devices; {train.micro_batch_size} % {ways} != 0. Use a global batch that is a '
+        f'multiple of {ways * train.grad_accum_steps}.')

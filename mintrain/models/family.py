@@ -1,0 +1,53 @@
+"""What a model family gives the rest of mintrain, so that nothing outside `mintrain/models/` asks which
+model it runs (torchtitan's model bundle, kept to a dataclass of functions).
+
+Every function takes the family's own typed config (`config`, a dataclass of `fields.option`s) first.
+Weight decay is not here: each parameter says whether it takes it (`layers.param(..., decay=...)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from mintrain.partitioning import AxisRules
+
+# How many ways activations split along a logical axis on the run's mesh (`AxisRules.ways`).
+Ways = Callable[[str], int]
+
+
+def _same(cfg: Any, platform: str) -> Any:
+  return cfg
+
+
+def _no_extra_metrics(cfg: Any, loss: float) -> dict[str, float]:
+  return {}
+
+
+def _no_check(cfg: Any, seq_len: int) -> None:
+  pass
+
+
+def _float32(cfg: Any) -> str:
+  return 'float32'
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  config: type  # Frozen dataclass of the `model` section's options.
+  # The module, with `loss(inputs, targets, *, dropout_key)`.
+  make: Callable[[Any, AxisRules, nnx.Rngs], nnx.Module]
+  param_count: Callable[[Any], int]
+  train_flops_per_row: Callable[[Any, int, bool], float]  # (cfg, seq_len, causal_half): forward + backward.
+  tokens_per_row: Callable[[Any, int], int]  # (cfg, seq_len): what throughput counts per batch row.
+  activation_bytes: Callable[[Any, int, int, Ways], int]  # (cfg, rows, seq_len, ways) kept for backward.
+  # (cfg, seed, step, rows, seq_len): rows of a synthetic batch, a pure function of (seed, step, row).
+  synthetic_rows: Callable[[Any, int, int, np.ndarray, int], dict[str, np.ndarray]]
+  for_platform: Callable[[Any, str], Any] = _same  # Options left to 'auto', set for 'cpu', 'gpu' or 'tpu'.
+  eval_metrics: Callable[[Any, float], dict[str, float]] = _no_extra_metrics  # Beyond loss and perplexity.
+  check: Callable[[Any, int], None] = _no_check  # (cfg, seq_len): raises ConfigError across sections.
+  compute_dtype: Callable[[Any], str] = _float32  # Of its matmuls: which peak FLOP/s MFU divides by.

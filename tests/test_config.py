@@ -1,0 +1,110 @@
+"""The config is parsed once: typed, frozen sections, every option checked against its meaning."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+from conftest import REPO, load_config, run_script
+
+from mintrain import config as config_lib
+from mintrain.config import ConfigError
+
+
+@pytest.mark.parametrize('override, message', [
+    ('optimizer.learning_rate=-1', r'optimizer.learning_rate=-1.0 must be > 0'),
+    ('optimizer.b2=1.0', r'optimizer.b2=1.0 must be in \[0, 1\)'),
+    ('optimizer.warmup_steps=-3', r'optimizer.warmup_steps=-3 must be an integer >= 0'),
+    ('mesh.data=0', r'mesh.data=0: must be a positive integer, or -1 for all remaining devices'),
+    ('train.steps=0', r'train.steps=0 must be an integer >= 1'),
+    ('train.grad_accum_steps=3', r'train.global_batch_size=32 is not divisible by train.grad_accum_steps=3'),
+    ('data.source=csv', r"data.source='csv'; choose one of \('stdlib', 'text', 'tokens', 'synthetic'\)"),
+    ('data.eval_fraction=1.0', r'data.eval_fraction=1.0 must be in \[0, 1\)'),
+    ('data.device_prefetch=-1', r'data.device_prefetch=-1 must be an integer >= 0'),
+    ('eval.steps=0', r'eval.steps=0 must be an integer >= 1'),
+    ('checkpoint.keep=-1', r'checkpoint.keep=-1 must be an integer >= 0'),
+    ('metrics.peak_tflops=-2.0', r'metrics.peak_tflops=-2.0 must be >= 0'),
+    ('profile.num_steps=0', r'profile.num_steps=0 must be an integer >= 1'),
+    ('model.dropout_rate=1.0', r'model.dropout_rate=1.0 must be in \[0, 1\)'),
+    ('model.head_dim=15', r'model.head_dim=15: must be even for rotary embeddings'),
+    ('model.param_dtype=float16', r"model.param_dtype='float16'; choose one of \('float32', 'bfloat16'\)"),
+    ('model.linear=fast', r"model.linear='fast'; choose one of \('auto', 'custom_vjp', 'einsum'\)"),
+    ("partitioning.rules=[('batch', 3)]", r"partitioning.rules: Bad partitioning rule \('batch', 3\)"),
+    ('seed=-1', r'config.seed=-1 must be an integer >= 0'),
+])
+def test_a_value_outside_its_meaning_is_an_error_naming_key_value_and_what_is_allowed(override, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config('dp4_tp2', override)
+
+
+def test_two_minus_ones_in_the_mesh_are_an_error():
+  with pytest.raises(ConfigError, match='mesh sizes may have one -1'):
+    load_config('dp4_tp2', 'mesh.data=-1', 'mesh.model=-1')
+
+
+def test_a_key_the_sections_do_not_have_is_an_error_with_close_matches():
+  config = config_lib.load(REPO / 'configs' / 'dp4_tp2.py')
+  with config.unlocked():
+    config.train.stesp = 3
+  with pytest.raises(ConfigError, match=r'Unknown config key train.stesp. Did you mean steps\?'):
+    config_lib.validate(config)
+
+
+def test_sections_are_frozen_and_round_trip_through_their_saved_form():
+  config = load_config('fsdp4_tp2')
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    config.train.steps = 5
+  assert config_lib.validate(config.to_dict()) == config
+  assert config_lib.validate(config_lib.upgrade(config.to_dict())) == config
+
+
+def test_a_config_saved_before_an_option_existed_is_upgraded_with_its_default():
+  saved = load_config('dp4_tp2').to_dict()
+  for section, key in (('model', 'loss_chunks'), ('model', 'linear'), ('data', 'device_prefetch')):
+    del saved[section][key]
+  saved['train']['steps'] = 77
+  with pytest.raises(ConfigError, match=r'Config key \w+\.\w+ is missing; configs/base.py has its default'):
+    config_lib.validate(saved)
+  upgraded = config_lib.validate(config_lib.upgrade(saved))
+  assert (upgraded.model.loss_chunks, upgraded.model.linear, upgraded.data.device_prefetch) == (-1, 'auto', 1)
+  assert upgraded.train.steps == 77
+
+
+def test_an_upgraded_model_of_another_family_keeps_its_own_section():
+  saved = load_config('mlp_dp4_tp2').to_dict()
+  upgraded = config_lib.validate(config_lib.upgrade(saved))
+  assert upgraded.model_name == 'mlp' and upgraded.model == load_config('mlp_dp4_tp2').model
+
+
+def test_a_config_file_anywhere_loads_by_path_with_its_neighbours_and_no_sys_path_change(tmp_path):
+  (tmp_path / 'mine').mkdir()
+  (tmp_path / 'mine' / 'common.py').write_text(
+      'import ml_collections\n\ndef get_config():\n  return ml_collections.ConfigDict({"a": 1, "b": 2})\n')
+  (tmp_path / 'mine' / 'child.py').write_text(
+      'from . import common\n\ndef get_config():\n  c = common.get_config()\n  c.b = 5\n  return c\n')
+  before = list(sys.path)
+  config = config_lib.load(tmp_path / 'mine' / 'child.py', ['a=3'])
+  assert (config.a, config.b) == (3, 5)
+  assert sys.path == before
+
+
+@pytest.mark.parametrize('text, message', [
+    ('def get_config(:\n', r'does not load \(line 1\): SyntaxError'),
+    ('raise RuntimeError("boom")\n', r'does not load: RuntimeError: boom'),
+    ('x = 1\n', r'has no get_config\(\) function'),
+    ('def get_config():\n  return {"a": 1}\n', r'get_config\(\) returned a dict, not a ConfigDict'),
+])
+def test_a_config_file_that_does_not_load_is_a_one_line_error(tmp_path, text, message):
+  (tmp_path / 'bad.py').write_text(text)
+  with pytest.raises(ConfigError, match=message) as e:
+    config_lib.load(tmp_path / 'bad.py')
+  assert '\n' not in str(e.value)
+
+
+def test_train_py_rejects_a_bad_value_before_touching_any_device():
+  proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py',
+                    '--config.optimizer.learning_rate=-1', timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.strip() == 'error: optimizer.learning_rate=-1.0 must be > 0.'
+  assert 'simulating' not in proc.stdout + proc.stderr and 'Traceback' not in proc.stderr

@@ -1,0 +1,148 @@
+"""A model family is one module under mintrain/models/: the rest of mintrain never asks which model runs.
+
+The proof: a third family, defined and registered in this file alone, trains, checkpoints, resumes and
+reports like the built-in ones, through the same config files and loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from conftest import REPO, quiet
+from flax import nnx
+
+from mintrain import config as config_lib
+from mintrain import flops, models, train_loop
+from mintrain.fields import option
+from mintrain.loss import cross_entropy
+from mintrain.models.family import Family
+from mintrain.models.layers import gather, param
+
+NAME = 'bigram_test'
+
+
+@dataclasses.dataclass(frozen=True)
+class BigramConfig:
+  vocab_size: int = option(at_least=1)
+  embed_dim: int = option(at_least=1)
+
+
+class Bigram(nnx.Module):
+  """Next token from the current one alone: an embedding, then an untied output layer."""
+
+  def __init__(self, cfg: BigramConfig, *, rules, rngs: nnx.Rngs):
+    v, d = cfg.vocab_size, cfg.embed_dim
+    self.table_VD = param(rngs, nnx.initializers.normal(0.1), (v, d), ('vocab', 'embed'), jnp.float32, rules,
+                          decay=False)
+    self.out_DV = param(rngs, nnx.initializers.lecun_normal(), (d, v), ('embed', 'vocab'), jnp.float32, rules)
+    self.rules = rules
+
+  def loss(self, tokens_BL, targets_BL, *, dropout_key=None):
+    table_VD = gather(self.table_VD, self.rules, jnp.float32)
+    x_BLD = table_VD.at[tokens_BL].get(out_sharding=self.rules.activation_spec(('batch', 'length', 'embed')))
+    logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, gather(self.out_DV, self.rules, jnp.float32))
+    return cross_entropy(self.rules.reshard(logits_BLV, ('batch', 'length', 'vocab')), targets_BL)
+
+
+def synthetic_rows(cfg, seed, step, rows, seq_len):
+  """Rows follow one next-token map, t -> (3 t + 1) mod V, from a start drawn per (seed, step, row)."""
+  start = np.array([np.random.default_rng((seed, step, int(r))).integers(cfg.vocab_size) for r in rows])
+  seq = [start]
+  for _ in range(seq_len):
+    seq.append((3 * seq[-1] + 1) % cfg.vocab_size)
+  seq = np.stack(seq, 1).astype(np.int32)
+  return {'inputs': seq[:, :-1], 'targets': seq[:, 1:]}
+
+
+FAMILY = Family(
+    config=BigramConfig,
+    make=lambda cfg, rules, rngs: Bigram(cfg, rules=rules, rngs=rngs),
+    param_count=lambda cfg: 2 * cfg.vocab_size * cfg.embed_dim,
+    train_flops_per_row=lambda cfg, seq_len, causal_half=True: 6 * cfg.embed_dim * cfg.vocab_size * seq_len,
+    tokens_per_row=lambda cfg, seq_len: seq_len,
+    activation_bytes=lambda cfg, rows, seq_len, ways: rows * seq_len * 4 * (cfg.embed_dim + cfg.vocab_size),
+    synthetic_rows=synthetic_rows,
+)
+
+
+@pytest.fixture(autouse=True)
+def registered(monkeypatch):
+  monkeypatch.setitem(models.FAMILIES, NAME, FAMILY)
+
+
+def bigram_config(mesh: str, *overrides: str) -> config_lib.Config:
+  """configs/MESH.py with the model section replaced by the bigram family's, as a user's config would."""
+  config = config_lib.load(REPO / 'configs' / f'{mesh}.py')
+  config.model = ml_collections.ConfigDict({'name': NAME, 'vocab_size': 64, 'embed_dim': 32})
+  config.data.source = 'synthetic'
+  config.train.steps, config.train.log_every, config.train.seq_len = 12, 4, 16
+  config.eval.every_steps, config.checkpoint.every_steps = 0, 6
+  config.optimizer.warmup_steps, config.optimizer.learning_rate = 2, 0.05
+  config_lib.apply_overrides(config, overrides)
+  return config_lib.validate(config)
+
+
+def run(config, workdir=None):
+  from conftest import mesh_devices
+  return train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=quiet)
+
+
+def test_a_family_registered_outside_mintrain_trains_on_any_mesh_with_the_same_losses():
+  single = run(bigram_config('single'))
+  assert np.mean(single.losses[-3:]) < 0.5 * np.mean(single.losses[:3])
+  for mesh in ('dp4_tp2', 'fsdp4_tp2'):
+    np.testing.assert_allclose(run(bigram_config(mesh)).losses, single.losses, rtol=1e-5, err_msg=mesh)
+
+
+def test_its_flops_parameters_and_weight_decay_come_from_the_family():
+  config = bigram_config('single')
+  assert flops.param_count(config) == 2 * 64 * 32
+  assert flops.train_flops_per_step(config) == 3 * 2 * 32 * 64 * 16 * config.train.global_batch_size
+  assert flops.tokens_per_step(config) == 16 * config.train.global_batch_size
+  from conftest import build
+
+  from mintrain.optimizer import decay_mask
+  mask = decay_mask(build(config).abstract_state.params)
+  assert mask['table_VD'].get_value() is False and mask['out_DV'].get_value() is True
+
+
+def test_it_checkpoints_and_resumes_bit_exactly(tmp_path):
+  straight = run(bigram_config('dp4_tp2'), tmp_path)  # Saves steps 6 and 12.
+  shutil.rmtree(tmp_path / 'checkpoints' / '12')
+  resumed = run(bigram_config('dp4_tp2'), tmp_path)
+  assert resumed.first_step == 6
+  np.testing.assert_array_equal(resumed.losses, straight.losses[6:])
+  for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_its_options_are_checked_like_the_built_in_ones():
+  with pytest.raises(config_lib.ConfigError, match=r'model.embed_dim=0 must be an integer >= 1'):
+    bigram_config('single', 'model.embed_dim=0')
+
+
+# Only mintrain/models/ knows which models exist and how their parameters are named.
+MODEL_NAME_COMPARISON = re.compile(r"""(model_name|model\.name|\['name'\])\s*(==|!=|in\b)|"""
+                                   r"""(==|!=)\s*['"](transformer|mlp)['"]""")
+PARAMETER_PATH = re.compile(r"""['"](blocks|embedding_VD|unembed_DV|final_norm|attn|wq_DHK|wi_gate_DF|"""
+                            r"""weights|biases)['".]|\.blocks\b|'embedding'""")
+
+
+@pytest.mark.parametrize('folder', ['mintrain', 'scripts'])
+def test_no_code_outside_the_models_compares_model_names_or_knows_parameter_paths(folder):
+  offenders = []
+  for source in sorted((REPO / folder).rglob('*.py')):
+    if pathlib.Path(REPO / 'mintrain' / 'models') in source.parents:
+      continue
+    for number, line in enumerate(source.read_text().splitlines(), 1):
+      if MODEL_NAME_COMPARISON.search(line) or PARAMETER_PATH.search(line):
+        offenders.append(f'{source.relative_to(REPO)}:{number}: {line.strip()}')
+  assert not offenders, '\n'.join(offenders)
