@@ -26,13 +26,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
-from orbax.checkpoint import checkpoint_managers as policies
 
 import mintrain
 from mintrain import mesh as mesh_lib
+from mintrain.lazy import lazy_import
 from mintrain.models.layers import Relayout
 from mintrain.train_state import TrainState, flat_logical_axes, path_str
+
+ocp = lazy_import('orbax.checkpoint')  # Loaded by the first save or restore.
 
 CHECKPOINTS = 'checkpoints'
 LOGICAL_AXES = 'logical_axes'  # Metadata key: {array path: its logical axes}, for `Relayout`.
@@ -108,6 +109,7 @@ class Checkpoints:
   def __init__(self, directory: str | pathlib.Path, *, every_steps: int = 0, keep: int = 1,
                read_only: bool = False):
     self.directory = pathlib.Path(directory).absolute()  # Orbax (OCDBT) needs absolute paths.
+    policies = ocp.checkpoint_managers
     save_policy = policies.AnySavePolicy([
         policies.FixedIntervalPolicy(every_steps if every_steps > 0 else 2**62),
         # A policy of our own replaces the default, which would have included this one.

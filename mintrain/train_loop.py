@@ -321,9 +321,10 @@ def run(config: Config, workdir: str | pathlib.Path | None, *, devices: Sequence
     profile = stack.enter_context(Profile(config.profile, workdir, say))
     stack.enter_context(jax.set_mesh(r.mesh))
     batches = r.batches()
-    actions: list = [Log(r, timer, log, peak), evaluation := Evaluate(r, log), profile]
-    if checkpoints is not None:
-      actions.insert(0, stack.enter_context(Save(r, checkpoints, batches)))  # Saves before the others run.
+    evaluation = Evaluate(r, log)
+    actions: list = [Log(r, timer, log, peak), evaluation, profile]
+    if checkpoints is not None:  # It saves before the others run.
+      actions.insert(0, stack.enter_context(Save(r, checkpoints, batches)))
     state, data_state = initial_state(r, checkpoints, restore_from=restore_from,
                                       params_only=restore_params_only, print_fn=say)
     if data_state.get('source') == config.data.source:

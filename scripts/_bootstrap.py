@@ -6,15 +6,9 @@ Runs before the JAX backend starts, so it can still ask XLA for simulated CPU de
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 from typing import NoReturn
-
-# clu's metric writers import TensorFlow (only to write TensorBoard files); keep its C++ start-up notes
-# off stderr. TensorFlow still prints one absl line on import.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

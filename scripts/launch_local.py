@@ -44,9 +44,10 @@ def main() -> int:
   address = f'127.0.0.1:{free_port()}'
   procs = []
   for pid in range(args.num_processes):
+    # The device count through JAX's own option, which wins over a count in XLA_FLAGS (kept as given).
     env = dict(os.environ, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(args.num_processes),
                JAX_PROCESS_ID=str(pid), JAX_PLATFORMS='cpu', PYTHONUNBUFFERED='1',
-               XLA_FLAGS=f'--xla_force_host_platform_device_count={args.devices // args.num_processes}')
+               JAX_NUM_CPU_DEVICES=str(args.devices // args.num_processes))
     procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, start_new_session=True))
 

@@ -2,6 +2,9 @@
 
 Compiled programs go to a persistent compilation cache for this session, shared with the scripts the
 tests start (they inherit the environment), so the many runs of the same small models compile once.
+The tests check equalities, not speed: XLA:CPU's backend optimisation is off, which halves the compile
+time of their tiny models (11.5 s -> 6.0 s for one run's three programs), and its matmuls run on one
+thread each, which saves the pools' spinning (11% of the CPU time of a run).
 """
 
 import atexit
@@ -10,11 +13,14 @@ import shutil
 import tempfile
 
 os.environ['JAX_PLATFORMS'] = 'cpu'
-_CACHE = tempfile.mkdtemp(prefix='mintrain_test_jax_cache_')
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE
+if 'MINTRAIN_TEST_JAX_CACHE' not in os.environ:  # The first process of the session; its workers share it.
+  os.environ['MINTRAIN_TEST_JAX_CACHE'] = tempfile.mkdtemp(prefix='mintrain_test_jax_cache_')
+  atexit.register(shutil.rmtree, os.environ['MINTRAIN_TEST_JAX_CACHE'], ignore_errors=True)
+os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ['MINTRAIN_TEST_JAX_CACHE']
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
+TEST_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false'
+os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 import jax  # noqa: E402
 
@@ -36,11 +42,17 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 MESH_CONFIGS = ('single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2')
 
 
+# What every test run leaves out unless it says otherwise: a matmul calibration per run for MFU
+# (tests/test_hardware.py covers it) and evaluation beyond one batch.
+TEST_DEFAULTS = ('metrics.peak_tflops=1.0', 'eval.steps=1')
+
+
 def load_config(name: str, *overrides: str) -> config_lib.Config:
-  """configs/NAME.py with `key=value` overrides, validated. MFU is taken against a fixed peak, not a
-  matmul calibration per run (tests/test_hardware.py covers the calibration)."""
-  return config_lib.validate(config_lib.load(REPO / 'configs' / f'{name}.py',
-                                             ('metrics.peak_tflops=1.0', *overrides)))
+  """configs/NAME.py with TEST_DEFAULTS and `key=value` overrides, validated."""
+  return config_lib.validate(config_lib.load(REPO / 'configs' / f'{name}.py', (*TEST_DEFAULTS, *overrides)))
+
+
+SCRIPT_DEFAULTS = [f'--config.{item}' for item in TEST_DEFAULTS]  # The same for scripts/train.py.
 
 
 def mesh_devices(config: config_lib.Config) -> list:
@@ -59,9 +71,17 @@ def quiet(*_):
   pass
 
 
+def script_env() -> dict[str, str]:
+  """The environment of a script the tests start: the tests' compile settings and cache, and no device
+  count or platform, so the scripts must set up devices themselves."""
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
+  env['XLA_FLAGS'] = TEST_XLA_FLAGS
+  return env
+
+
 def run_script(*args, timeout=300, env_extra=None) -> subprocess.CompletedProcess:
-  """`python *args` from the repo root, with no device flags: the scripts must set up devices."""
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  """`python *args` from the repo root, in `script_env()`."""
+  env = script_env()
   env.update(env_extra or {})
   return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=timeout)

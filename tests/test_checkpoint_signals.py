@@ -1,6 +1,5 @@
 """Preemption and crashes, with scripts/train.py as a real subprocess."""
 
-import os
 import re
 import signal
 import subprocess
@@ -8,19 +7,21 @@ import sys
 import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SCRIPT_DEFAULTS, script_env
 
 from mintrain import checkpoint as ckpt_lib
 
 SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
-         '--config.train.global_batch_size=16', '--config.train.seq_len=32', '--config.train.log_every=1']
+         '--config.train.global_batch_size=16', '--config.train.seq_len=32', '--config.train.log_every=1',
+         *SCRIPT_DEFAULTS]
 # About 8M parameters: an asynchronous save of it (90 MB) takes long enough to be killed mid-write.
 BIG = ['--config.model.embed_dim=512', '--config.model.mlp_dim=2048', '--config.model.head_dim=64',
-       '--config.train.global_batch_size=8', '--config.train.seq_len=16', '--config.train.log_every=1']
+       '--config.train.global_batch_size=8', '--config.train.seq_len=16', '--config.train.log_every=1',
+       *SCRIPT_DEFAULTS]
 
 
 def start(workdir, *args):
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  env = script_env()
   command = [sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir)]
   return subprocess.Popen(
       [*command, *args],

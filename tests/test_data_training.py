@@ -2,14 +2,13 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build, load_config, mesh_devices, quiet
+from conftest import REPO, build, load_config, mesh_devices, quiet, script_env
 from flax import nnx
 
 from mintrain import train_loop
@@ -88,7 +87,7 @@ def test_training_logs_baseline_eval_and_data_wait(tmp_path):
 
 
 def test_bad_data_path_is_a_one_line_error_from_the_script(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  env = script_env()
   proc = subprocess.run([sys.executable, 'scripts/train.py', '--config', 'configs/single.py',
                          '--config.data.source=text', f'--config.data.path={tmp_path}/none/*.txt'],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -23,7 +23,7 @@ from mintrain.config import ConfigError
 from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.models import collective_matmul
-from mintrain.models.layers import MATMUL, linear
+from mintrain.models.layers import MATMUL, Relayout, linear
 from mintrain.models.transformer import REMAT_OPTIONS, attention_kernel
 from mintrain.optimizer import decay_mask
 from mintrain.partitioning import AxisRules
@@ -376,3 +376,24 @@ def test_linear_has_the_einsum_value_and_gradients(subscripts, x_axes, w_axes, o
   for got, want in zip(grads, expected_grads):
     assert got.sharding == want.sharding
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_layer_conversion_frees_each_saved_array_as_soon_as_it_is_converted(host_params):
+  """A checkpoint read in the other layout is converted one array at a time: never both layouts at once."""
+  mesh, _, run = build(small('fsdp4_tp2', 'model.scan_layers=True'))
+  target = flat(run.abstract_state.params)
+  axes = train_state.flat_logical_axes(run.abstract_state.params)
+  relayout = Relayout.plan({p: (tuple(x.shape), axes[p]) for p, x in target.items()},
+                           dict.fromkeys(host_params))
+  assert relayout.stack and not relayout.unstack
+  layout = relayout.saved_layout(target)
+  with jax.set_mesh(mesh):
+    saved = {p: jax.device_put(host_params[p], layout[p].sharding) for p in layout}
+    consumed = [saved[s] for sources in relayout.stack.values() for s in sources]
+    converted = relayout.apply(dict(saved), target)
+  assert all(x.is_deleted() for x in consumed)
+  assert set(converted) == set(target)
+  wanted = convert_layers(host_params, to_scanned=True)
+  for path, x in converted.items():
+    assert x.sharding == target[path].sharding
+    np.testing.assert_array_equal(np.asarray(x), wanted[path], err_msg=path)

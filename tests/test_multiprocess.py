@@ -14,7 +14,7 @@ import time
 
 import jax
 import numpy as np
-from conftest import REPO, build, load_config, mesh_devices, quiet
+from conftest import REPO, SCRIPT_DEFAULTS, build, load_config, mesh_devices, quiet, script_env
 
 from mintrain import checkpoint as ckpt_lib
 from mintrain import train_loop
@@ -22,13 +22,13 @@ from mintrain.mesh import make_mesh
 
 SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
          '--config.train.global_batch_size=16', '--config.train.seq_len=32', '--config.train.log_every=1',
-         '--config.eval.steps=1']
+         *SCRIPT_DEFAULTS]
 TIMEOUT = 240
 
 
 def launch(num_processes, workdir, *args):
   """Starts scripts/launch_local.py running scripts/train.py on configs/dp4_tp2.py."""
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  env = script_env()
   command = [sys.executable, 'scripts/launch_local.py', '--num_processes', str(num_processes), '--',
              sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir),
              *SMALL, *args]

@@ -19,11 +19,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
 
 from mintrain.data import sources, tokenizer
 from mintrain.data.sources import DataError
+from mintrain.lazy import lazy_import
+
+grain = lazy_import('grain')  # Loaded when a file source is first read; synthetic data never needs it.
 
 if TYPE_CHECKING:
   from mintrain.config import DataConfig

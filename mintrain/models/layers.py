@@ -224,16 +224,27 @@ class Relayout:
             target: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
     """The target's arrays from arrays read in the saved layout; consumes `saved`.
 
-    One jitted stack or split per array, donating its inputs, so the state is never held in both layouts.
+    One jitted stack or split per array, whose inputs are freed as soon as it is done (a stack's output
+    cannot alias its inputs, so donation alone would not free them): the state is never held in both
+    layouts, only one array of it at a time.
     """
     out = {}
     for path, sources in self.stack.items():
-      out[path] = _stack_fn(target[path].sharding)(tuple(saved.pop(s) for s in sources))
+      inputs = tuple(saved.pop(s) for s in sources)
+      out[path] = jax.block_until_ready(_stack_fn(target[path].sharding)(inputs))
+      _free(inputs)
     for source, parts in self.unstack.items():
-      pieces = _split_fn(tuple(target[p].sharding for p in parts))(saved.pop(source))
+      stacked = saved.pop(source)
+      pieces = jax.block_until_ready(_split_fn(tuple(target[p].sharding for p in parts))(stacked))
+      _free((stacked,))
       out.update(zip(parts, pieces))
     out.update(saved)
     return out
+
+
+def _free(arrays: Sequence[jax.Array]) -> None:
+  for x in arrays:
+    x.delete()
 
 
 def _abstract(shape: tuple[int, ...], dtype, sharding, *, drop_leading: bool) -> jax.ShapeDtypeStruct:
@@ -246,10 +257,9 @@ def _abstract(shape: tuple[int, ...], dtype, sharding, *, drop_leading: bool) ->
 
 @functools.cache
 def _stack_fn(sharding) -> Callable[[tuple[jax.Array, ...]], jax.Array]:
-  return jax.jit(jnp.stack, out_shardings=sharding, donate_argnums=0)
+  return jax.jit(jnp.stack, out_shardings=sharding)
 
 
 @functools.cache
 def _split_fn(shardings: tuple) -> Callable[[jax.Array], tuple[jax.Array, ...]]:
-  return jax.jit(lambda x: tuple(x[i] for i in range(len(shardings))), out_shardings=shardings,
-                 donate_argnums=0)
+  return jax.jit(lambda x: tuple(x[i] for i in range(len(shardings))), out_shardings=shardings)
