@@ -224,7 +224,8 @@ class Checkpoints:
     target_arrays, target_axes = _leaves(target), flat_logical_axes(target)
     saved_tree = self._metadata_tree(step)
     saved_arrays = _leaves(saved_tree)
-    recorded = self._recorded_axes(step)
+    # The recorded axes matter only when the layouts differ; a plain resume does not read them.
+    recorded = self._recorded_axes(step) if set(target_arrays) - set(saved_arrays) else {}
     relayout = Relayout.plan({p: (tuple(x.shape), target_axes[p]) for p, x in target_arrays.items()},
                              {p: tuple(recorded[p]) if p in recorded else None for p in saved_arrays})
     source = target

@@ -23,10 +23,10 @@ from typing import Any
 import ml_collections
 
 from mintrain import fields, models, partitioning
+from mintrain import mesh as mesh_lib
 from mintrain.fields import ConfigError, option
 
 BASE = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'base.py'
-MESH_AXES = ('data', 'fsdp', 'model')
 
 
 def _mesh_size(value: int) -> str | None:
@@ -46,7 +46,7 @@ class MeshConfig:
 
   @property
   def sizes(self) -> dict[str, int]:
-    return {axis: getattr(self, axis) for axis in MESH_AXES}
+    return {axis: getattr(self, axis) for axis in mesh_lib.AXES}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,8 +80,8 @@ def abstract_model(family: Family, model: Any, rules: AxisRules, seed: int) -> n
 
 
 def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[ParamInfo]:
-  """Every parameter's shape, logical axes and layout; raises on any layout error."""
-  rules.check_mesh_axes(mesh.axis_names)
+  """Every parameter's shape, logical axes and layout; raises on any layout error (the rules' mesh axes
+  are checked first, by `build`)."""
   rows = []
   for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
     name, axes = path_str(path), var.get_metadata()['out_sharding']
