@@ -129,6 +129,9 @@ class Checkpoints:
              else ocp.PyTreeCheckpointHandler())
     handlers = {'state': state, 'data': ocp.JsonCheckpointHandler(), 'metadata': ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    # The loop agrees on preemption stops with its own step counter (mintrain.preemption); Orbax asking
+    # JAX's sync point with global steps on every save would skew the counter that agreement relies on.
+    self.manager.reached_preemption = lambda step: False
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())

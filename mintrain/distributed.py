@@ -13,6 +13,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
 
 import jax
 
@@ -108,8 +112,121 @@ def _int_env(name: str) -> int | None:
     raise DistributedError(f'{name}={value!r} is not an integer.') from e
 
 
-def initialize(s: Settings) -> None:
-  """Starts the runtime; on CPU, gloo carries the collectives between processes."""
+DEFAULT_TIMEOUT = 300  # Seconds: as JAX's own; a cluster's processes may start minutes apart.
+
+
+def initialize(s: Settings, timeout: float = DEFAULT_TIMEOUT, say: Callable[[str], None] = print) -> None:
+  """Starts the runtime (on CPU, gloo carries the collectives between processes), never in silence.
+
+  Process 0 says whom it waits for and where. JAX's own timeout aborts every process with "another
+  task died", so a watchdog ends the wait first: after `timeout` seconds it writes one line naming the
+  processes that did not join (from the roll call, see `RollCall`), and exits with status 2.
+  """
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  jax.distributed.initialize(coordinator_address=s.coordinator_address, num_processes=s.num_processes,
-                             process_id=s.process_id)
+  count = s.num_processes or '?'
+  if s.process_id == 0:
+    where = f' at {s.coordinator_address}' if s.coordinator_address else ''
+    say(f'Waiting up to {timeout:.0f} s for {count} processes to join{where} (--init_timeout to change).')
+  roll_call = RollCall.start(s)
+  watchdog = threading.Timer(timeout, _give_up, (s, timeout, roll_call))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(coordinator_address=s.coordinator_address, num_processes=s.num_processes,
+                               process_id=s.process_id, initialization_timeout=int(timeout) + 60)
+  finally:
+    watchdog.cancel()
+    if roll_call is not None:
+      roll_call.stop()
+
+
+def _give_up(s: Settings, timeout: float, roll_call: RollCall | None) -> None:
+  address = s.coordinator_address or f"the coordinator {s.cluster or 'JAX'} chose"
+  check = (f'Check that every process was started with the same coordinator address and process count '
+           f'({s.num_processes}), its own process id, and can reach {address}; --init_timeout waits longer.')
+  if s.process_id == 0 and roll_call is not None:
+    message = roll_call.verdict(s.num_processes)
+  elif s.process_id == 0:
+    message = f'not all {s.num_processes} processes joined'
+  elif s.coordinator_address and not _reachable(s.coordinator_address):
+    message = f'process {s.process_id} found nothing listening at {address}: is process 0 running?'
+  else:
+    message = (f'process {s.process_id} could not join: process 0 is up, but not every process joined, '
+               f'or another process took id {s.process_id} (see process 0\'s error)')
+  print(f'error: {message} within {timeout:.0f} s at {address}. {check}', file=sys.stderr, flush=True)
+  os._exit(2)  # The main thread is inside JAX's blocking connect; nothing has been written yet.
+
+
+def _reachable(address: str) -> bool:
+  host, _, port = address.rpartition(':')
+  try:
+    with socket.create_connection((host, int(port)), timeout=2):
+      return True
+  except (OSError, ValueError):
+    return False
+
+
+class RollCall:
+  """Who has joined, for the timeout's message: while they wait, processes send their id in a UDP
+  datagram to the coordinator's port, where process 0 listens (UDP: JAX's service uses TCP there).
+
+  Best effort: where UDP to the coordinator is blocked, process 0 hears no one and says so.
+  """
+
+  def __init__(self, sock: socket.socket, s: Settings):
+    self.sock, self.settings, self.done = sock, s, threading.Event()
+    self.heard: dict[int, set[str]] = {}  # Process id -> the senders that claimed it ("host pid N").
+    self.thread = threading.Thread(target=self._listen if s.process_id == 0 else self._announce, daemon=True)
+    self.thread.start()
+
+  @classmethod
+  def start(cls, s: Settings) -> RollCall | None:
+    if not s.coordinator_address or s.process_id is None:
+      return None
+    host, _, port = s.coordinator_address.rpartition(':')
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+      if s.process_id == 0:
+        sock.bind(('', int(port)))
+        sock.settimeout(0.2)
+      else:
+        sock.connect((host, int(port)))
+    except (OSError, ValueError):
+      sock.close()
+      return None
+    return cls(sock, s)
+
+  def _listen(self) -> None:
+    while not self.done.is_set():
+      try:
+        data, (host, _) = self.sock.recvfrom(256)
+      except (TimeoutError, OSError):
+        continue
+      parts = data.decode(errors='replace').split()
+      if len(parts) == 4 and parts[0] == 'mintrain-join' and parts[1].isdigit():
+        self.heard.setdefault(int(parts[1]), set()).add(f'{parts[2]} ({host}) pid {parts[3]}')
+
+  def _announce(self) -> None:
+    message = f'mintrain-join {self.settings.process_id} {socket.gethostname()} {os.getpid()}'.encode()
+    while not self.done.wait(0.5):
+      try:
+        self.sock.send(message)
+      except OSError:
+        pass
+
+  def verdict(self, count: int | None) -> str:
+    """One clause: who did not join, and any id that two processes claimed."""
+    duplicated = {pid: who for pid, who in self.heard.items() if len(who) > 1}
+    if duplicated:
+      return '; '.join(f'process id {pid} was taken by {len(who)} processes ({", ".join(sorted(who))})'
+                       for pid, who in sorted(duplicated.items()))
+    missing = [pid for pid in range(1, count or 1) if pid not in self.heard]
+    if not missing:
+      return f'all {count} processes answered the roll call, but JAX\'s connect did not finish'
+    caveat = '' if self.heard else ' (none answered the roll call; if they run, UDP to it is blocked)'
+    return f'process(es) {", ".join(map(str, missing))} of {count} did not join{caveat}'
+
+  def stop(self) -> None:
+    self.done.set()
+    self.thread.join(timeout=2)
+    self.sock.close()

@@ -65,26 +65,31 @@ def simulate_cpu_devices(count: int) -> None:
   host_allocator.keep_freed_memory_if_cpu()
 
 
-def pick_devices(count: int) -> tuple[list[jax.Device], str | None]:
-  """The default backend's devices, or simulated CPU devices when it has too few.
+def pick_devices(count: int | None, devices: Sequence[jax.Device] | None = None
+                 ) -> tuple[list[jax.Device], str | None]:
+  """`count` devices of the backend in use (`jax.devices()`), or all of them for None (a -1 size).
 
-  Returns the devices and, when simulating, a one-line note saying so.
+  Returns the devices and a one-line note on what was chosen. An accelerator host never falls back to
+  simulated CPU devices (a mesh that runs 8 CPU devices beside 4 GPUs is found out from the bill):
+  too few devices is a `MeshError` naming those found and the fix. CPU devices are simulated only
+  when the CPU backend is the one in use (a CPU-only host, or JAX_PLATFORMS=cpu).
   """
-  devices = jax.devices()
-  if len(devices) >= count and devices[0].platform != 'cpu':
+  devices = list(jax.devices() if devices is None else devices)
+  platform, processes = devices[0].platform, len({d.process_index for d in devices})
+  where = f'{len(devices)} {platform} device(s)' + (f' over {processes} processes' if processes > 1 else '')
+  if count is not None and len(devices) < count:
+    fix = ('set JAX_NUM_CPU_DEVICES (or XLA_FLAGS=--xla_force_host_platform_device_count) to '
+           f'{count // processes} per process, or unset it' if platform == 'cpu'
+           else f'set JAX_PLATFORMS=cpu to simulate {count} CPU devices instead')
+    raise MeshError(f'The mesh needs {count} devices but this run has {where}. Make the product of '
+                    f'mesh.data, mesh.fsdp and mesh.model {len(devices)}, set one of them to -1 to use them '
+                    f'all, or {fix}.')
+  devices = devices if count is None else devices[:count]
+  if platform != 'cpu' or (len(devices) == 1 and processes == 1):
     return devices, None
-  if devices[0].platform != 'cpu':
-    cpus = jax.devices('cpu')
-    if len(cpus) >= count:
-      return cpus, (f'Only {len(devices)} {devices[0].platform} device(s): simulating {len(cpus)} '
-                    'CPU devices for the mesh.')
-    return devices, None
-  if jax.process_count() > 1:
-    return devices, (f'{jax.process_count()} processes with {jax.local_device_count()} {devices[0].platform} '
-                     f'device(s) each, {len(devices)} in all.')
-  if len(devices) > 1:
-    return devices, f'No accelerator found: simulating {len(devices)} CPU devices.'
-  return devices, None
+  if processes > 1:
+    return devices, f'{processes} processes with {len(devices) // processes} {platform} device(s) each.'
+  return devices, f'No accelerator in use: simulating {len(devices)} CPU devices.'
 
 
 def make_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -21,7 +21,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def format_plan(p: MemoryPlan) -> str:
-  limit = fmt_bytes(p.device_limit) if p.device_limit is not None else 'not reported by the device'
+  known = p.device_limit is not None
+  limit = f'{fmt_bytes(p.device_limit)} ({p.limit_source})' if known else 'an unknown limit'
   return (f'memory plan per device: parameters {fmt_bytes(p.params)}, gradients {fmt_bytes(p.grads)}, '
           f'optimizer state {fmt_bytes(p.opt_state)}, activations ~{fmt_bytes(p.activations)}; '
           f'total ~{fmt_bytes(p.total)} of {limit}')

@@ -14,16 +14,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import pathlib
-import signal
 import time
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from etils import epath
 
 from mintrain import checkpoint as ckpt_lib
-from mintrain import flops, hardware, metrics, report
+from mintrain import flops, hardware, memory, metrics, preemption, report
 from mintrain.build import Run, build
 from mintrain.config import Config, ProfileConfig
 from mintrain.data import pipeline
@@ -31,7 +30,6 @@ from mintrain.data.batches import GlobalBatches
 from mintrain.metrics import NonFiniteLossError
 from mintrain.train_state import TrainState
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 Say = Callable[[str], None]
 
 
@@ -41,31 +39,8 @@ class RunResult:
   losses: list[float]  # Loss of every step this run took, in order.
   state: TrainState
   first_step: int  # Steps already taken when this run started (resume or restore).
-  stopped_by: str | None = None  # Name of the signal that stopped the run early.
+  stopped_by: str | None = None  # What stopped the run early: a signal's name or an agreed request.
   summary: dict = dataclasses.field(default_factory=dict)  # The final summary's figures.
-
-
-class StopSignals:
-  """Turns SIGTERM/SIGINT into a flag the loop reads after each step."""
-
-  def __init__(self):
-    self.received: str | None = None
-    self._previous = {}
-
-  def __enter__(self) -> StopSignals:
-    try:
-      for sig in STOP_SIGNALS:
-        self._previous[sig] = signal.signal(sig, self._handle)
-    except ValueError:  # Not the main thread: leave signals alone.
-      self._previous = {}
-    return self
-
-  def _handle(self, signum, frame) -> None:
-    self.received = signal.Signals(signum).name
-
-  def __exit__(self, *exc) -> None:
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
 
 
 def to_host(tree):
@@ -213,9 +188,9 @@ class Profile:
   """A JAX profiler trace of steps start_step .. start_step + num_steps - 1 into WORKDIR/profile; as a
   context, it closes a trace still open on exit."""
 
-  def __init__(self, cfg: ProfileConfig, workdir: str | pathlib.Path | None, say: Say):
+  def __init__(self, cfg: ProfileConfig, workdir: epath.Path | None, say: Say):
     self.start, self.count, self.say = cfg.start_step, cfg.num_steps, say
-    self.directory = pathlib.Path(workdir or '.') / 'profile'
+    self.directory = (workdir or epath.Path('.')) / 'profile'
     self.active = False
 
   def before(self, step: int) -> None:
@@ -280,31 +255,30 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
   return TrainState(**restored.state), restored.data
 
 
-def run(config: Config, workdir: str | pathlib.Path | None, *, devices: Sequence[jax.Device] | None = None,
+def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[jax.Device] | None = None,
         restore_from: str | None = None, restore_params_only: bool = False,
         print_fn: Say = print) -> RunResult:
   """Trains `config` up to `config.train.steps` steps on a mesh over `devices`."""
   run_start = time.perf_counter()
-  r = build(config, devices)
-  config = r.config
   is_main = jax.process_index() == 0
   say = print_fn if is_main else (lambda _: None)
-  say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan))
-  if not r.plan.fits:
-    say(f'warning: the memory plan ({report.fmt_bytes(r.plan.total)}) exceeds the device memory '
-        f'({report.fmt_bytes(r.plan.device_limit)}); lower train.global_batch_size, raise '
-        'train.grad_accum_steps, or shard more (mesh.fsdp, mesh.model).')
-  total = config.train.steps
-  flops_per_step, tokens_per_step = flops.train_flops_per_step(config), flops.tokens_per_step(config)
-  peak, peak_source = hardware.peak_tflops(r.mesh.devices.flat[0], config.family.compute_dtype(config.model),
-                                           config.metrics.peak_tflops)
-  say(f'model: {flops.param_count(config):,} parameters, {flops_per_step / 1e9:.3f} GFLOP per step '
-      f'({flops_per_step / tokens_per_step / 1e6:.3f} MFLOP per token); peak {peak:.3f} TFLOP/s per '
-      f'device ({peak_source})')
+  workdir = None if workdir is None else epath.Path(workdir)
   records, losses, pending = [], [], []
   timer = Timer()
 
   with contextlib.ExitStack() as stack:
+    stop = stack.enter_context(preemption.StopRequests())  # First: a stop during the set-up is kept.
+    r = build(config, devices)
+    config = r.config
+    say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan))
+    memory.check(r.plan)
+    total = config.train.steps
+    flops_per_step, tokens_per_step = flops.train_flops_per_step(config), flops.tokens_per_step(config)
+    peak, peak_source = hardware.peak_tflops(
+        r.mesh.devices.flat[0], config.family.compute_dtype(config.model), config.metrics.peak_tflops)
+    say(f'model: {flops.param_count(config):,} parameters, {flops_per_step / 1e9:.3f} GFLOP per step '
+        f'({flops_per_step / tokens_per_step / 1e6:.3f} MFLOP per token); peak {peak:.3f} TFLOP/s per '
+        f'device ({peak_source})')
     writer = stack.enter_context(contextlib.closing(
         metrics.make_writer(workdir, is_main=is_main, total_steps=total, print_fn=print_fn)))
     writer.write_hparams(metrics.flat_hparams(config.to_dict()))
@@ -315,7 +289,7 @@ def run(config: Config, workdir: str | pathlib.Path | None, *, devices: Sequence
 
     checkpoints = None
     if workdir is not None and config.checkpoint.keep > 0:
-      checkpoints = ckpt_lib.Checkpoints(pathlib.Path(workdir) / ckpt_lib.CHECKPOINTS,
+      checkpoints = ckpt_lib.Checkpoints(workdir / ckpt_lib.CHECKPOINTS,
                                          every_steps=config.checkpoint.every_steps,
                                          keep=config.checkpoint.keep)
     profile = stack.enter_context(Profile(config.profile, workdir, say))
@@ -336,8 +310,7 @@ def run(config: Config, workdir: str | pathlib.Path | None, *, devices: Sequence
     if config.data.source != 'synthetic' and is_main:  # A full pass over the eval split: once.
       log(first_step, {'unigram_bits_per_byte': pipeline.unigram_bits_per_byte(config.data)})
 
-    stop = stack.enter_context(StopSignals())
-    train_step, compile_time = r.train_step, 0.0
+    train_step, compile_time, stopped = r.train_step, 0.0, False
     for step in range(first_step, total):
       profile.before(step + 1)
       wait_start = time.perf_counter()
@@ -355,7 +328,8 @@ def run(config: Config, workdir: str | pathlib.Path | None, *, devices: Sequence
         timer.restart()
       else:
         timer.steps += 1
-      info = StepInfo(step + 1, last=step + 1 == total, stopping=stop.received is not None, state=state)
+      stopped = stop.should_stop(step + 1 - first_step)
+      info = StepInfo(step + 1, last=step + 1 == total, stopping=stopped, state=state)
       due = [action for action in actions if action.due(info)]
       if not due:
         continue
@@ -371,11 +345,11 @@ def run(config: Config, workdir: str | pathlib.Path | None, *, devices: Sequence
         break
 
   last_step = int(to_host(state.step))
-  stopped_by = stop.received if last_step < total else None
+  stopped_by = stop.reason if stopped and last_step < total else None
   if stopped_by:
     where = (f'saved step {last_step} to {checkpoints.step_dir(last_step)}' if checkpoints
              else 'no workdir, nothing saved')
-    say(f'Received {stopped_by}: finished step {last_step}, {where}; exiting.')
+    say(f'Stopped by {stopped_by}: finished step {last_step}, {where}; exiting.')
   summary = {'total_time_sec': time.perf_counter() - run_start, 'compile_time_sec': compile_time}
   if timer.all_steps:
     summary.update(metrics.throughput(timer.all_steps, timer.all_seconds, tokens_per_step=tokens_per_step,

@@ -57,13 +57,16 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument('--coordinator_address', default=None, help='host:port of process 0')
   group.add_argument('--num_processes', type=int, default=None)
   group.add_argument('--process_id', type=int, default=None)
+  group.add_argument('--init_timeout', type=float, default=distributed.DEFAULT_TIMEOUT,
+                     help='seconds to wait for every process to join (default %(default)s)')
 
 
 def devices_for(mesh: config_lib.MeshConfig, args: argparse.Namespace | None = None):
-  """Devices for the mesh: joins a multi-process run if one is set up, and simulates CPU
-  devices when the machine has too few (each process simulates its share)."""
+  """Devices for the mesh: joins a multi-process run if one is set up; on the CPU backend, simulates
+  the mesh's devices (each process its share); elsewhere, the accelerators or a one-line error."""
   quiet_libraries()
   needed = mesh_lib.devices_needed(mesh.sizes)
+  all_devices = -1 in mesh.sizes.values()
   try:
     dist = distributed.settings(getattr(args, 'coordinator_address', None),
                                 getattr(args, 'num_processes', None), getattr(args, 'process_id', None))
@@ -74,8 +77,11 @@ def devices_for(mesh: config_lib.MeshConfig, args: argparse.Namespace | None = N
     fail(f'the mesh needs {needed} devices, which {processes} processes cannot share evenly.')
   mesh_lib.simulate_cpu_devices(needed // processes)
   if dist is not None:
-    distributed.initialize(dist)
-  devices, note = mesh_lib.pick_devices(needed)
+    distributed.initialize(dist, getattr(args, 'init_timeout', distributed.DEFAULT_TIMEOUT))
+  try:
+    devices, note = mesh_lib.pick_devices(None if all_devices else needed)
+  except mesh_lib.MeshError as e:
+    fail(str(e))
   if note and jax.process_index() == 0:
     print(note, flush=True)
   return devices

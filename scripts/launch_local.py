@@ -6,7 +6,8 @@
 Each process gets JAX_COORDINATOR_ADDRESS (a free loopback port), JAX_NUM_PROCESSES and JAX_PROCESS_ID,
 and simulates its share of the CPU devices. Output lines are prefixed with the process id. If any
 process fails, the others are stopped and the launcher exits with that process's code. SIGTERM and
-SIGINT are passed on to every process. Production runs use the cluster's launcher instead.
+SIGINT are passed on to every process; whoever still runs --grace_seconds later is killed (SIGKILL), as
+SLURM does after its KillWait. Production runs use the cluster's launcher instead.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--num_processes', type=int, required=True)
   parser.add_argument('--devices', type=int, default=8, help='simulated CPU devices in all')
-  parser.add_argument('--grace_seconds', type=float, default=10.0,
-                      help='how long stopped processes get before they are killed')
+  parser.add_argument('--grace_seconds', type=float, default=30.0,
+                      help='how long stopped processes get to save and exit before they are killed')
   parser.add_argument('command', nargs=argparse.REMAINDER, help='-- then the command to run')
   args = parser.parse_args()
   command = args.command[1:] if args.command[:1] == ['--'] else args.command
@@ -50,11 +51,19 @@ def main() -> int:
                JAX_NUM_CPU_DEVICES=str(args.devices // args.num_processes))
     procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, start_new_session=True))
+    print(f'[launcher] process {pid}: pid {procs[-1].pid}', flush=True)
+
+  kill_at = None  # When the processes told to stop get SIGKILL.
 
   def forward(signum, frame):
+    nonlocal kill_at
     for p in procs:
       if p.poll() is None:
         p.send_signal(signum)
+    if kill_at is None:
+      kill_at = time.monotonic() + args.grace_seconds
+      print(f'[launcher] passed {signal.Signals(signum).name} on; killing whoever still runs in '
+            f'{args.grace_seconds:.0f} s', file=sys.stderr, flush=True)
   signal.signal(signal.SIGTERM, forward)
   signal.signal(signal.SIGINT, forward)
 
@@ -70,6 +79,12 @@ def main() -> int:
       else:
         selector.unregister(key.fileobj)
         open_streams -= 1
+    if kill_at is not None and time.monotonic() > kill_at:
+      kill_at = float('inf')
+      print('[launcher] grace period over: SIGKILL', file=sys.stderr, flush=True)
+      for p in procs:
+        if p.poll() is None:
+          os.killpg(p.pid, signal.SIGKILL)
     if failed is None:
       failed = next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), None)
       if failed is not None:

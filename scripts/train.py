@@ -27,22 +27,27 @@ def main() -> int:
     parser.error('--restore_params_only needs --restore_from PATH')
   devices = _bootstrap.devices_for(config.mesh, args)
 
+  import jax
+
   from mintrain import train_loop
   from mintrain.checkpoint import CheckpointError
   from mintrain.config import ConfigError
   from mintrain.data.sources import DataError
+  from mintrain.memory import MemoryPlanError
   from mintrain.mesh import MeshError
   from mintrain.metrics import NonFiniteLossError
   from mintrain.partitioning import PartitioningError
   try:
     result = train_loop.run(config, args.workdir, devices=devices, restore_from=args.restore_from,
                             restore_params_only=args.restore_params_only)
-  except (MeshError, PartitioningError, ConfigError, CheckpointError, DataError) as e:
+  except (MeshError, PartitioningError, ConfigError, CheckpointError, DataError, MemoryPlanError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   except NonFiniteLossError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
+  if jax.process_index() != 0:  # One voice per run.
+    return 0
   if result.losses:
     print(f'done: steps {result.first_step}..{result.first_step + len(result.losses)}, '
           f'final loss {result.losses[-1]:.4f}')

@@ -2,14 +2,20 @@
 cluster launchers read from their environment variables."""
 
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
+import types
 
 import jax
 import pytest
 from conftest import REPO
 
 from mintrain import distributed, host_allocator
+from mintrain import mesh as mesh_lib
+from mintrain.mesh import MeshError
 
 CUDA_PLUGIN = ['jax_plugins.xla_cuda12']
 # Variables that would make this machine look like part of a cluster.
@@ -152,3 +158,76 @@ def test_inconsistent_launcher_process_id_is_an_error(no_cluster):
   no_cluster.setenv('OMPI_COMM_WORLD_RANK', '2')
   with pytest.raises(distributed.DistributedError, match=r'process id 2 must be in \[0, 2\)'):
     distributed.settings()
+
+
+def fake_devices(platform: str, count: int, processes: int = 1) -> list:
+  """Stand-ins for `jax.devices()` on a host this machine is not: what pick_devices reads of a device."""
+  return [types.SimpleNamespace(platform=platform, process_index=i * processes // count, id=i)
+          for i in range(count)]
+
+
+def test_an_accelerator_host_with_fewer_devices_than_the_mesh_is_a_one_line_error():
+  with pytest.raises(MeshError) as error:
+    mesh_lib.pick_devices(8, fake_devices('gpu', 4))
+  message = str(error.value)
+  assert '\n' not in message
+  assert 'needs 8 devices but this run has 4 gpu device(s)' in message
+  assert 'JAX_PLATFORMS=cpu' in message and '-1' in message
+
+
+def test_an_accelerator_host_never_falls_back_to_simulated_cpu_devices():
+  devices, note = mesh_lib.pick_devices(4, fake_devices('tpu', 4))
+  assert [d.platform for d in devices] == ['tpu'] * 4 and note is None
+  devices, _ = mesh_lib.pick_devices(2, fake_devices('gpu', 4))
+  assert [d.id for d in devices] == [0, 1]
+
+
+def test_minus_one_means_every_device_of_the_backend_in_use():
+  devices, _ = mesh_lib.pick_devices(None, fake_devices('gpu', 4))
+  assert len(devices) == 4
+  devices, note = mesh_lib.pick_devices(None, fake_devices('cpu', 8, processes=2))
+  assert len(devices) == 8 and note == '2 processes with 4 cpu device(s) each.'
+
+
+def test_too_few_cpu_devices_names_the_count_to_set():
+  with pytest.raises(MeshError, match='JAX_NUM_CPU_DEVICES .* to 4 per process'):
+    mesh_lib.pick_devices(8, fake_devices('cpu', 4, processes=2))
+
+
+def test_the_cpu_backend_simulates_the_mesh_even_beside_an_accelerator():
+  """JAX_PLATFORMS=cpu on a GPU host: the mesh's CPU devices are simulated and used."""
+  out = fresh_python('from mintrain import mesh; mesh.simulate_cpu_devices(4); '
+                     'devices, note = mesh.pick_devices(4); print(len(devices), note)', JAX_PLATFORMS='cpu')
+  assert out == '4 No accelerator in use: simulating 4 CPU devices.'
+
+
+def announce(address: str, process_id: int) -> subprocess.Popen:
+  """A process that waits to join at `address` as `process_id` (it only answers the roll call)."""
+  code = ('import time; from mintrain import distributed; '
+          f'distributed.RollCall.start(distributed.Settings({address!r}, 3, {process_id}, None)); '
+          'time.sleep(60)')
+  return subprocess.Popen([sys.executable, '-c', code], cwd=REPO)
+
+
+def test_the_roll_call_names_the_processes_that_did_not_join_and_an_id_taken_twice():
+  port = socket.socket()
+  port.bind(('127.0.0.1', 0))
+  address = f'127.0.0.1:{port.getsockname()[1]}'
+  port.close()
+  roll_call = distributed.RollCall.start(distributed.Settings(address, 3, 0, None))
+  others = [announce(address, 1)]
+  try:
+    deadline = time.monotonic() + 60
+    while 1 not in roll_call.heard and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert roll_call.verdict(3) == 'process(es) 2 of 3 did not join'
+    others.append(announce(address, 1))
+    while len(roll_call.heard.get(1, ())) < 2 and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert re.fullmatch(r'process id 1 was taken by 2 processes \(.* pid \d+, .* pid \d+\)',
+                        roll_call.verdict(3)), roll_call.verdict(3)
+  finally:
+    roll_call.stop()
+    for p in others:
+      p.kill()
+      p.wait(timeout=30)

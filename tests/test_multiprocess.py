@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -148,3 +149,35 @@ def test_a_killed_process_stops_the_job_and_the_next_start_resumes(tmp_path):
   code, out = run_launch(2, workdir, f'--config.train.steps={steps[-1] + 1}')
   assert code == 0, out
   assert f'Resuming from step {steps[-1]} ' in out
+
+
+def test_a_process_that_never_joins_is_named_within_the_join_timeout(tmp_path):
+  """Process 0 of 2 alone, and process 1 of 2 alone: each gives up after --init_timeout with one line."""
+  def alone(process_id):
+    address = f'127.0.0.1:{free_port()}'
+    env = dict(script_env(), JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES='2',
+               JAX_PROCESS_ID=str(process_id), JAX_PLATFORMS='cpu')
+    command = [sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--init_timeout', '6',
+               '--workdir', str(tmp_path / str(process_id)), *SMALL]
+    return address, subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+  started = time.monotonic()
+  runs = [alone(0), alone(1)]
+  outputs = [proc.communicate(timeout=TIMEOUT) for _, proc in runs]
+  assert time.monotonic() - started < 6 + 90
+  for (address, proc), (out, err) in zip(runs, outputs):
+    assert proc.returncode == 2 and 'Traceback' not in out + err, out + err
+    errors = [line for line in err.splitlines() if line.startswith('error:')]
+    assert len(errors) == 1, err
+    assert f'within 6 s at {address}. Check that every process' in errors[0]
+  assert 'error: process(es) 1 of 2 did not join' in outputs[0][1]
+  assert f'Waiting up to 6 s for 2 processes to join at {runs[0][0]}' in outputs[0][0]
+  assert f'error: process 1 found nothing listening at {runs[1][0]}: is process 0 running?' in outputs[1][1]
+  assert 'Waiting' not in outputs[1][0]  # Only process 0 speaks.
+  assert not (tmp_path / '0').exists()  # Nothing was written.
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]

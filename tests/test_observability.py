@@ -117,14 +117,21 @@ def test_memory_plan_matches_the_bytes_of_the_real_sharded_arrays():
     assert plan.activations > 0
 
 
-def test_a_plan_over_the_device_memory_warns_before_compiling(monkeypatch):
-  monkeypatch.setattr(memory, 'device_memory_limit', lambda device: 1024)
+def test_a_plan_over_the_device_memory_is_refused_before_anything_is_allocated(monkeypatch):
+  monkeypatch.setattr(memory, 'device_memory_limit', lambda device: (1024, 'a test limit'))
+  monkeypatch.setattr(train_loop, 'initial_state', lambda *a, **k: pytest.fail('the state was set up'))
   config = load_config('single', *SMALL, 'train.steps=1')
   lines = []
-  train_loop.run(config, None, devices=mesh_devices(config), print_fn=lines.append)
-  warning = [i for i, line in enumerate(lines) if line.startswith('warning: the memory plan')]
-  compiled = [i for i, line in enumerate(lines) if line.startswith('compiled the train step')]
-  assert warning and compiled and warning[0] < compiled[0]
+  with pytest.raises(memory.MemoryPlanError) as error:
+    train_loop.run(config, None, devices=mesh_devices(config), print_fn=lines.append)
+  assert 'but a device holds 1.0 KiB (a test limit)' in str(error.value) and '\n' not in str(error.value)
+  assert not any(line.startswith('compiled') for line in lines)
+
+
+def test_the_cpu_limit_is_the_host_memory_shared_by_the_cpu_devices():
+  limit, source = memory.device_memory_limit(jax.devices()[0])
+  assert source.startswith('host memory available') and source.endswith('/ 8 CPU devices')
+  assert 0 < limit * 8 <= memory.host_available_bytes()
 
 
 def test_importing_the_train_loop_does_not_import_tensorflow():
