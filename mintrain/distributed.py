@@ -230,3 +230,11 @@ class RollCall:
     self.done.set()
     self.thread.join(timeout=2)
     self.sock.close()
+
+
+def barrier(name: str, timeout: int = 600) -> None:
+  """Waits until every process reaches `name`, through the coordination service, not a device collective:
+  gloo gives a peer 30 s to reach the first collective, less than a compile may take on a loaded host."""
+  if jax.process_count() > 1:
+    from orbax.checkpoint import multihost  # Orbax's public barrier over JAX's distributed client.
+    multihost.sync_global_processes(name, timeout=timeout)

@@ -88,7 +88,8 @@ def pick_devices(count: int | None, devices: Sequence[jax.Device] | None = None
   if platform != 'cpu' or (len(devices) == 1 and processes == 1):
     return devices, None
   if processes > 1:
-    return devices, f'{processes} processes with {len(devices) // processes} {platform} device(s) each.'
+    return devices, (f'{processes} processes with {len(devices) // processes} {platform} device(s) each, '
+                     f'{len(devices)} in all.')
   return devices, f'No accelerator in use: simulating {len(devices)} CPU devices.'
 
 

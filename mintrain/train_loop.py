@@ -22,7 +22,7 @@ import numpy as np
 from etils import epath
 
 from mintrain import checkpoint as ckpt_lib
-from mintrain import flops, hardware, memory, metrics, preemption, report
+from mintrain import distributed, flops, hardware, memory, metrics, preemption, report
 from mintrain.build import Run, build
 from mintrain.config import Config, ProfileConfig
 from mintrain.data import pipeline
@@ -321,6 +321,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
         train_step = train_step.lower(state, batch).compile()
         compile_time = time.perf_counter() - compile_start
         say(f'compiled the train step in {compile_time:.1f} s')
+        distributed.barrier('mintrain: the train step is compiled')
       state, step_metrics = train_step(state, batch)
       pending.append(step_metrics)
       if step == first_step:  # The first step's time is left out of the rates.
@@ -349,7 +350,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
   if stopped_by:
     where = (f'saved step {last_step} to {checkpoints.step_dir(last_step)}' if checkpoints
              else 'no workdir, nothing saved')
-    say(f'Stopped by {stopped_by}: finished step {last_step}, {where}; exiting.')
+    cause = f'Received {stop.received}' if stop.received else f'Stopped by {stopped_by}'
+    say(f'{cause}: finished step {last_step}, {where}; exiting.')
   summary = {'total_time_sec': time.perf_counter() - run_start, 'compile_time_sec': compile_time}
   if timer.all_steps:
     summary.update(metrics.throughput(timer.all_steps, timer.all_seconds, tokens_per_step=tokens_per_step,

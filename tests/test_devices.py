@@ -186,7 +186,7 @@ def test_minus_one_means_every_device_of_the_backend_in_use():
   devices, _ = mesh_lib.pick_devices(None, fake_devices('gpu', 4))
   assert len(devices) == 4
   devices, note = mesh_lib.pick_devices(None, fake_devices('cpu', 8, processes=2))
-  assert len(devices) == 8 and note == '2 processes with 4 cpu device(s) each.'
+  assert len(devices) == 8 and note == '2 processes with 4 cpu device(s) each, 8 in all.'
 
 
 def test_too_few_cpu_devices_names_the_count_to_set():

@@ -32,7 +32,8 @@ def test_mesh_that_does_not_fit_the_devices_is_a_clear_error():
                     '--config.mesh.fsdp=2', '--config.mesh.model=4',
                     env_extra={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
   assert proc.returncode == 2
-  assert 'needs 16 devices but there are 8 cpu devices' in proc.stderr
+  assert 'needs 16 devices but this run has 8 cpu device(s)' in proc.stderr
+  assert 'XLA_FLAGS=--xla_force_host_platform_device_count) to 16 per process' in proc.stderr
   assert 'Traceback' not in proc.stderr
 
 
