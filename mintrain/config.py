@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import pathlib
 import sys
+import traceback
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -176,6 +177,8 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
   for key in expected - set(values):
     raise ConfigError(f'Config key {key!r} is missing; configs/base.py has its default.')
   seed = fields.build(_Seed, {'seed': values['seed']}, 'config').seed
+  if not isinstance(values['model'], Mapping):
+    raise ConfigError(f"model must be a section of keys (a ConfigDict), not {values['model']!r}.")
   model = dict(values['model'])
   name = model.pop('name', None)
   family = models.family(name)
@@ -212,30 +215,58 @@ def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_collecti
   """A config file's `get_config()` with `key.path=value` overrides applied.
 
   The file is loaded by path as a module of its folder's package, so it can import its neighbours
-  (`from . import base`) wherever it lives; nothing is added to `sys.path`.
+  (`from . import base`) wherever it lives; nothing is added to `sys.path`. A file that does not load is
+  a one-line ConfigError naming the file and line (`configs/x.py:3: SyntaxError: ...`).
   """
   path = pathlib.Path(path).expanduser()
+  if path.is_dir():
+    raise ConfigError(f'Config file {path} is a directory; give a file such as configs/dp4_tp2.py.')
   if not path.is_file():
     raise ConfigError(f'Config file {path} does not exist; see configs/ for the available ones.')
+  if path.suffix != '.py':
+    raise ConfigError(f'Config file {path} is not a Python file (.py) with a get_config() function.')
   try:
     module = _load_module(path.resolve())
-    get_config = module.get_config
   except ConfigError:
     raise
-  except AttributeError:
-    raise ConfigError(f'Config file {path} has no get_config() function returning the config.') from None
-  except Exception as e:
-    where = f' (line {e.lineno})' if isinstance(e, SyntaxError) else ''
-    raise ConfigError(f'Config file {path} does not load{where}: {type(e).__name__}: {e}') from None
+  except SyntaxError as e:
+    raise ConfigError(f'Config file {_shown(e.filename, path)}:{e.lineno}: {type(e).__name__}: '
+                      f'{e.msg}.') from None
+  except (Exception, SystemExit) as e:
+    raise ConfigError(f'Config file {path} does not load: {_raised(e, path)}') from None
+  get_config = getattr(module, 'get_config', None)
+  if not callable(get_config):
+    raise ConfigError(f'Config file {path} has no get_config() function; define one that returns an '
+                      'ml_collections.ConfigDict.')
   try:
     config = get_config()
-  except Exception as e:
-    raise ConfigError(f'Config file {path}: get_config() raised {type(e).__name__}: {e}') from None
+  except ConfigError:
+    raise
+  except (Exception, SystemExit) as e:
+    raise ConfigError(f'Config file {path}: get_config() raised {_raised(e, path)}') from None
   if not isinstance(config, ml_collections.ConfigDict):
     raise ConfigError(f'Config file {path}: get_config() returned a {type(config).__name__}, '
                       'not a ConfigDict.')
   apply_overrides(config, overrides)
   return config
+
+
+def _shown(filename: str | None, path: pathlib.Path) -> str:
+  """A file of the traceback as the user named it, if it is the config file itself."""
+  if not filename or pathlib.Path(filename) == path.resolve():
+    return str(path)
+  return filename
+
+
+def _raised(e: BaseException, path: pathlib.Path) -> str:
+  """`Type: first line of the message (file:line)`, at the deepest frame in the config's folder."""
+  message = str(e).strip().splitlines()
+  text = f'{type(e).__name__}: {message[0][:200]}' if message else type(e).__name__
+  folder = path.resolve().parent
+  frames = [f for f in traceback.extract_tb(e.__traceback__) if pathlib.Path(f.filename).parent == folder]
+  if frames:
+    text += f' ({_shown(frames[-1].filename, path)}:{frames[-1].lineno})'
+  return text + '.'
 
 
 def _load_module(path: pathlib.Path) -> types.ModuleType:
@@ -281,21 +312,43 @@ def set_value(config: ml_collections.ConfigDict, key: str, value: str) -> None:
       raise ConfigError(f'Unknown config key {key!r}: no {name!r} under {where}.{hint}')
     if i < len(parents):
       node = node[name]
-  node[leaf] = _parse(value, node[leaf], key)
+  try:
+    node[leaf] = _parse(value, node[leaf], key)
+  except TypeError as e:  # A typed field (a FieldReference) that refuses the value.
+    raise ConfigError(f'{key}={value!r}: {e}') from None
+
+
+_NOT_A_LITERAL = object()
 
 
 def _parse(text: str, current: Any, key: str) -> Any:
+  """`text` as a Python literal of the current value's type (where that is None: any literal, or the text)."""
+  if isinstance(current, ml_collections.ConfigDict):
+    raise ConfigError(f'{key} is a section, not a value; override its keys ({key}.{next(iter(current), "x")}'
+                      '=...).')
   if isinstance(current, str):
     return text
   try:
     value = ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    raise ConfigError(f'Cannot parse {key}={text!r} as a {type(current).__name__}.') from None
-  if isinstance(current, bool) and not isinstance(value, bool):
-    raise ConfigError(f'{key} expects True or False, got {text!r}.')
-  if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-    value = float(value)
-  if current is not None and not isinstance(value, type(current)) and not (
-      isinstance(current, (list, tuple)) and isinstance(value, (list, tuple))):
-    raise ConfigError(f'{key} expects a {type(current).__name__}, got {text!r}.')
-  return value
+  except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+    if current is None:
+      return text
+    value = _NOT_A_LITERAL
+  if current is None:
+    return value
+  if value is _NOT_A_LITERAL or not _same_kind(value, current):
+    kind = {bool: 'True or False', int: 'an integer', float: 'a number', list: 'a list', tuple: 'a list'}
+    expected = kind.get(type(current), f'a {type(current).__name__}')
+    raise ConfigError(f'{key} expects {expected}, got {text!r} (the value it overrides is {current!r}).')
+  return float(value) if isinstance(current, float) else value
+
+
+def _same_kind(value: Any, current: Any) -> bool:
+  """Whether an override may replace `current` with `value`: an int for a float, a tuple for a list."""
+  if isinstance(current, bool) or isinstance(value, bool):
+    return isinstance(current, bool) and isinstance(value, bool)
+  if isinstance(current, float):
+    return isinstance(value, (int, float))
+  if isinstance(current, (list, tuple)):
+    return isinstance(value, (list, tuple))
+  return isinstance(value, type(current))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import operator
 import types
 import typing
@@ -82,6 +83,8 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
   if kind is float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f'{key}={value!r} must be a number.')
+    if not math.isfinite(value):  # `1e999` parses as inf; no option means anything by it.
+      raise ConfigError(f'{key}={value!r} must be a finite number.')
     return float(value)
   if kind is str:
     if not isinstance(value, str):
@@ -101,6 +104,8 @@ def _freeze(value: Any) -> Any:
 
 def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
   """The dataclass `cls` from the ConfigDict section `values` (named `prefix`), every value checked."""
+  if not isinstance(values, Mapping):
+    raise ConfigError(f'{prefix} must be a section of keys (a ConfigDict), not {values!r}.')
   hints = typing.get_type_hints(cls)
   fields = [f for f in dataclasses.fields(cls) if not f.metadata.get('derived')]
   names = [f.name for f in fields]

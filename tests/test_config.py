@@ -90,16 +90,92 @@ def test_a_config_file_anywhere_loads_by_path_with_its_neighbours_and_no_sys_pat
 
 
 @pytest.mark.parametrize('text, message', [
-    ('def get_config(:\n', r'does not load \(line 1\): SyntaxError'),
-    ('raise RuntimeError("boom")\n', r'does not load: RuntimeError: boom'),
-    ('x = 1\n', r'has no get_config\(\) function'),
+    ('import ml_collections\n\ndef get_config(:\n', r'bad.py:3: SyntaxError: invalid syntax\.$'),
+    ('def get_config():\n  if True:\n  return 1\n', r'bad.py:3: IndentationError: expected an indented'),
+    ('x = 1\nraise RuntimeError("boom\\nline 2")\n', r'does not load: RuntimeError: boom \(\S*bad.py:2\)\.$'),
+    ('def get_config():\n  return {}["x"]\n', r"get_config\(\) raised KeyError: 'x' \(\S*bad.py:2\)\.$"),
+    ('import sys\nsys.exit(3)\n', r'does not load: SystemExit: 3 \(\S*bad.py:2\)'),
+    ('x = 1\n', r'has no get_config\(\) function; define one that returns an ml_collections.ConfigDict'),
+    ('get_config = 3\n', r'has no get_config\(\) function'),
     ('def get_config():\n  return {"a": 1}\n', r'get_config\(\) returned a dict, not a ConfigDict'),
 ])
-def test_a_config_file_that_does_not_load_is_a_one_line_error(tmp_path, text, message):
+def test_a_config_file_that_does_not_load_is_a_one_line_error_naming_file_and_line(tmp_path, text, message):
   (tmp_path / 'bad.py').write_text(text)
   with pytest.raises(ConfigError, match=message) as e:
     config_lib.load(tmp_path / 'bad.py')
+  assert '\n' not in str(e.value) and str(tmp_path / 'bad.py') in str(e.value)
+
+
+def test_an_error_in_a_neighbour_the_config_imports_names_the_neighbour(tmp_path):
+  (tmp_path / 'common.py').write_text('def get_config():\n  return 1 / 0\n')
+  (tmp_path / 'child.py').write_text(
+      'from . import common\n\ndef get_config():\n  return common.get_config()\n')
+  with pytest.raises(ConfigError, match=rf'child.py: get_config\(\) raised ZeroDivisionError: division by '
+                     rf'zero \({tmp_path / "common.py"}:2\)'):
+    config_lib.load(tmp_path / 'child.py')
+
+
+@pytest.mark.parametrize('name, message', [
+    ('nope.py', r'nope.py does not exist; see configs/'),
+    ('.', r'is a directory; give a file'),
+    ('base.yaml', r'base.yaml is not a Python file \(.py\)'),
+])
+def test_a_config_path_that_is_no_config_file_is_a_one_line_error(tmp_path, name, message):
+  (tmp_path / 'base.yaml').write_text('train: {steps: 3}\n')
+  with pytest.raises(ConfigError, match=message):
+    config_lib.load(tmp_path / name)
+
+
+@pytest.mark.parametrize('override, message', [
+    ('train.steps', r"Override 'train.steps' must look like key.path=value"),
+    ('=3', r"Override '=3' must look like key.path=value"),
+    ('no.such.key=1', r"Unknown config key 'no.such.key': no 'no' under the top level. Keys there: check"),
+    ('train.stesp=1', r"Unknown config key 'train.stesp': no 'stesp' under train. Did you mean steps\?"),
+    ('train.steps.x=1', r"Unknown config key 'train.steps.x': no 'x' under train.steps"),
+    ('train.steps=abc', r"train.steps expects an integer, got 'abc' \(the value it overrides is 300\)"),
+    ('train.steps=1.5', r"train.steps expects an integer, got '1.5'"),
+    ('train.steps=', r"train.steps expects an integer, got ''"),
+    ('train.steps=True', r"train.steps expects an integer, got 'True'"),
+    ('optimizer.learning_rate=fast', r"optimizer.learning_rate expects a number, got 'fast' \(the value it"),
+    ('model.tie_embeddings=1', r"model.tie_embeddings expects True or False, got '1'"),
+    ('model.tie_embeddings=true', r"model.tie_embeddings expects True or False, got 'true'"),
+    ('partitioning.rules=batch', r"partitioning.rules expects a list, got 'batch'"),
+    ('partitioning.rules={[1]: 2}', r"partitioning.rules expects a list, got '\{\[1\]: 2\}'"),
+    ('train=3', r'train is a section, not a value; override its keys \(train\.\w+=...\)'),
+])
+def test_a_malformed_override_is_a_one_line_error(override, message):
+  with pytest.raises(ConfigError, match=message) as e:
+    config_lib.load(REPO / 'configs' / 'base.py', [override])
   assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('override, value', [
+    ('optimizer.learning_rate=1', 1.0),
+    ('train.steps=1_000', 1000),
+    ("partitioning.param_rules=(('embed', None),)", [('embed', None)]),  # The type of the value it replaces.
+    ('data.path=data/*.txt', 'data/*.txt'),
+    ('model.tie_embeddings=False', False),
+])
+def test_an_override_is_parsed_as_the_type_of_the_value_it_replaces(override, value):
+  section, leaf = override.split('=')[0].split('.')
+  parsed = config_lib.load(REPO / 'configs' / 'base.py', [override])[section][leaf]
+  assert parsed == value and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize('override, message', [
+    ('optimizer.learning_rate=1e999', r'optimizer.learning_rate=inf must be a finite number'),
+    ('model.rope_base=-1e999', r'model.rope_base=-inf must be a finite number'),
+])
+def test_a_number_that_is_not_finite_is_an_error(override, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config('dp4_tp2', override)
+
+
+@pytest.mark.parametrize('section', ['train', 'model'])
+def test_a_section_that_a_config_file_replaced_by_a_value_is_an_error(section):
+  values = {**load_config('dp4_tp2').to_dict(), section: 5}
+  with pytest.raises(ConfigError, match=rf'{section} must be a section of keys \(a ConfigDict\), not 5'):
+    config_lib.validate(values)
 
 
 def test_train_py_rejects_a_bad_value_before_touching_any_device():
