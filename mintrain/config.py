@@ -211,6 +211,29 @@ def upgrade(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(merged)
 
 
+def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+  """`key old -> new` for every option whose value differs between two configs' dicts (a checkpoint's,
+  upgraded first, and the run's), in key order: what a resume changes."""
+  old, new = _flat(upgrade(saved).to_dict()), _flat(dict(current))
+  keys = sorted(k for k in old.keys() | new.keys() if _comparable(old.get(k)) != _comparable(new.get(k)))
+  return [f'{key} {old.get(key, "(absent)")!r} -> {new.get(key, "(absent)")!r}' for key in keys]
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      out.update(_flat(value, f'{prefix}{key}.'))
+    else:
+      out[f'{prefix}{key}'] = value
+  return out
+
+
+def _comparable(value: Any) -> Any:
+  """Tuples and lists alike (JSON gives lists back), recursively."""
+  return [_comparable(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
   """A config file's `get_config()` with `key.path=value` overrides applied.
 

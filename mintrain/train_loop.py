@@ -22,6 +22,7 @@ import numpy as np
 from etils import epath
 
 from mintrain import checkpoint as ckpt_lib
+from mintrain import config as config_lib
 from mintrain import distributed, flops, hardware, memory, metrics, preemption, report
 from mintrain.build import Run, build
 from mintrain.config import Config, ProfileConfig
@@ -232,6 +233,9 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
     print_fn(f'Resuming from step {restored.step} ({checkpoints.step_dir(restored.step)}), saved on mesh '
              f'{restored.mesh}.' + (' Ignoring --restore_from: this run has its own checkpoints.'
                                     if restore_from else ''))
+    changed = config_lib.differences(restored.metadata.get('config', {}), run.config.to_dict())
+    if changed:
+      print_fn(f"The config differs from the checkpoint's: {', '.join(changed)}.")
     return TrainState(**restored.state), restored.data
   if restore_from is None:
     return run.init(), {}

@@ -184,3 +184,28 @@ def test_train_py_rejects_a_bad_value_before_touching_any_device():
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip() == 'error: optimizer.learning_rate=-1.0 must be > 0.'
   assert 'simulating' not in proc.stdout + proc.stderr and 'Traceback' not in proc.stderr
+
+
+def test_differences_name_each_changed_key_with_both_values():
+  saved = load_config('dp4_tp2').to_dict()
+  changed = load_config('dp4_tp2', 'optimizer.learning_rate=0.1', 'train.steps=900').to_dict()
+  assert config_lib.differences(saved, changed) == ['optimizer.learning_rate 0.003 -> 0.1',
+                                                    'train.steps 300 -> 900']
+  assert config_lib.differences(saved, load_config('dp4_tp2').to_dict()) == []
+
+
+def test_a_resume_with_a_changed_config_lists_the_changes_before_training(tmp_path):
+  from conftest import mesh_devices
+
+  from mintrain import train_loop
+  small = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'data.source=synthetic',
+           'eval.every_steps=0')
+  first = load_config('single', *small, 'train.steps=2')
+  train_loop.run(first, tmp_path, devices=mesh_devices(first), print_fn=lambda _: None)
+  second = load_config('single', *small, 'train.steps=3', 'optimizer.learning_rate=0.1')
+  lines = []
+  train_loop.run(second, tmp_path, devices=mesh_devices(second), print_fn=lines.append)
+  resumed = next(i for i, line in enumerate(lines) if line.startswith('Resuming from step 2'))
+  assert lines[resumed + 1] == ("The config differs from the checkpoint's: optimizer.learning_rate 0.003 -> "
+                                "0.1, train.steps 2 -> 3.")
+  assert any(line.startswith('compiled') for line in lines[resumed + 1:])
