@@ -68,7 +68,7 @@ def build(mesh_name: str, overrides: tuple[str, ...], devices: list) -> Run:
 
 
 def dir_bytes(path: pathlib.Path) -> int:
-  return sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
+  return sum(f.stat().st_size for f in pathlib.Path(path).rglob('*') if f.is_file())  # A local folder.
 
 
 def measure(name: str, overrides: tuple[str, ...], devices: list, workdir: pathlib.Path, *, saves: int,

@@ -14,18 +14,31 @@ each device reads only its own shard, whatever mesh the checkpoint came from.
 Layers stacked on a leading `layers` axis (`model.scan_layers`) and layers saved one by one
 restore into each other (`layers.Relayout`): the checkpoint is read in its own layout, then each
 array is stacked or split on the devices. The metadata records every array's logical axes for it.
+
+Run paths are `etils.epath` paths: a local one is made absolute (OCDBT needs that), a URL such as
+`gs://bucket/run` is kept as it is (Orbax writes it through TensorStore's GCS driver). A path that
+cannot hold a run (a file, a read-only or full file system) is a one-line `StorageError`; a save that
+runs out of disk space says how much it needs and how much is free, and its partial files are removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import importlib.metadata
+import importlib.util
 import json
-import pathlib
+import logging
+import os
+import re
+import shutil
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+from etils import epath
 
 import mintrain
 from mintrain import mesh as mesh_lib
@@ -45,6 +58,131 @@ class CheckpointError(RuntimeError):
 
 class DamagedCheckpointError(CheckpointError):
   """A checkpoint whose files cannot be read; an older one may still be intact."""
+
+
+class StorageError(CheckpointError):
+  """A run path that cannot hold what a run writes: an existing file where a directory belongs, a
+  read-only file system, no permission. Caught where CheckpointError is, so a script exits 2."""
+
+
+class DiskFullError(StorageError):
+  """A save that did not fit: it names the bytes it needs and those free. Nothing older is lost."""
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+  """A URL (`gs://`, `s3://`, ...) rather than a local path; one-letter schemes are Windows drives."""
+  return bool(re.match(r'[A-Za-z][A-Za-z0-9+.-]+://', os.fspath(path)))
+
+
+def run_path(path: str | os.PathLike) -> epath.Path:
+  """`path` as an epath.Path: a local path made absolute, a URL kept as it is (never absolutised).
+
+  `pathlib.Path('gs://b/run')` reads as `gs:/b/run`, a local folder named `gs:`; such a path is refused
+  rather than written in the working directory.
+  """
+  text = os.fspath(path)
+  if re.match(r'[A-Za-z][A-Za-z0-9+.-]+:/(?!/)', text):
+    raise StorageError(f'{text} looks like a URL that lost one slash of "://" (pathlib.Path does this); '
+                       'pass it as a string or an etils.epath.Path.')
+  if not is_remote(text):
+    return epath.Path(os.path.abspath(text))
+  missing = _missing_gcs_clients() if text.startswith('gs://') else []
+  if missing:
+    raise StorageError(f'{text}: gs:// paths need {" and ".join(missing)}; install them with '
+                       "pip install 'mintrain[gcs]'.")
+  return epath.Path(text)
+
+
+def _missing_gcs_clients() -> list[str]:
+  """What gs:// lacks here: google-cloud-storage (Orbax deletes with it) and gcsfs (epath's files), which
+  TensorFlow's gfile replaces where it is installed (epath then prefers it)."""
+  missing = [] if _importable('google.cloud.storage') else ['google-cloud-storage']
+  if not _importable('gcsfs') and not _importable('tensorflow'):
+    missing.insert(0, 'gcsfs')
+  return missing
+
+
+def _importable(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # A missing parent package.
+    return False
+
+
+def _os_reason(e: BaseException) -> str:
+  return e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e)
+
+
+def prepare_dir(path: str | os.PathLike, what: str = 'workdir') -> epath.Path:
+  """`path` (as `run_path` gives it), created if missing, once a probe file could be written there.
+
+  Raises StorageError before any work is done when the run could not save: `path` is a file, or its file
+  system is read-only, denies permission or is full. Permission bits alone would not tell: root may write
+  through them, but not to a read-only mount.
+  """
+  path = run_path(path)
+  try:
+    if path.exists() and not path.is_dir():
+      raise StorageError(f'{what} {path} is a file, not a directory; give a directory (it is created if '
+                         'missing).')
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f'.mintrain-write-probe-{uuid.uuid4().hex[:12]}'
+    probe.write_bytes(b'')
+    probe.unlink()
+  except ImportError as e:  # fsspec's filesystem for the URL's scheme is not installed.
+    raise StorageError(f'{what} {path} cannot be reached: {_first_line(e)}') from e
+  except OSError as e:
+    blocking = None if is_remote(path) else next((p for p in path.parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+      raise StorageError(f'{what} {path} cannot be created: {blocking} is a file.') from e
+    raise StorageError(f'{what} {path} is not writable ({_os_reason(e)}); give a directory on a writable '
+                       'file system.') from e
+  return path
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+  """Free bytes of the local file system holding `path`; None for a remote path or when unknown."""
+  if is_remote(path):
+    return None
+  try:
+    return shutil.disk_usage(os.fspath(path)).free
+  except OSError:
+    return None
+
+
+def save_bytes(tree: Any, *json_items: Any) -> int:
+  """About what a save of `tree` and the JSON items writes: every array once (OCDBT keeps one copy of
+  replicated shards), plus 2% and 64 KiB for the index and metadata files beside them."""
+  arrays = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, 'dtype'))
+  texts = sum(len(json.dumps(item, default=str)) for item in json_items)
+  return int((arrays + texts) * 1.02) + 64 * 1024
+
+
+class _DiskFullLogFilter(logging.Filter):
+  """Drops the log records of a save that ran out of disk space, each with a traceback: Orbax's (through
+  absl, from its background threads) and asyncio's (its failed write tasks, collected at exit). The
+  save's DiskFullError reports it in one line, with the space it needs."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.name == 'absl' and f'{os.sep}orbax{os.sep}' not in record.pathname:
+      return True
+    return not (_is_disk_full(record.exc_info[1] if record.exc_info else None)
+                or 'No space left on device' in record.getMessage())
+
+
+_DISK_FULL_LOG_FILTER = _DiskFullLogFilter()
+
+
+def _is_disk_full(e: BaseException | None) -> bool:
+  """Whether `e` or an exception it was raised from says the disk (or the quota) is full."""
+  while e is not None:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    text = str(e)
+    if 'No space left on device' in text or 'Disk quota exceeded' in text:
+      return True
+    e = e.__cause__ or e.__context__
+  return False
 
 
 def versions() -> dict[str, str]:
@@ -67,13 +205,23 @@ def _leaves(tree: Any) -> dict[str, Any]:
   return {path_str(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def find_run_checkpoints(path: str | pathlib.Path) -> tuple[pathlib.Path, int | None]:
-  """(checkpoints directory, step or None for the newest) for a run, checkpoints or step directory."""
-  path = pathlib.Path(path).absolute()
+def find_run_checkpoints(path: str | os.PathLike) -> tuple[epath.Path, int | None]:
+  """(checkpoints directory, step or None for the newest) for a run, checkpoints or step directory,
+  local or remote (`gs://bucket/run`)."""
+  path = run_path(path)
+  try:
+    return _find_run_checkpoints(path)
+  except ImportError as e:
+    raise StorageError(f'{path} cannot be reached: {_first_line(e)}') from e
+  except OSError as e:
+    raise StorageError(f'{path} cannot be read ({_os_reason(e)}).') from e
+
+
+def _find_run_checkpoints(path: epath.Path) -> tuple[epath.Path, int | None]:
   if not path.exists():
     raise CheckpointError(f'{path}: no such file or directory.')
   if not path.is_dir():
-    raise CheckpointError(f'{path} is a file, not a run directory or a checkpoint step directory.')
+    raise StorageError(f'{path} is a file, not a run directory or a checkpoint step directory.')
   if (path / CHECKPOINTS).is_dir():
     path = path / CHECKPOINTS
   if path.name.isdigit() and (path / 'state').is_dir():
@@ -106,9 +254,15 @@ class Restored:
 class Checkpoints:
   """The checkpoints of one run directory: when to save, how many to keep, how to restore."""
 
-  def __init__(self, directory: str | pathlib.Path, *, every_steps: int = 0, keep: int = 1,
+  def __init__(self, directory: str | os.PathLike, *, every_steps: int = 0, keep: int = 1,
                read_only: bool = False):
-    self.directory = pathlib.Path(directory).absolute()  # Orbax (OCDBT) needs absolute paths.
+    if is_remote(directory) and not os.fspath(directory).startswith('gs://'):
+      raise StorageError(f'{os.fspath(directory)}: checkpoints go to local paths or gs:// only (Orbax writes '
+                         "arrays through TensorStore's file and GCS drivers).")
+    self.directory = run_path(directory) if read_only else prepare_dir(directory, 'checkpoint directory')
+    for logger in ('absl', 'asyncio'):
+      logging.getLogger(logger).addFilter(_DISK_FULL_LOG_FILTER)  # A logger keeps one filter once.
+    self._pending: tuple[int, int] | None = None  # (step, bytes it needs) of the save in flight.
     policies = ocp.checkpoint_managers
     save_policy = policies.AnySavePolicy([
         policies.FixedIntervalPolicy(every_steps if every_steps > 0 else 2**62),
@@ -141,28 +295,80 @@ class Checkpoints:
 
   def save(self, step: int, state: TrainState, *, data_state: Mapping[str, Any],
            metadata: Mapping[str, Any]) -> None:
-    """Starts an asynchronous save; returns once the arrays are copied off the devices."""
+    """Starts an asynchronous save; returns once the arrays are copied off the devices.
+
+    The previous save is finished first (Orbax would wait for it too), so that its failure is reported
+    with its own step, and a local disk's free space is read after it: a save that cannot fit is refused
+    before it writes anything.
+    """
+    self.wait()
     tree = state_tree(state)
     metadata = {**metadata, LOGICAL_AXES: {k: v for k, v in flat_logical_axes(tree).items() if v is not None}}
+    needed = save_bytes(tree, dict(data_state), metadata)
+    self._refuse_if_full(step, needed)
     args = ocp.args.Composite(
         state=ocp.args.PyTreeSave(tree),
         data=ocp.args.JsonSave(dict(data_state)),
         metadata=ocp.args.JsonSave(metadata))
-    try:  # Also raises a failure of the previous save, which Orbax reports here.
+    self._pending = (step, needed)
+    try:
       self.manager.save(step, args=args, force=True)
     except Exception as e:
-      raise CheckpointError(f'Saving a checkpoint under {self.directory} failed: {_first_line(e)}') from e
+      raise self._save_failed(e) from e
+
+  def _refuse_if_full(self, step: int, needed: int) -> None:
+    free = free_bytes(self.directory)
+    if free is not None and free < needed:
+      raise DiskFullError(f'Not enough disk space to save checkpoint step {step} under {self.directory}: '
+                          f'{self._space(needed, free)}')
 
   def wait(self) -> None:
+    """Finishes the save in flight; its failure (a full disk, in the background) is raised here."""
     try:
       self.manager.wait_until_finished()
     except Exception as e:
-      raise CheckpointError(f'Saving a checkpoint under {self.directory} failed: {_first_line(e)}') from e
+      raise self._save_failed(e) from e
+    self._pending = None
+
+  def _save_failed(self, e: Exception) -> CheckpointError:
+    """The one-line error for a failed save, once the partial save is removed."""
+    step, needed = self._pending if self._pending is not None else (None, None)
+    what = f'checkpoint step {step}' if step is not None else 'a checkpoint'
+    self._remove_partial_saves()
+    if _is_disk_full(e) and needed is not None:
+      free = free_bytes(self.directory)
+      return DiskFullError(f'Saving {what} under {self.directory} ran out of disk space (its partial files '
+                           f'are removed): {self._space(needed, free)}')
+    return CheckpointError(f'Saving {what} under {self.directory} failed: {_first_line(e)}')
+
+  def _space(self, needed: int, free: int | None) -> str:
+    """What a full disk needs: the bytes, the free space, what to do, and that nothing saved is lost."""
+    free_text = f'{free:,} bytes are free' if free is not None else 'the free space is unknown'
+    text = (f'the save needs about {needed:,} bytes and {free_text}. Free some space or use a workdir on '
+            'another disk')
+    try:
+      steps = self.steps()
+    except Exception:  # The message matters more than the list.
+      return text + '.'
+    if not steps:
+      return text + '; no checkpoint was saved before.'
+    return text + f'; the checkpoints saved before (steps {", ".join(map(str, steps))}) are intact.'
+
+  def _remove_partial_saves(self) -> None:
+    """Removes the temporary directories of a failed save now, not at the next start as Orbax would, so
+    that a full disk gets its space back (for the metrics still to be written) and nothing half-written
+    is left behind."""
+    if jax.process_index() != 0:
+      return
+    with contextlib.suppress(OSError):
+      for child in self.directory.iterdir():
+        if '.orbax-checkpoint-tmp' in child.name:
+          child.rmtree(missing_ok=True)
 
   def close(self) -> None:
     self.manager.close()
 
-  def step_dir(self, step: int) -> pathlib.Path:
+  def step_dir(self, step: int) -> epath.Path:
     return self.directory / str(step)
 
   def metadata(self, step: int) -> dict[str, Any]:

@@ -3,6 +3,10 @@
 Writers: a console line, TensorBoard event files in WORKDIR/tensorboard (written by
 tensorboardX, so no process imports TensorFlow) and WORKDIR/metrics.jsonl, all behind
 one `MultiWriter`, on process 0 only.
+A remote workdir (`gs://bucket/run`) is written through a local `Staging` directory: object
+stores cannot append, so the files grow locally and each changed one is copied whole to the
+workdir at most every `SYNC_SECS` seconds, on `flush` and on `close`. The profiler's trace
+goes through one too.
 Throughput follows MaxText's conventions: step time excludes the compiling first
 step, model FLOPs come from the analytic count in `flops.py`, and MFU divides
 the achieved model FLOP/s per device by the device's peak.
@@ -10,16 +14,28 @@ the achieved model FLOP/s per device by the device's peak.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from tensorboardX import SummaryWriter
+from etils import epath
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.summary import hparams as hparams_summaries
+from tensorboardX.summary import scalar as scalar_summary
 
 from mintrain import hardware
+from mintrain.checkpoint import StorageError, free_bytes, is_remote, prepare_dir
+
+SYNC_SECS = 60.0  # How often at most a remote workdir's metrics are copied there while the run writes.
 
 Scalars = Mapping[str, float]
 
@@ -80,6 +96,18 @@ class ConsoleWriter:
     pass
 
 
+@contextlib.contextmanager
+def _writing(path: pathlib.Path) -> Iterator[None]:
+  """Turns a failed local write into a one-line StorageError naming the path, the reason and the free
+  space (a full disk, a read-only file system)."""
+  try:
+    yield
+  except OSError as e:
+    free = free_bytes(path if path.is_dir() else path.parent)
+    space = f', {free:,} bytes free' if free is not None else ''
+    raise StorageError(f'Writing {path} failed ({e.strerror or e}{space}).') from e
+
+
 class JsonlWriter:
   """`metrics.jsonl`: one JSON object per record; hyperparameters go to `hparams.json`."""
 
@@ -88,11 +116,12 @@ class JsonlWriter:
     self.hparams_path = workdir / 'hparams.json'
 
   def write_scalars(self, step: int, scalars: Scalars) -> None:
-    with self.path.open('a') as f:
+    with _writing(self.path), self.path.open('a') as f:
       f.write(json.dumps({'step': int(step), **{k: float(v) for k, v in scalars.items()}}) + '\n')
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-    self.hparams_path.write_text(json.dumps(dict(hparams), indent=1, sort_keys=True) + '\n')
+    with _writing(self.hparams_path):
+      self.hparams_path.write_text(json.dumps(dict(hparams), indent=1, sort_keys=True) + '\n')
 
   def flush(self) -> None:
     pass  # Each record is closed as it is written.
@@ -103,35 +132,119 @@ class JsonlWriter:
 
 class TensorBoardWriter:
   """Event files in `logdir`: one scalar per tag and step, and the hyperparameters as the session start
-  of TensorBoard's HParams plugin, which then offers every scalar tag as a metric (as `hp.hparams` does)."""
+  of TensorBoard's HParams plugin, which then offers every scalar tag as a metric (as `hp.hparams` does).
+
+  Written in the caller's thread (tensorboardX's `EventsWriter`, not its `SummaryWriter`, whose writer
+  thread would print a full disk's error as a traceback that no caller can catch).
+  """
 
   def __init__(self, logdir: pathlib.Path):
-    self.events = SummaryWriter(str(logdir))
+    self.logdir = logdir
+    with _writing(logdir):
+      logdir.mkdir(parents=True, exist_ok=True)
+      # The name has the time in seconds and the host; the suffix keeps two writers of one second apart.
+      self.events: EventsWriter | None = EventsWriter(str(logdir / 'events'), f'.{uuid.uuid4().hex[:8]}')
+
+  def _write(self, **event: Any) -> None:
+    if self.events is not None:
+      with _writing(self.logdir):
+        self.events.write_event(Event(wall_time=time.time(), **event))
 
   def write_scalars(self, step: int, scalars: Scalars) -> None:
     for tag, value in scalars.items():
-      self.events.add_scalar(tag, float(value), int(step))
+      self._write(step=int(step), summary=scalar_summary(tag, float(value)))
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     _, session_start, _ = hparams_summaries(dict(hparams), {})
-    self.events.file_writer.add_summary(session_start)
+    self._write(summary=session_start)
 
   def flush(self) -> None:
-    self.events.flush()
+    if self.events is not None:
+      with _writing(self.logdir):
+        self.events.flush()
 
   def close(self) -> None:
-    self.events.close()  # tensorboardX ignores a second close.
+    events, self.events = self.events, None
+    if events is not None:
+      with _writing(self.logdir):
+        events.close()
+
+
+class Staging:
+  """A local directory that stands for `target`: `target` itself when it is local; for a remote one
+  (`gs://...`), a temporary directory whose new or changed files `sync` copies there whole (object stores
+  cannot append), and which `close` syncs and removes.
+
+  `fetch` names files copied from `target` first, so that a resumed run appends to them.
+  """
+
+  def __init__(self, target: str | os.PathLike, fetch: Sequence[str] = ()):
+    self.target = epath.Path(target) if is_remote(target) else None
+    self._copied: dict[str, tuple[int, int]] = {}  # Relative path -> (size, mtime) when last copied.
+    self._last_sync = float('-inf')
+    if self.target is None:
+      self.local = pathlib.Path(os.path.abspath(target))
+      with _writing(self.local):
+        self.local.mkdir(parents=True, exist_ok=True)
+      return
+    self.local = pathlib.Path(tempfile.mkdtemp(prefix='mintrain_staging_'))
+    with self._remote('reading'):
+      for name in fetch:
+        if (self.target / name).exists():
+          (self.local / name).write_bytes((self.target / name).read_bytes())
+          self._copied[name] = self._version(self.local / name)
+
+  @staticmethod
+  def _version(path: pathlib.Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+  @contextlib.contextmanager
+  def _remote(self, doing: str) -> Iterator[None]:
+    try:
+      yield
+    except OSError as e:
+      raise StorageError(f'{doing.capitalize()} {self.target} failed ({e.strerror or e}).') from e
+
+  def due(self) -> bool:
+    """Whether a remote target was last synced SYNC_SECS or more ago (never, for a local one)."""
+    return self.target is not None and time.monotonic() - self._last_sync >= SYNC_SECS
+
+  def sync(self) -> None:
+    """Copies every file written or changed since the last sync to a remote target."""
+    if self.target is None:
+      return
+    with self._remote('writing to'):
+      for path in sorted(p for p in self.local.rglob('*') if p.is_file()):
+        name, version = path.relative_to(self.local).as_posix(), self._version(path)
+        if self._copied.get(name) != version:
+          (self.target / name).parent.mkdir(parents=True, exist_ok=True)
+          (self.target / name).write_bytes(path.read_bytes())
+          self._copied[name] = version
+    self._last_sync = time.monotonic()
+
+  def close(self) -> None:
+    """Syncs a remote target and removes the local stand-in, even if the sync fails; idempotent."""
+    if self.target is None or not self.local.exists():
+      return
+    try:
+      self.sync()
+    finally:
+      shutil.rmtree(self.local, ignore_errors=True)
 
 
 class MultiWriter:
-  """Passes every call on to each of `writers`; with none, a writer that does nothing."""
+  """Passes every call on to each of `writers`; with none, a writer that does nothing. With `staging`
+  (a remote workdir), syncs it at most every SYNC_SECS seconds, on `flush` and on `close`."""
 
-  def __init__(self, writers: Sequence[Writer] = ()):
-    self.writers = list(writers)
+  def __init__(self, writers: Sequence[Writer] = (), staging: Staging | None = None):
+    self.writers, self.staging = list(writers), staging
 
   def write_scalars(self, step: int, scalars: Scalars) -> None:
     for writer in self.writers:
       writer.write_scalars(step, scalars)
+    if self.staging is not None and self.staging.due():
+      self.flush()
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     for writer in self.writers:
@@ -140,29 +253,49 @@ class MultiWriter:
   def flush(self) -> None:
     for writer in self.writers:
       writer.flush()
+    if self.staging is not None:
+      self.staging.sync()
 
   def close(self) -> None:
-    for writer in self.writers:
-      writer.close()
+    """Closes every writer, and then the staging directory, even if one fails; raises the first error."""
+    errors = []
+    for close in [w.close for w in self.writers] + ([self.staging.close] if self.staging else []):
+      try:
+        close()
+      except Exception as e:  # The first one is raised below.
+        errors.append(e)
+    if errors:
+      raise errors[0]
 
   def __enter__(self) -> MultiWriter:
     return self
 
-  def __exit__(self, *exc_info) -> None:
-    self.close()
+  def __exit__(self, exc_type, exc, tb) -> None:
+    """Closes; with an exception already on its way out, a failure to close does not replace it."""
+    if exc_type is None:
+      self.close()
+      return
+    with contextlib.suppress(Exception):
+      self.close()
 
 
-def make_writer(workdir: str | pathlib.Path | None, *, is_main: bool, total_steps: int,
+def make_writer(workdir: str | os.PathLike | None, *, is_main: bool, total_steps: int,
                 print_fn: Callable[[str], None] = print) -> MultiWriter:
-  """Console + TensorBoard + metrics.jsonl on process 0; nothing elsewhere."""
+  """Console + TensorBoard + metrics.jsonl on process 0; nothing elsewhere.
+
+  A workdir that is a file, or on a read-only or full file system, is a StorageError here; a remote one
+  is written through a `Staging` directory (metrics.jsonl fetched first, so a resumed run appends).
+  """
   if not is_main:
     return MultiWriter()
   writers: list[Writer] = [ConsoleWriter(print_fn, total_steps)]
-  if workdir is not None:
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    writers += [TensorBoardWriter(workdir / 'tensorboard'), JsonlWriter(workdir)]
-  return MultiWriter(writers)
+  if workdir is None:
+    return MultiWriter(writers)
+  workdir = prepare_dir(workdir)
+  staging = Staging(workdir, fetch=('metrics.jsonl',)) if is_remote(workdir) else None
+  local = staging.local if staging is not None else pathlib.Path(workdir)
+  writers += [TensorBoardWriter(local / 'tensorboard'), JsonlWriter(local)]
+  return MultiWriter(writers, staging)
 
 
 def flat_hparams(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:

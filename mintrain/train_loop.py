@@ -29,6 +29,7 @@ from mintrain.config import Config, ProfileConfig
 from mintrain.data import pipeline
 from mintrain.data.batches import GlobalBatches
 from mintrain.metrics import NonFiniteLossError
+from mintrain.run_lock import RunLock
 from mintrain.train_state import TrainState
 
 Say = Callable[[str], None]
@@ -187,16 +188,19 @@ class Save:
 
 class Profile:
   """A JAX profiler trace of steps start_step .. start_step + num_steps - 1 into WORKDIR/profile; as a
-  context, it closes a trace still open on exit."""
+  context, it closes a trace still open on exit. The profiler writes local files: for a remote workdir
+  it traces into a local `metrics.Staging` directory, copied to WORKDIR/profile when the trace closes."""
 
   def __init__(self, cfg: ProfileConfig, workdir: epath.Path | None, say: Say):
     self.start, self.count, self.say = cfg.start_step, cfg.num_steps, say
     self.directory = (workdir or epath.Path('.')) / 'profile'
+    self.staging: metrics.Staging | None = None
     self.active = False
 
   def before(self, step: int) -> None:
     if self.start > 0 and step == self.start:
-      jax.profiler.start_trace(str(self.directory))
+      self.staging = metrics.Staging(self.directory)
+      jax.profiler.start_trace(str(self.staging.local))
       self.active = True
 
   def due(self, info: StepInfo) -> bool:
@@ -209,6 +213,7 @@ class Profile:
     if self.active:
       jax.profiler.stop_trace()
       self.active = False
+      self.staging.close()
       self.say(f'profile: steps {self.start}..{self.start + self.count - 1} written to {self.directory} '
                f'(open with TensorBoard\'s profile plugin or https://ui.perfetto.dev)')
 
@@ -260,18 +265,24 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
 
 
 def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[jax.Device] | None = None,
-        restore_from: str | None = None, restore_params_only: bool = False,
+        restore_from: str | None = None, restore_params_only: bool = False, force: bool = False,
         print_fn: Say = print) -> RunResult:
-  """Trains `config` up to `config.train.steps` steps on a mesh over `devices`."""
+  """Trains `config` up to `config.train.steps` steps on a mesh over `devices`.
+
+  Process 0 holds the workdir's lock (`run_lock.RunLock`) from before anything is built or written to
+  the end; `force` takes it over even from a holder that may still run.
+  """
   run_start = time.perf_counter()
   is_main = jax.process_index() == 0
   say = print_fn if is_main else (lambda _: None)
-  workdir = None if workdir is None else epath.Path(workdir)
+  workdir = None if workdir is None else ckpt_lib.prepare_dir(workdir)  # A bad one fails before the build.
   records, losses, pending = [], [], []
   timer = Timer()
 
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(preemption.StopRequests())  # First: a stop during the set-up is kept.
+    if workdir is not None and is_main:
+      stack.enter_context(RunLock(workdir, force=force, warn=say))
     r = build(config, devices)
     config = r.config
     say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan))
@@ -283,8 +294,9 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     say(f'model: {flops.param_count(config):,} parameters, {flops_per_step / 1e9:.3f} GFLOP per step '
         f'({flops_per_step / tokens_per_step / 1e6:.3f} MFLOP per token); peak {peak:.3f} TFLOP/s per '
         f'device ({peak_source})')
-    writer = stack.enter_context(contextlib.closing(
-        metrics.make_writer(workdir, is_main=is_main, total_steps=total, print_fn=print_fn)))
+    # As a context, the writer keeps an error already on its way out (a full disk) over its own.
+    writer = stack.enter_context(
+        metrics.make_writer(workdir, is_main=is_main, total_steps=total, print_fn=print_fn))
     writer.write_hparams(metrics.flat_hparams(config.to_dict()))
 
     def log(step: int, scalars: dict[str, float]) -> None:

@@ -21,6 +21,9 @@ def main() -> int:
                       help="start from another run's checkpoint: a run directory or one step inside it")
   parser.add_argument('--restore_params_only', action='store_true',
                       help='with --restore_from: parameters only, fresh optimizer state and step 0')
+  parser.add_argument('--force', action='store_true',
+                      help="take over the workdir's run lock even if its holder may still run: another\n"
+                           "host's lock on a shared file system, when that run is known to be gone")
   _bootstrap.add_distributed_flags(parser)
   args, config = _bootstrap.parse(parser)
   if args.restore_params_only and not args.restore_from:
@@ -37,10 +40,12 @@ def main() -> int:
   from mintrain.mesh import MeshError
   from mintrain.metrics import NonFiniteLossError
   from mintrain.partitioning import PartitioningError
+  from mintrain.run_lock import RunLockError
   try:
     result = train_loop.run(config, args.workdir, devices=devices, restore_from=args.restore_from,
-                            restore_params_only=args.restore_params_only)
-  except (MeshError, PartitioningError, ConfigError, CheckpointError, DataError, MemoryPlanError) as e:
+                            restore_params_only=args.restore_params_only, force=args.force)
+  except (MeshError, PartitioningError, ConfigError, CheckpointError, DataError, MemoryPlanError,
+          RunLockError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   except NonFiniteLossError as e:

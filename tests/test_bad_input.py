@@ -1,0 +1,245 @@
+"""Every bad input to scripts/train.py is one line on stderr, `error: ...`, exit status 2 and no traceback,
+and it loses nothing: the workdir a previous run left (its checkpoints, metrics.jsonl, hparams.json) is
+unchanged byte for byte after the failed run, and no half-written checkpoint is left behind.
+
+Each row starts from a copy of one short real run (made once per session) at TMP/run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+from conftest import REPO, SCRIPT_DEFAULTS, run_script
+
+# The reference run's model and schedule; every row starts from them, so a run that got past a bad input
+# would resume the reference run rather than stop on a model mismatch.
+SMALL = tuple(f'--config.{item}' for item in (
+    'data.source=synthetic', 'model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128',
+    'train.steps=2', 'train.log_every=1', 'eval.every_steps=0', 'checkpoint.every_steps=1'))
+TIMEOUT_S = 300  # Per script run; under a loaded machine the full-disk row, which trains, takes 2 min.
+
+# A run that holds the lock on a workdir until its stdin closes: another run, as far as a new one can tell.
+HOLD = 'import sys\nfrom mintrain.run_lock import RunLock\nwith RunLock(sys.argv[1]):\n  sys.stdin.read()\n'
+
+
+class Scene:
+  """What a row's set-up may make in TMP (the test's directory): files, mounts, a run holding the lock.
+  Everything it starts or mounts ends with the test."""
+
+  def __init__(self, tmp: pathlib.Path):
+    self.tmp = tmp
+    self.mounts: list[pathlib.Path] = []
+    self.procs: list[subprocess.Popen] = []
+
+  def write(self, name: str, text: str) -> None:
+    (self.tmp / name).write_text(text)
+
+  def tmpfs(self, name: str, size: str) -> pathlib.Path:
+    """A fresh tmpfs at TMP/name (chmod does not stop root, a read-only mount does)."""
+    path = self.tmp / name
+    path.mkdir()
+    proc = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(path)],
+                          capture_output=True, text=True, timeout=30)
+    if proc.returncode:
+      pytest.skip(f'cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {proc.stderr.strip()}')
+    self.mounts.append(path)
+    return path
+
+  def remount(self, path: pathlib.Path, options: str) -> None:
+    subprocess.run(['mount', '-o', f'remount,{options}', str(path)], check=True, timeout=30)
+
+  def hold_lock(self, workdir: pathlib.Path) -> None:
+    proc = subprocess.Popen([sys.executable, '-c', HOLD, str(workdir)], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL)
+    self.procs.append(proc)
+    deadline = time.monotonic() + 60
+    while not _held_by(workdir, proc.pid):
+      assert proc.poll() is None and time.monotonic() < deadline, 'the lock holder did not take the lock'
+      time.sleep(0.05)
+
+  def close(self) -> None:
+    for proc in self.procs:
+      proc.kill()
+      proc.wait(timeout=60)
+      proc.stdin.close()
+    for path in self.mounts:
+      subprocess.run(['umount', '--lazy', str(path)], check=True, timeout=60)
+
+
+def _held_by(workdir: pathlib.Path, pid: int) -> bool:
+  try:
+    return json.loads((workdir / 'run.lock').read_text())['pid'] == pid
+  except (OSError, ValueError, KeyError):
+    return False
+
+
+def workdir_on_full_disk(scene: Scene) -> None:
+  """The reference run on a tmpfs with room for its metrics but not for one more checkpoint."""
+  disk = scene.tmpfs('disk', '64m')
+  shutil.copytree(scene.tmp / 'run', disk / 'run')
+  used = os.statvfs(disk).f_blocks - os.statvfs(disk).f_bfree
+  scene.remount(disk, f'size={(used + 32) * os.statvfs(disk).f_frsize}')  # 32 pages to spare.
+
+
+def workdir_read_only(scene: Scene) -> None:
+  disk = scene.tmpfs('disk', '64m')
+  shutil.copytree(scene.tmp / 'run', disk / 'run')
+  scene.remount(disk, 'ro')
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  args: tuple[str, ...]  # After configs/dp4_tp2.py, SCRIPT_DEFAULTS and SMALL; `{tmp}`: the test's directory.
+  says: tuple[str, ...]  # What the error line names (the key, the value, what is allowed, the path).
+  setup: Callable[[Scene], None] = lambda scene: None
+  kept: str = 'run'  # Under TMP: what must be unchanged byte for byte.
+
+
+def row(*args: str, says: str | tuple[str, ...], **kwargs) -> Row:
+  return Row(args, (says,) if isinstance(says, str) else says, **kwargs)
+
+
+ROWS = {
+    # Config files that do not load.
+    'config with a syntax error': row(
+        '--config', '{tmp}/bad.py', '--workdir', '{tmp}/run', says='{tmp}/bad.py:4: SyntaxError: ',
+        setup=lambda s: s.write('bad.py', 'from configs import base\n\ndef get_config():\n  c = base.(\n')),
+    'config that raises': row(
+        '--config', '{tmp}/bad.py', '--workdir', '{tmp}/run',
+        says="{tmp}/bad.py: get_config() raised KeyError: 'dataset' ({tmp}/bad.py:2).",
+        setup=lambda s: s.write('bad.py', 'def get_config():\n  return {}["dataset"]\n')),
+    'config without get_config': row(
+        '--config', '{tmp}/bad.py', '--workdir', '{tmp}/run',
+        says='{tmp}/bad.py has no get_config() function',
+        setup=lambda s: s.write('bad.py', 'def config():\n  return None\n')),
+    'config that does not exist': row(
+        '--config', '{tmp}/nope.py', '--workdir', '{tmp}/run', says='{tmp}/nope.py does not exist'),
+    'config that is a directory': row('--config', '{tmp}', '--workdir', '{tmp}/run', says='is a directory'),
+    # Malformed overrides.
+    'override without a value': row(
+        '--config.train.steps', '--workdir', '{tmp}/run',
+        says="Override 'train.steps' must look like key.path=value"),
+    'override of an unknown key': row(
+        '--config.no.such.key=1', '--workdir', '{tmp}/run', says="Unknown config key 'no.such.key'"),
+    'override with a close match': row(
+        '--config.train.stesp=5', '--workdir', '{tmp}/run', says=("'train.stesp'", 'Did you mean steps?')),
+    'override that does not parse': row(
+        '--config.train.steps=abc', '--workdir', '{tmp}/run',
+        says="train.steps expects an integer, got 'abc'"),
+    'override of the wrong type': row(
+        '--config.model.tie_embeddings=1', '--workdir', '{tmp}/run',
+        says="model.tie_embeddings expects True or False, got '1'"),
+    'override of a list with a word': row(
+        '--config.partitioning.rules=batch', '--workdir', '{tmp}/run',
+        says="partitioning.rules expects a list, got 'batch'"),
+    'override of a whole section': row(
+        '--config.train=3', '--workdir', '{tmp}/run', says='train is a section, not a value'),
+    # Values outside their meaning.
+    'negative learning rate': row(
+        '--config.optimizer.learning_rate=-1', '--workdir', '{tmp}/run',
+        says='optimizer.learning_rate=-1.0 must be > 0.'),
+    'infinite learning rate': row(
+        '--config.optimizer.learning_rate=1e999', '--workdir', '{tmp}/run',
+        says='optimizer.learning_rate=inf must be a finite number.'),
+    'negative steps': row(
+        '--config.train.steps=-5', '--workdir', '{tmp}/run', says='train.steps=-5 must be an integer >= 1.'),
+    'unknown choice': row(
+        '--config.model.remat=some', '--workdir', '{tmp}/run',
+        says="model.remat='some'; choose one of ('none', 'full', 'save_matmuls')."),
+    'unknown model family': row(
+        '--config.model.name=gpt', '--workdir', '{tmp}/run', says="model.name='gpt'; choose one of"),
+    'batch the mesh does not divide': row(
+        '--config.train.global_batch_size=30', '--workdir', '{tmp}/run', says='30 % 4 != 0'),
+    'memory plan beyond the host memory': row(
+        '--config.train.global_batch_size=1048576', '--workdir', '{tmp}/run',
+        says=('memory plan', 'train.global_batch_size')),
+    # Workdirs that cannot take the run.
+    'workdir that is a file': row(
+        '--workdir', '{tmp}/file', says='{tmp}/file is a file', kept='file',
+        setup=lambda s: s.write('file', 'notes\n')),
+    'workdir under a file': row(
+        '--workdir', '{tmp}/file/run', says='{tmp}/file/run', kept='file',
+        setup=lambda s: s.write('file', 'notes\n')),
+    'workdir on a read-only disk': row(
+        '--config.train.steps=4', '--workdir', '{tmp}/disk/run',
+        says=('{tmp}/disk/run', 'Read-only file system'),
+        setup=workdir_read_only, kept='disk/run'),
+    'workdir on a full disk': row(
+        '--config.train.steps=4', '--workdir', '{tmp}/disk/run', says=('{tmp}/disk/run', 'free'),
+        setup=workdir_on_full_disk, kept='disk/run/checkpoints'),
+    'workdir locked by a live run': row(
+        '--config.train.steps=4', '--workdir', '{tmp}/run', says=('{tmp}/run is in use by another run: pid',),
+        setup=lambda s: s.hold_lock(s.tmp / 'run')),
+    # Restore paths with nothing to restore.
+    'restore from a path that does not exist': row(
+        '--workdir', '{tmp}/new', '--restore_from', '{tmp}/nope',
+        says='{tmp}/nope: no such file or directory'),
+    'restore from a file': row(
+        '--workdir', '{tmp}/new', '--restore_from', '{tmp}/run/metrics.jsonl',
+        says='{tmp}/run/metrics.jsonl is a file'),
+    'restore from a directory without checkpoints': row(
+        '--workdir', '{tmp}/new', '--restore_from', '{tmp}/empty',
+        says='{tmp}/empty holds no complete checkpoint',
+        setup=lambda s: (s.tmp / 'empty').mkdir()),
+}
+
+
+@pytest.fixture(scope='session')
+def reference_run(tmp_path_factory) -> pathlib.Path:
+  """A short real run's workdir (checkpoints, metrics.jsonl, hparams.json), made once for all workers."""
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    shared = shared.parent  # The session's directory, above each worker's own.
+  done = shared / 'bad_input_reference'
+  with open(shared / 'bad_input_reference.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      work = shared / 'bad_input_reference.partial'
+      shutil.rmtree(work, ignore_errors=True)
+      proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', *SCRIPT_DEFAULTS, *SMALL,
+                        '--workdir', str(work), timeout=TIMEOUT_S)
+      assert proc.returncode == 0, proc.stderr
+      work.rename(done)
+  return done
+
+
+def snapshot(path: pathlib.Path) -> dict[str, bytes]:
+  """Every file under `path` (or the file itself) by relative path, with its bytes."""
+  if path.is_file():
+    return {'.': path.read_bytes()}
+  return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob('*')) if p.is_file()}
+
+
+@pytest.mark.parametrize('name', ROWS)
+def test_a_bad_input_is_one_line_exit_2_no_traceback_and_loses_nothing(name, tmp_path, reference_run):
+  case = ROWS[name]
+  shutil.copytree(reference_run, tmp_path / 'run')
+  scene = Scene(tmp_path)
+  try:
+    case.setup(scene)
+    before = snapshot(tmp_path / case.kept)
+    args = [a.format(tmp=tmp_path) for a in case.args]
+    proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', *SCRIPT_DEFAULTS, *SMALL, *args,
+                      timeout=TIMEOUT_S)
+    after = snapshot(tmp_path / case.kept)
+    leftovers = [str(p) for p in tmp_path.rglob('*orbax-checkpoint-tmp*')]
+  finally:
+    scene.close()
+  assert 'Traceback' not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: '), proc.stderr[-3000:]
+  for text in case.says:
+    assert text.format(tmp=tmp_path) in lines[0]
+  assert after == before, sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+  assert not leftovers
