@@ -214,9 +214,11 @@ def test_of_runs_started_at_once_exactly_one_holds_the_lock(tmp_path, runs, left
   assert len(held) == 1, lines
   assert lock_of(tmp_path)['pid'] == held[0].pid
   assert all(line.startswith('refused') for line in lines if line != 'held'), lines
-  # Only the one that holds it says it took a lock over.
-  assert [len(runs.warnings[proc.pid]) for proc in racers] == [
-      int(proc is held[0] and left_by == 'a killed run') for proc in racers]
+  # Only the one that holds it may say it took a lock over: another racer may have moved the dead lock
+  # aside first, and then the winner found none to take over (CI saw that order once).
+  warned = [proc for proc in racers if runs.warnings[proc.pid]]
+  assert warned in ([], held) if left_by == 'a killed run' else warned == []
+  assert all(len(runs.warnings[proc.pid]) <= 1 for proc in racers)
 
 
 def test_a_lock_that_names_no_holder_is_refused_unless_forced(tmp_path, monkeypatch):
