@@ -71,6 +71,14 @@ def quiet(*_):
   pass
 
 
+def free_port() -> int:
+  """A loopback TCP port nothing listens on now (for a coordinator address)."""
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
 def script_env() -> dict[str, str]:
   """The environment of a script the tests start: the tests' compile settings and cache, and no device
   count or platform, so the scripts must set up devices themselves."""

@@ -3,7 +3,6 @@ cluster launchers read from their environment variables."""
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ import types
 
 import jax
 import pytest
-from conftest import REPO
+from conftest import REPO, free_port
 
 from mintrain import distributed, host_allocator
 from mintrain import mesh as mesh_lib
@@ -210,10 +209,7 @@ def announce(address: str, process_id: int) -> subprocess.Popen:
 
 
 def test_the_roll_call_names_the_processes_that_did_not_join_and_an_id_taken_twice():
-  port = socket.socket()
-  port.bind(('127.0.0.1', 0))
-  address = f'127.0.0.1:{port.getsockname()[1]}'
-  port.close()
+  address = f'127.0.0.1:{free_port()}'
   roll_call = distributed.RollCall.start(distributed.Settings(address, 3, 0, None))
   others = [announce(address, 1)]
   try:

@@ -8,14 +8,13 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import jax
 import numpy as np
-from conftest import REPO, SCRIPT_DEFAULTS, build, load_config, mesh_devices, quiet, script_env
+from conftest import REPO, SCRIPT_DEFAULTS, build, free_port, load_config, mesh_devices, quiet, script_env
 
 from mintrain import checkpoint as ckpt_lib
 from mintrain import train_loop
@@ -175,9 +174,3 @@ def test_a_process_that_never_joins_is_named_within_the_join_timeout(tmp_path):
   assert f'error: process 1 found nothing listening at {runs[1][0]}: is process 0 running?' in outputs[1][1]
   assert 'Waiting' not in outputs[1][0]  # Only process 0 speaks.
   assert not (tmp_path / '0').exists()  # Nothing was written.
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]

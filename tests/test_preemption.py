@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, script_env
+from conftest import REPO, SCRIPT_DEFAULTS, free_port, script_env
 
 pytestmark = pytest.mark.cluster
 
@@ -47,7 +47,7 @@ class Job:
     train = [sys.executable, 'scripts/train.py', '--workdir', str(workdir), *ARGS]
     env = script_env()
     if by_hand:
-      address = f'127.0.0.1:{_free_port()}'
+      address = f'127.0.0.1:{free_port()}'
       self.procs = [subprocess.Popen(train, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=dict(env, JAX_COORDINATOR_ADDRESS=address,
                                                          JAX_NUM_PROCESSES='2', JAX_PROCESS_ID=str(i),
@@ -113,13 +113,6 @@ def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
   except ProcessLookupError:
     pass
-
-
-def _free_port() -> int:
-  import socket
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 def logged_losses(workdir: pathlib.Path) -> dict[int, float]:
