@@ -274,7 +274,9 @@ class Checkpoints:
         save_decision_policy=save_policy,
         preservation_policy=policies.LatestN(max(keep, 1)),
         enable_async_checkpointing=True,
-        cleanup_tmp_directories=not read_only,
+        # Orbax's own clean-up runs in a thread that only a save waits for: a run that ends before its
+        # first save (a bad --restore_from) would exit under it. The clean-up below is synchronous.
+        cleanup_tmp_directories=False,
         create=not read_only,
     )
     # Handlers named up front, so metadata can be read before (or without) any restore.
@@ -282,6 +284,8 @@ class Checkpoints:
     state = (ocp.PyTreeCheckpointHandler(type_handler_registry=registry) if registry is not None
              else ocp.PyTreeCheckpointHandler())
     handlers = {'state': state, 'data': ocp.JsonCheckpointHandler(), 'metadata': ocp.JsonCheckpointHandler()}
+    if not read_only:
+      self._remove_partial_saves()
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     # The loop agrees on preemption stops with its own step counter (mintrain.preemption); Orbax asking
     # JAX's sync point with global steps on every save would skew the counter that agreement relies on.
@@ -355,14 +359,17 @@ class Checkpoints:
     return text + f'; the checkpoints saved before (steps {", ".join(map(str, steps))}) are intact.'
 
   def _remove_partial_saves(self) -> None:
-    """Removes the temporary directories of a failed save now, not at the next start as Orbax would, so
-    that a full disk gets its space back (for the metrics still to be written) and nothing half-written
-    is left behind."""
+    """Removes unfinished saves (of a failed save, or of a run killed mid-save) on process 0, now rather
+    than in the background, so that a full disk gets its space back and nothing half-written is left.
+
+    Unfinished is Orbax's meaning: locally a `*.orbax-checkpoint-tmp*` directory (a save renames it when
+    done); on gs://, where nothing is renamed, a step directory without `commit_success.txt`.
+    """
     if jax.process_index() != 0:
       return
     with contextlib.suppress(OSError):
       for child in self.directory.iterdir():
-        if '.orbax-checkpoint-tmp' in child.name:
+        if _is_unfinished(child):
           child.rmtree(missing_ok=True)
 
   def close(self) -> None:
@@ -503,6 +510,13 @@ def _array_handlers() -> ocp.type_handlers.TypeHandlerRegistry | None:
     return None
   return ocp.type_handlers.create_type_handler_registry(
       (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
+
+
+def _is_unfinished(path: epath.Path) -> bool:
+  if '.orbax-checkpoint-tmp' in path.name:
+    return True
+  return (is_remote(path) and path.name.isdigit() and path.is_dir()
+          and not (path / 'commit_success.txt').exists())
 
 
 def _restore_args(target: Any, partial: bool) -> ocp.args.PyTreeRestore:

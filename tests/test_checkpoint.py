@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import json
 import signal
+import threading
 
 import jax
 import numpy as np
@@ -177,6 +178,15 @@ def test_leftover_temporary_directories_are_removed_and_never_read(tmp_path):
   result = train(small('single', 'train.steps=3', 'checkpoint.every_steps=2'), tmp_path)
   assert result.first_step == 2
   assert not leftover.exists()
+
+
+def test_checkpoints_closed_before_any_save_leave_no_thread_behind(tmp_path):
+  """Orbax's clean-up thread used to outlive a run that failed before its first save, and raise at exit."""
+  (tmp_path / '3.orbax-checkpoint-tmp-1234567890').mkdir()
+  before = set(threading.enumerate())
+  ckpt_lib.Checkpoints(tmp_path).close()
+  assert not list(tmp_path.iterdir())  # Removed before the constructor returned.
+  assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
 
 
 def _damage(step_dir, how):

@@ -195,6 +195,22 @@ def test_sharded_checkpoints_save_keep_list_and_restore_on_gcs(bucket_dir, tmp_p
   assert not list(tmp_path.iterdir())  # Nothing local, no folder named `gs:`.
 
 
+def test_an_unfinished_save_on_gcs_is_removed_when_the_next_run_opens_its_checkpoints(bucket_dir):
+  setup = build(load_config('single', *SMALL))
+  with jax.set_mesh(setup.mesh):
+    state = setup.init()
+  directory = f'{bucket_dir}/checkpoints'
+  checkpoints = ckpt_lib.Checkpoints(directory)
+  checkpoints.save(2, state, data_state={'source': 'synthetic'}, metadata={})
+  checkpoints.close()
+  unfinished = epath.Path(directory) / '4' / 'state'  # gs:// is not renamed: no commit_success.txt yet.
+  unfinished.mkdir(parents=True)
+  (unfinished / 'half').write_text('x')
+  ckpt_lib.Checkpoints(directory).close()
+  assert sorted(p.name for p in epath.Path(directory).iterdir()) == ['2']
+  assert ckpt_lib.Checkpoints(directory, read_only=True).steps() == [2]
+
+
 def test_a_missing_remote_restore_path_is_a_one_line_error(bucket_dir):
   with pytest.raises(ckpt_lib.CheckpointError, match='no such file or directory') as e:
     ckpt_lib.find_run_checkpoints(f'{bucket_dir}/nowhere')
