@@ -353,8 +353,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       due = [action for action in actions if action.due(info)]
       if not due:
         continue
+      info.metrics = to_host(pending)  # Waits for the steps dispatched ahead: their time is the interval's.
       timer.pause()
-      info.metrics = to_host(pending)
       pending = []
       check_finite(step + 1 - len(info.metrics), info.metrics)
       losses += [float(m['loss']) for m in info.metrics]

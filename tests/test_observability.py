@@ -1,12 +1,13 @@
 """What a run reports: writers that agree, progress and MFU, compile time, profile, memory plan."""
 
 import json
+import time
 import tomllib
 
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build, load_config, mesh_devices, run_script
+from conftest import REPO, build, load_config, mesh_devices, quiet, run_script
 from google.protobuf import json_format
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
@@ -90,6 +91,24 @@ def test_compile_time_is_reported_apart_and_the_summary_closes_the_run(run):
     assert part in summary[0]
   assert result.summary['compile_time_sec'] > 0 and result.summary['mfu'] > 0
   assert any(line.startswith('model: ') and 'GFLOP per step' in line and 'peak' in line for line in lines)
+
+
+def test_the_reported_step_time_includes_the_device_time_of_the_steps():
+  """Steps are dispatched ahead of the device; the interval must wait for them before it is timed."""
+  config = load_config('single', 'train.steps=8', 'train.log_every=8', 'eval.every_steps=0')
+  reported = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet).summary['step_time']
+  setup = build(config)
+  with jax.set_mesh(setup.mesh):
+    state, batches = setup.init(), setup.batches()
+    batch = next(batches)
+    step = setup.train_step.lower(state, batch).compile()
+    state, _ = jax.block_until_ready(step(state, batch))
+    times = []
+    for _ in range(3):
+      start = time.perf_counter()
+      state, _ = jax.block_until_ready(step(state, next(batches)))
+      times.append(time.perf_counter() - start)
+  assert reported > 0.5 * min(times), (reported, times)
 
 
 def test_profiler_writes_a_trace_of_the_requested_steps(run):
