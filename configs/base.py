@@ -71,7 +71,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 100  # Evaluate on the held-out split every N steps and at the end; 0: only at the end.
-  c.eval.steps = 8  # Batches of the held-out split per evaluation.
+  c.eval.steps = 8  # Batches of the held-out split per evaluation; 0 turns evaluation off.
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 300  # Optimizer steps.

@@ -78,7 +78,7 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   every_steps: int = option(at_least=0)
-  steps: int = option(at_least=1)
+  steps: int = option(at_least=0)  # 0: no evaluation.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,11 +131,13 @@ class Evaluate:
 
   def __init__(self, run: Run, log: Callable[[int, dict], None]):
     self.run, self.log, self.every = run, log, run.config.eval.every_steps
-    self.batches = run.batches('eval')
-    self.start = self.batches.get_state()
+    self.batches = run.batches('eval') if run.config.eval.steps else None
+    self.start = self.batches.get_state() if self.batches is not None else {}
     self.last: dict[str, float] = {}
 
   def due(self, info: StepInfo) -> bool:
+    if not self.run.config.eval.steps:
+      return False
     return info.last or bool(self.every and info.step % self.every == 0)
 
   def __call__(self, info: StepInfo) -> None:

@@ -43,8 +43,9 @@ MESH_CONFIGS = ('single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2')
 
 
 # What every test run leaves out unless it says otherwise: a matmul calibration per run for MFU
-# (tests/test_hardware.py covers it) and evaluation beyond one batch.
-TEST_DEFAULTS = ('metrics.peak_tflops=1.0', 'eval.steps=1')
+# (tests/test_hardware.py covers it) and evaluation, whose program is one more compile per run (tests of
+# evaluation ask for it, e.g. eval.steps=1).
+TEST_DEFAULTS = ('metrics.peak_tflops=1.0', 'eval.steps=0')
 
 
 def load_config(name: str, *overrides: str) -> config_lib.Config:

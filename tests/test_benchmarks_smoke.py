@@ -1,6 +1,13 @@
-"""The benchmarks still run: each in its --smoke form, as a real subprocess."""
+"""The benchmarks still run: each in its --smoke form, as a real subprocess.
 
+They check the benchmark scripts, not mintrain, and each compiles several programs of its own: the slow
+set (`pytest -m slow`, run by .ci/run) holds them.
+"""
+
+import pytest
 from conftest import run_script
+
+pytestmark = pytest.mark.slow
 
 
 def test_checkpoint_benchmark_smoke_prints_a_table_of_positive_times():

@@ -34,7 +34,9 @@ def finish(workdir, *args, timeout=180):
   return proc.returncode, out
 
 
-@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
+# SIGINT takes the same path as SIGTERM; its run is in the slow set.
+@pytest.mark.parametrize('sig', [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=['SIGTERM', 'SIGINT'])
 def test_signal_finishes_the_step_saves_and_exits_zero(tmp_path, sig):
   proc = start(tmp_path, *SMALL, '--config.train.steps=100000', '--config.checkpoint.every_steps=100000')
   lines = []
@@ -58,6 +60,7 @@ def test_signal_finishes_the_step_saves_and_exits_zero(tmp_path, sig):
   assert f'Resuming from step {stopped} ' in out and f'step {stopped + 2}/{stopped + 2} (100%) | loss' in out
 
 
+@pytest.mark.slow  # An 8M-parameter model, so that the save lasts long enough to be killed in.
 def test_sigkill_during_an_asynchronous_save_keeps_the_previous_checkpoint(tmp_path):
   proc = start(tmp_path, *BIG, '--config.train.steps=40', '--config.checkpoint.every_steps=1',
                '--config.checkpoint.keep=2')

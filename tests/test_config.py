@@ -22,7 +22,7 @@ from mintrain.config import ConfigError
     ('data.source=csv', r"data.source='csv'; choose one of \('stdlib', 'text', 'tokens', 'synthetic'\)"),
     ('data.eval_fraction=1.0', r'data.eval_fraction=1.0 must be in \[0, 1\)'),
     ('data.device_prefetch=-1', r'data.device_prefetch=-1 must be an integer >= 0'),
-    ('eval.steps=0', r'eval.steps=0 must be an integer >= 1'),
+    ('eval.steps=-1', r'eval.steps=-1 must be an integer >= 0'),
     ('checkpoint.keep=-1', r'checkpoint.keep=-1 must be an integer >= 0'),
     ('metrics.peak_tflops=-2.0', r'metrics.peak_tflops=-2.0 must be >= 0'),
     ('profile.num_steps=0', r'profile.num_steps=0 must be an integer >= 1'),

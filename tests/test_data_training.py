@@ -86,6 +86,13 @@ def test_training_logs_baseline_eval_and_data_wait(tmp_path):
   assert all(0.0 <= r['data_wait_fraction'] <= 1.0 for r in records if 'data_wait_fraction' in r)
 
 
+def test_eval_steps_0_turns_evaluation_off():
+  config = load_config('dp8', *TINY, 'train.steps=4', 'eval.every_steps=2', 'eval.steps=0')
+  result = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet)
+  assert len(result.losses) == 4 and [r for r in result.records if 'eval_loss' in r] == []
+  assert not [key for key in result.summary if key.startswith('final_eval')]
+
+
 def test_bad_data_path_is_a_one_line_error_from_the_script(tmp_path):
   env = script_env()
   proc = subprocess.run([sys.executable, 'scripts/train.py', '--config', 'configs/single.py',

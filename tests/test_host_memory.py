@@ -36,7 +36,7 @@ def test_rss_after_the_last_save_is_within_5_percent_of_after_the_first(tmp_path
   # the RSS grew by one step's XLA:CPU temporaries (~100 MB) at a time, at some of the saves.
   result = run_script('-c', DRIVER, '--config', 'configs/single.py', '--workdir', str(tmp_path),
                       '--config.train.steps=80', '--config.checkpoint.every_steps=5',
-                      '--config.eval.every_steps=5', *SCRIPT_DEFAULTS, timeout=600,
+                      '--config.eval.every_steps=5', *SCRIPT_DEFAULTS, '--config.eval.steps=1', timeout=600,
                       env_extra={'XLA_FLAGS': ''})
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
   rss = {int(step): int(kb) for step, kb in re.findall(r'rss after save (\d+): (\d+) kB', result.stdout)}

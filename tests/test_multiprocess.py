@@ -14,6 +14,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 from conftest import REPO, SCRIPT_DEFAULTS, build, free_port, load_config, mesh_devices, quiet, script_env
 
 from mintrain import checkpoint as ckpt_lib
@@ -82,6 +83,7 @@ def test_each_process_reads_the_rows_its_devices_hold_whatever_the_batch_rule(tm
   np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)
 
 
+@pytest.mark.slow  # Three multi-process jobs (2, 1 and 4 processes): about a minute on 2 cores.
 def test_checkpoint_of_two_processes_restores_in_one_and_in_four(tmp_path):
   code, out = run_launch(2, tmp_path / 'two', '--config.train.steps=3', '--config.checkpoint.every_steps=3')
   assert code == 0, out
@@ -126,6 +128,7 @@ def _child_pids(parent: int) -> dict[int, int]:
   return out
 
 
+@pytest.mark.slow  # A job killed mid-run, then a second job: about a minute on 2 cores.
 def test_a_killed_process_stops_the_job_and_the_next_start_resumes(tmp_path):
   workdir = tmp_path / 'run'
   proc = launch(2, workdir, '--config.train.steps=100000', '--config.checkpoint.every_steps=2',

@@ -95,7 +95,8 @@ def test_compile_time_is_reported_apart_and_the_summary_closes_the_run(run):
 
 def test_the_reported_step_time_includes_the_device_time_of_the_steps():
   """Steps are dispatched ahead of the device; the interval must wait for them before it is timed."""
-  config = load_config('single', 'train.steps=8', 'train.log_every=8', 'eval.every_steps=0')
+  # The mesh-invariance test's `single` run (tests/test_train_step.py), whose programs are then cached.
+  config = load_config('single', 'train.steps=5', 'train.log_every=5', 'train.global_batch_size=8')
   reported = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet).summary['step_time']
   setup = build(config)
   with jax.set_mesh(setup.mesh):

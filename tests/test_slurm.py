@@ -30,7 +30,8 @@ pytestmark = pytest.mark.cluster
 TIMEOUT = 300  # Seconds for one job, start-up and compilation included, on a busy 2-core machine.
 TRAIN = [sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py']
 # Every step's loss in metrics.jsonl, and one evaluation, at the end.
-FAST = ['--config.train.log_every=1', '--config.eval.every_steps=0', *SCRIPT_DEFAULTS]
+FAST = ['--config.train.log_every=1', *SCRIPT_DEFAULTS, '--config.eval.every_steps=0',
+        '--config.eval.steps=1']
 # A constant learning rate: with warmup and cosine decay, the rate of a step depends on train.steps, so a
 # run stopped early and resumed with fewer steps could not match a straight run of those steps.
 CONSTANT_LR = ['--config.optimizer.warmup_steps=0', '--config.optimizer.end_lr_fraction=1.0']
