@@ -24,6 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
       ('embed', None),
       ('mlp', 'model'),
       ('heads', 'model'),
+      ('kv_heads', 'model'),  # Grouped key/value heads (model.num_kv_heads); replicated if too few.
       ('kv', None),
       ('vocab', 'model'),
       ('classes', None),
@@ -38,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.embed_dim = 128  # Width of the residual stream (D).
   c.model.num_layers = 2  # Transformer blocks.
   c.model.num_heads = 8  # Attention heads (H); split over `model`.
+  c.model.num_kv_heads = 0  # Key/value heads (G) for grouped-query attention (1: multi-query); 0: H.
   c.model.head_dim = 16  # Per-head width (K).
   c.model.mlp_dim = 512  # Gated-MLP hidden width (F); split over `model`.
   c.model.tie_embeddings = True  # Output projection shares the embedding table.

@@ -30,7 +30,7 @@ from mintrain.train_step import make_eval_step, make_train_step
 class Run:
   """Everything a run needs that follows from the config and the devices."""
 
-  config: Config  # Its model options set for the devices' platform (`Family.for_platform`).
+  config: Config  # Its model options set for the devices' platform and the mesh (`Family.for_mesh`).
   mesh: Mesh
   rules: AxisRules
   layout: list[ParamInfo]
@@ -56,9 +56,10 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   """The run of `config` on a mesh over `devices` (default: all of the default backend's)."""
   mesh = mesh_lib.make_mesh(config.mesh.sizes, devices)
   family = config.family
-  config = config.replace(model=family.for_platform(config.model, mesh.devices.flat[0].platform))
   rules = AxisRules.from_config(config.partitioning)
   rules.check_mesh_axes(mesh.axis_names)
+  config = config.replace(model=family.for_mesh(config.model, mesh.devices.flat[0].platform,
+                                                lambda name: rules.ways(name, mesh.shape)))
   _check_batch_split(config, rules, mesh)
   abstract = train_state.abstract_model(family, config.model, rules, config.seed)
   layout = train_state.param_layout(abstract, rules, mesh)

@@ -291,6 +291,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     r = build(config, devices)
     config = r.config
     say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan))
+    for note in config.family.notes(config.model):
+      say(f'note: {note}')
     memory.check(r.plan)
     total = config.train.steps
     flops_per_step, tokens_per_step = flops.train_flops_per_step(config), flops.tokens_per_step(config)

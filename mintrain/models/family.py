@@ -20,8 +20,12 @@ from mintrain.partitioning import AxisRules
 Ways = Callable[[str], int]
 
 
-def _same(cfg: Any, platform: str) -> Any:
+def _same(cfg: Any, platform: str, ways: Ways) -> Any:
   return cfg
+
+
+def _no_notes(cfg: Any) -> list[str]:
+  return []
 
 
 def _no_extra_metrics(cfg: Any, loss: float) -> dict[str, float]:
@@ -47,7 +51,10 @@ class Family:
   activation_bytes: Callable[[Any, int, int, Ways], int]  # (cfg, rows, seq_len, ways) kept for backward.
   # (cfg, seed, step, rows, seq_len): rows of a synthetic batch, a pure function of (seed, step, row).
   synthetic_rows: Callable[[Any, int, int, np.ndarray, int], dict[str, np.ndarray]]
-  for_platform: Callable[[Any, str], Any] = _same  # Options left to 'auto', set for 'cpu', 'gpu' or 'tpu'.
+  # (cfg, platform, ways): options left to 'auto' set for 'cpu', 'gpu' or 'tpu', and whatever depends on
+  # how the run's mesh splits the logical axes (e.g. key/value heads too few to split are replicated).
+  for_mesh: Callable[[Any, str, Ways], Any] = _same
+  notes: Callable[[Any], list[str]] = _no_notes  # What `for_mesh` changed that a user should read.
   eval_metrics: Callable[[Any, float], dict[str, float]] = _no_extra_metrics  # Beyond loss and perplexity.
   check: Callable[[Any, int], None] = _no_check  # (cfg, seq_len): raises ConfigError across sections.
   compute_dtype: Callable[[Any], str] = _float32  # Of its matmuls: which peak FLOP/s MFU divides by.

@@ -1,8 +1,15 @@
 """Decoder-only transformer LM: pre-norm blocks of causal attention (RoPE) and gated MLP.
 
 Shape letters: B batch, L length (M for keys), S cache length, D embed, F mlp,
-H heads, K head dim, V vocab. Heads and the MLP hidden dimension are split over
-the `model`-style mesh axis by the rules; the model itself only names logical axes.
+H heads, G key/value heads, K head dim, V vocab. Heads and the MLP hidden dimension
+are split over the `model`-style mesh axis by the rules; the model itself only names
+logical axes.
+
+Grouped-query attention (`num_kv_heads` = G < H; 1 is multi-query): G heads of keys
+and values, each shared by H/G query heads (head h reads group h // (H/G), as
+`transformers`' `repeat_kv`). Their logical axis is `kv_heads`; when the mesh splits
+it more ways than G divides, they are replicated instead (`for_mesh`, reported by
+`notes`). The KV cache in sampling holds G heads.
 
 `__call__` is the training forward pass. `decode` is the same computation for
 sampling: it appends the keys and values of new tokens to a per-layer cache and
@@ -54,7 +61,7 @@ from mintrain.models.layers import (
 from mintrain.partitioning import AxisRules
 
 BLD = ('batch', 'length', 'embed')
-BLHK = ('batch', 'length', 'heads', 'kv')  # Also the layout of the cached keys and values.
+BLHK = ('batch', 'length', 'heads', 'kv')
 
 # Per layer, (keys_BSHK, values_BSHK) of every position written so far (zeros beyond).
 KVCache = list[tuple[jax.Array, jax.Array]]
@@ -95,6 +102,7 @@ class TransformerConfig:
   embed_dim: int = option(at_least=1)
   num_layers: int = option(at_least=1)
   num_heads: int = option(at_least=1)
+  num_kv_heads: int = option(at_least=0)  # G; 0: as many as num_heads (multi-head attention).
   head_dim: int = option(at_least=2, check=_even)
   mlp_dim: int = option(at_least=1)
   tie_embeddings: bool = option()
@@ -109,21 +117,50 @@ class TransformerConfig:
   loss_chunks: int = option(at_least=-1)  # -1: auto; 0: logits, then loss; N: fused over N chunks.
   linear: str = option(choices=LINEAR_OPTIONS)  # How weight matmuls form their gradient.
   platform: str = option(derived=True, default='cpu')  # Of the mesh's devices; picks kernels.
+  # The logical axis of the key/value heads: `heads` when they are the query heads (multi-head),
+  # `kv_heads` when grouped, None when grouped but too few for the mesh's split (replicated).
+  kv_heads_axis: str | None = option(derived=True, default='heads')
+  kv_heads_ways: int = option(derived=True, default=1)  # How many ways the rules would split them.
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def grouped(self) -> bool:
+    return self.kv_heads != self.num_heads
 
 
 def check(cfg: TransformerConfig, seq_len: int) -> None:
+  if cfg.num_heads % cfg.kv_heads:
+    raise ConfigError(f'model.num_kv_heads={cfg.num_kv_heads} must divide model.num_heads={cfg.num_heads} '
+                      '(each key/value head serves the same number of query heads), or be 0 (as many as '
+                      'num_heads).')
   if cfg.loss_chunks > 0 and seq_len % cfg.loss_chunks:
     raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} must be 0 (logits, then the loss), a positive '
                       f'divisor of train.seq_len={seq_len} (the fused loss over that many chunks), '
                       'or -1 (auto).')
 
 
-def for_platform(cfg: TransformerConfig, platform: str) -> TransformerConfig:
+def for_mesh(cfg: TransformerConfig, platform: str, ways: Ways) -> TransformerConfig:
   """Options left to 'auto' set for the platform: the fused loss and `linear`'s custom VJP were measured
-  to help on CPU only (BENCHMARKS.md), so elsewhere they stay off until measured there."""
+  to help on CPU only (BENCHMARKS.md), so elsewhere they stay off until measured there. Grouped key/value
+  heads that the rules' split of `kv_heads` does not divide are replicated."""
   chunks = cfg.loss_chunks if cfg.loss_chunks >= 0 else (1 if platform == 'cpu' else 0)
+  kv_axis, kv_ways = 'heads', 1
+  if cfg.grouped:
+    kv_ways = ways('kv_heads')
+    kv_axis = 'kv_heads' if cfg.kv_heads % kv_ways == 0 else None
   return dataclasses.replace(cfg, platform=platform, loss_chunks=chunks,
-                             linear=linear_for_platform(cfg.linear, platform))
+                             linear=linear_for_platform(cfg.linear, platform), kv_heads_axis=kv_axis,
+                             kv_heads_ways=kv_ways)
+
+
+def notes(cfg: TransformerConfig) -> list[str]:
+  if cfg.grouped and cfg.kv_heads_axis is None:
+    return [f'model.num_kv_heads={cfg.kv_heads} key/value heads do not split {cfg.kv_heads_ways} ways '
+            '(the rules for `kv_heads`); they are replicated on every device of that split.']
+  return []
 
 
 def rope(x_BLHK: jax.Array, base: float, positions_L: jax.Array | None = None) -> jax.Array:
@@ -144,21 +181,30 @@ def rope(x_BLHK: jax.Array, base: float, positions_L: jax.Array | None = None) -
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
 
 
+def kv_layout(cfg: TransformerConfig) -> tuple[str | None, ...]:
+  """Logical axes of keys and values (BLGK), also those of the KV cache."""
+  return ('batch', 'length', cfg.kv_heads_axis, 'kv')
+
+
 class Attention(nnx.Module):
-  """Causal multi-head self-attention; heads are the tensor-parallel dimension."""
+  """Causal self-attention, multi-head or grouped-query; heads are the tensor-parallel dimension."""
 
   def __init__(self, cfg: TransformerConfig, *, rules: AxisRules, rngs: nnx.Rngs):
-    d, h, k, dtype = cfg.embed_dim, cfg.num_heads, cfg.head_dim, jnp.dtype(cfg.param_dtype)
+    d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    dtype = jnp.dtype(cfg.param_dtype)
     init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=0, out_axis=(1, 2))
     out_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=(0, 1), out_axis=2)
+    kv_axes = ('embed', cfg.kv_heads_axis, 'kv')
     self.wq_DHK = param(rngs, init, (d, h, k), ('embed', 'heads', 'kv'), dtype, rules)
-    self.wk_DHK = param(rngs, init, (d, h, k), ('embed', 'heads', 'kv'), dtype, rules)
-    self.wv_DHK = param(rngs, init, (d, h, k), ('embed', 'heads', 'kv'), dtype, rules)
+    # (D, G, K): the names of the multi-head case (G = H), which keep older checkpoints' paths.
+    self.wk_DHK = param(rngs, init, (d, g, k), kv_axes, dtype, rules)
+    self.wv_DHK = param(rngs, init, (d, g, k), kv_axes, dtype, rules)
     self.wo_HKD = param(rngs, out_init, (h, k, d), ('heads', 'kv', 'embed'), dtype, rules)
     self.cfg, self.rules = cfg, rules
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    q_BLHK, k_BMHK, v_BMHK = self._qkv(x_BLD, None)
+    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, None)
+    k_BMHK, v_BMHK = self._repeat_kv(k_BMGK), self._repeat_kv(v_BMGK)
     if self.cfg.attention == 'dot_product':
       implementation = attention_kernel(self.cfg.platform, q_BLHK.dtype, self.cfg.head_dim)
       out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, is_causal=True,
@@ -173,26 +219,45 @@ class Attention(nnx.Module):
     """Attention of L new tokens at positions start.. over the cache, which they are written into first."""
     rules = self.rules
     positions_L = start + jnp.arange(x_BLD.shape[1])
-    q_BLHK, k_BLHK, v_BLHK = self._qkv(x_BLD, positions_L)
-    keys_BSHK, values_BSHK = kv
-    keys_BSHK = rules.reshard(jax.lax.dynamic_update_slice(
-        keys_BSHK, k_BLHK.astype(keys_BSHK.dtype), (0, start, 0, 0)), BLHK)
-    values_BSHK = rules.reshard(jax.lax.dynamic_update_slice(
-        values_BSHK, v_BLHK.astype(values_BSHK.dtype), (0, start, 0, 0)), BLHK)
+    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L)
+    keys_BSGK, values_BSGK = kv
+    layout = kv_layout(self.cfg)
+    keys_BSGK = rules.reshard(jax.lax.dynamic_update_slice(
+        keys_BSGK, k_BLGK.astype(keys_BSGK.dtype), (0, start, 0, 0)), layout)
+    values_BSGK = rules.reshard(jax.lax.dynamic_update_slice(
+        values_BSGK, v_BLGK.astype(values_BSGK.dtype), (0, start, 0, 0)), layout)
     # Causal over absolute positions; the unwritten (zero) slots beyond are never visible.
-    visible_LS = jnp.arange(keys_BSHK.shape[1])[None, :] <= positions_L[:, None]
-    return self._attend(q_BLHK, keys_BSHK, values_BSHK, visible_LS), (keys_BSHK, values_BSHK)
+    visible_LS = jnp.arange(keys_BSGK.shape[1])[None, :] <= positions_L[:, None]
+    out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS)
+    return out_BLD, (keys_BSGK, values_BSGK)
 
   def _qkv(self, x_BLD: jax.Array, positions_L: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Queries and keys rotated for their positions, and values; all laid out as BLHK."""
+    """Queries (BLHK) and keys (BLGK) rotated for their positions, and values (BLGK)."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
-    w_DCHK = jnp.stack([gather(w, rules, dtype) for w in (self.wq_DHK, self.wk_DHK, self.wv_DHK)], axis=1)
-    # C: query, key, value in one matmul.
-    qkv_BLCHK = linear('BLD,DCHK->BLCHK', x_BLD, w_DCHK, custom_vjp=cfg.linear == 'custom_vjp')
-    q_BLHK, k_BLHK, v_BLHK = qkv_BLCHK[:, :, 0], qkv_BLCHK[:, :, 1], qkv_BLCHK[:, :, 2]
+    custom_vjp = cfg.linear == 'custom_vjp'
+    if not cfg.grouped:  # C: query, key, value in one matmul.
+      w_DCHK = jnp.stack([gather(w, rules, dtype) for w in (self.wq_DHK, self.wk_DHK, self.wv_DHK)], axis=1)
+      qkv_BLCHK = linear('BLD,DCHK->BLCHK', x_BLD, w_DCHK, custom_vjp=custom_vjp)
+      q_BLHK, k_BLGK, v_BLGK = qkv_BLCHK[:, :, 0], qkv_BLCHK[:, :, 1], qkv_BLCHK[:, :, 2]
+    else:  # Queries, then C: key and value in one matmul.
+      q_BLHK = linear('BLD,DHK->BLHK', x_BLD, gather(self.wq_DHK, rules, dtype), custom_vjp=custom_vjp)
+      w_DCGK = jnp.stack([gather(w, rules, dtype) for w in (self.wk_DHK, self.wv_DHK)], axis=1)
+      kv_BLCGK = linear('BLD,DCGK->BLCGK', x_BLD, w_DCGK, custom_vjp=custom_vjp)
+      k_BLGK, v_BLGK = kv_BLCGK[:, :, 0], kv_BLCGK[:, :, 1]
+    layout = kv_layout(cfg)
     q_BLHK = rules.reshard(rope(q_BLHK, cfg.rope_base, positions_L), BLHK)
-    k_BLHK = rules.reshard(rope(k_BLHK, cfg.rope_base, positions_L), BLHK)
-    return q_BLHK, k_BLHK, rules.reshard(v_BLHK, BLHK)
+    k_BLGK = rules.reshard(rope(k_BLGK, cfg.rope_base, positions_L), layout)
+    return q_BLHK, k_BLGK, rules.reshard(v_BLGK, layout)
+
+  def _repeat_kv(self, x_BMGK: jax.Array) -> jax.Array:
+    """Each key/value head once per query head it serves (head h reads group h // (H/G)), in BLHK."""
+    if not self.cfg.grouped:
+      return x_BMGK
+    b, m, g, k = x_BMGK.shape
+    r = self.cfg.num_heads // g
+    # A new minor axis, merged into G: a split G stays split, and each device keeps its own groups' heads.
+    x_BMGRK = jnp.broadcast_to(x_BMGK[:, :, :, None, :], (b, m, g, r, k))
+    return self.rules.reshard(x_BMGRK.reshape(b, m, g * r, k), BLHK)
 
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
               visible_LM: jax.Array) -> jax.Array:
@@ -316,9 +381,9 @@ class Transformer(nnx.Module):
 
   def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
     """Zero keys and values for `max_len` positions in every layer, laid out (under a mesh) as the
-    attention's (batch, length, heads, kv), so the cache is split like the activations that fill it."""
-    shape = (batch, max_len, self.cfg.num_heads, self.cfg.head_dim)
-    spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(BLHK)
+    attention's keys and values (batch, length, kv heads, kv), so it is split like what fills it."""
+    shape = (batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
+    spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(kv_layout(self.cfg))
     return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
             for _ in range(self.cfg.num_layers)]
 
@@ -380,7 +445,7 @@ def forward_flops_per_token(cfg: TransformerConfig, seq_len: int, *,
   if causal_half:
     attention /= 2
   return {
-      'qkv': cfg.num_layers * 2 * d * 3 * h * k,
+      'qkv': cfg.num_layers * 2 * d * (h + 2 * cfg.kv_heads) * k,
       'attention': cfg.num_layers * attention,
       'out_proj': cfg.num_layers * 2 * h * k * d,
       'mlp': cfg.num_layers * 2 * d * f * 3,  # Gate, up and down.
@@ -395,7 +460,7 @@ def train_flops_per_row(cfg: TransformerConfig, seq_len: int, causal_half: bool 
 
 def param_count(cfg: TransformerConfig) -> int:
   d, f, h, k, v = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.head_dim, cfg.vocab_size
-  block = 4 * d * h * k + 3 * d * f + 2 * d  # q, k, v, out; gate, up, down; two norm scales.
+  block = 2 * d * (h + cfg.kv_heads) * k + 3 * d * f + 2 * d  # q, k, v, out; gate, up, down; two norms.
   return v * d + cfg.num_layers * block + d + (0 if cfg.tie_embeddings else d * v)
 
 
@@ -434,7 +499,8 @@ FAMILY = Family(
     compute_dtype=lambda cfg: cfg.compute_dtype,
     synthetic_rows=lambda cfg, seed, step, rows, seq_len: synthetic.token_rows(seed, step, rows, seq_len,
                                                                                cfg.vocab_size),
-    for_platform=for_platform,
+    for_mesh=for_mesh,
+    notes=notes,
     eval_metrics=lambda cfg, loss: {'eval_bits_per_byte': tokenizer.bits_per_byte(loss)},
     check=check,
 )
