@@ -101,7 +101,7 @@ def test_four_micro_batches_equal_one_four_times_larger_batch():
 
 
 def test_loss_falls_in_a_short_run():
-  losses = run('dp4_tp2', 'train.steps=60', 'train.log_every=20').losses
+  losses = run('dp4_tp2', 'train.steps=60', 'train.log_every=20', 'train.global_batch_size=16').losses
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
 
 
