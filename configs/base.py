@@ -44,6 +44,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.mlp_dim = 512  # Gated-MLP hidden width (F); split over `model`.
   c.model.tie_embeddings = True  # Output projection shares the embedding table.
   c.model.rope_base = 10000.0  # Rotary embedding base frequency.
+  c.model.rope_scaling = 'none'  # 'llama3': Llama 3.1's RoPE frequency scaling, with the four below.
+  c.model.rope_scaling_factor = 8.0
+  c.model.rope_low_freq_factor = 1.0
+  c.model.rope_high_freq_factor = 4.0
+  c.model.rope_original_max_len = 8192  # The context length the frequencies were trained for.
+  c.model.norm_eps = 1e-6  # RMSNorm epsilon.
+  c.model.norm_plus_one = False  # Gemma: norms scale by (1 + weight).
+  c.model.embed_scale = False  # Gemma: embeddings times sqrt(embed_dim).
+  c.model.qkv_bias = False  # Qwen2: biases on the query, key and value projections.
+  c.model.mlp_activation = 'silu'  # Gate nonlinearity: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, Gemma).
   c.model.dropout_rate = 0.0  # Dropout on attention and MLP outputs; 0 disables it.
   c.model.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
   c.model.compute_dtype = 'float32'  # Dtype of matmuls and activations ('bfloat16' for speed).

@@ -16,6 +16,16 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def family_for_hf(model_type: str | None) -> str:
+  """The name of the family that reads Hugging Face checkpoints of `model_type`."""
+  for name, candidate in FAMILIES.items():
+    if candidate.hf is not None and model_type in candidate.hf.MODEL_TYPES:
+      return name
+  known = sorted(t for f in FAMILIES.values() if f.hf is not None for t in f.hf.MODEL_TYPES)
+  raise ConfigError(f'config.json model_type={model_type!r} is not supported; mintrain reads '
+                    f'{", ".join(known)}.')
+
+
 def family(name: str) -> Family:
   if name not in FAMILIES:
     raise ConfigError(f'model.name={name!r}; choose one of {sorted(FAMILIES)}.')

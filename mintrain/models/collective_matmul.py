@@ -26,6 +26,8 @@ order: the reduce-scatter consumes them in the same relative order, so no device
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -41,7 +43,8 @@ def ring_axes(rules: AxisRules) -> tuple[tuple[str, ...], int]:
 
 
 def _ring_mlp(x_BCD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array, *,
-              axes: tuple[str, ...], n: int, bidirectional: bool) -> jax.Array:
+              axes: tuple[str, ...], n: int, bidirectional: bool,
+              activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
   """One device's part: its chunk's output, summed over the ring, after n overlapped steps."""
   upstream_left = [(j, (j - 1) % n) for j in range(n)]  # Device j sends to j - 1.
   upstream_right = [(j, (j + 1) % n) for j in range(n)]
@@ -58,7 +61,7 @@ def _ring_mlp(x_BCD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down
       x, perm = stream
       gate_BCF = jnp.einsum('BCD,DF->BCF', x, w_gate_DF)
       up_BCF = jnp.einsum('BCD,DF->BCF', x, w_up_DF)
-      h_list.append(jax.nn.silu(gate_BCF) * up_BCF)
+      h_list.append(activation(gate_BCF) * up_BCF)
       if step < n - 1:
         stream[0] = jax.lax.ppermute(x, axes, perm)
 
@@ -77,8 +80,8 @@ def _ring_mlp(x_BCD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down
 
 
 def gated_mlp(x_BLD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array,
-              rules: AxisRules) -> jax.Array:
-  """silu(x @ w_gate) * (x @ w_up) @ w_down, with the length split over the ring of `mlp`'s mesh axes.
+              rules: AxisRules, activation: Callable[[jax.Array], jax.Array] = jax.nn.silu) -> jax.Array:
+  """act(x @ w_gate) * (x @ w_up) @ w_down, with the length split over the ring of `mlp`'s mesh axes.
 
   The weights come in their compute layout (`mlp` split over the ring). Returns (B, L, D) with
   the length split over the ring; reshard it to the layout the caller needs.
@@ -100,7 +103,8 @@ def gated_mlp(x_BLD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down
   ring_entry = axes[0] if len(axes) == 1 else axes
   x_spec = P(batch, ring_entry, None)
   body = jax.shard_map(
-      lambda *args: _ring_mlp(*args, axes=axes, n=n, bidirectional=(seq_len // n) % 2 == 0),
+      lambda *args: _ring_mlp(*args, axes=axes, n=n, bidirectional=(seq_len // n) % 2 == 0,
+                              activation=activation),
       in_specs=(x_spec, P(None, ring_entry), P(None, ring_entry), P(ring_entry, None)),
       out_specs=x_spec)
   # Slicing replicated activations to their chunks is local; the weights are already in place.

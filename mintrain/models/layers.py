@@ -114,18 +114,20 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-  """Root-mean-square norm over `embed`, computed in float32."""
+  """Root-mean-square norm over `embed`, computed in float32. With `plus_one` (Gemma) the stored scale
+  is an offset from 1, drawn as zeros."""
 
   def __init__(self, dim: int, *, rules: AxisRules, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-               eps: float = 1e-6):
-    self.scale = param(rngs, nnx.initializers.ones, (dim,), ('embed',), param_dtype, rules)
-    self.rules = rules
-    self.eps = eps
+               eps: float = 1e-6, plus_one: bool = False):
+    init = nnx.initializers.zeros if plus_one else nnx.initializers.ones
+    self.scale = param(rngs, init, (dim,), ('embed',), param_dtype, rules)
+    self.rules, self.eps, self.plus_one = rules, eps, plus_one
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     x = x_BLD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * gather(self.scale, self.rules, jnp.float32)).astype(x_BLD.dtype)
+    scale = gather(self.scale, self.rules, jnp.float32)
+    return (x * (1.0 + scale if self.plus_one else scale)).astype(x_BLD.dtype)
 
 
 def _is_variable(x) -> bool:

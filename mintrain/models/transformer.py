@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,7 @@ from flax import nnx
 from mintrain.data import synthetic, tokenizer
 from mintrain.fields import ConfigError, option
 from mintrain.loss import cross_entropy, fused_cross_entropy
-from mintrain.models import collective_matmul
+from mintrain.models import collective_matmul, hf_llama
 from mintrain.models.family import Family, Ways
 from mintrain.models.layers import (
   LINEAR_OPTIONS,
@@ -80,6 +81,9 @@ REMAT_POLICIES = {
 REMAT_OPTIONS = ('none', *REMAT_POLICIES)
 ATTENTION_OPTIONS = ('einsum', 'dot_product')
 DTYPES = ('float32', 'bfloat16')
+# The gate's nonlinearity: SwiGLU (Llama, Mistral, Qwen2) or GeGLU with tanh-approximated GELU (Gemma).
+ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True)}
+ROPE_SCALINGS = ('none', 'llama3')
 
 
 def attention_kernel(platform: str, dtype: jnp.dtype, head_dim: int) -> str:
@@ -107,6 +111,17 @@ class TransformerConfig:
   mlp_dim: int = option(at_least=1)
   tie_embeddings: bool = option()
   rope_base: float = option(above=0)
+  # Llama 3.1's frequency scaling of RoPE ('llama3'), with its four parameters; 'none' leaves it out.
+  rope_scaling: str = option(choices=ROPE_SCALINGS)
+  rope_scaling_factor: float = option(above=0)
+  rope_low_freq_factor: float = option(above=0)
+  rope_high_freq_factor: float = option(above=0)
+  rope_original_max_len: int = option(at_least=1)
+  norm_eps: float = option(above=0)  # RMSNorm's epsilon.
+  norm_plus_one: bool = option()  # Gemma: norms scale by (1 + weight), weights drawn as zeros.
+  embed_scale: bool = option()  # Gemma: embeddings times sqrt(embed_dim) (not the tied output layer).
+  qkv_bias: bool = option()  # Qwen2: biases on the query, key and value projections.
+  mlp_activation: str = option(choices=tuple(ACTIVATIONS))
   dropout_rate: float = option(at_least=0, below=1)
   param_dtype: str = option(choices=DTYPES)
   compute_dtype: str = option(choices=DTYPES)
@@ -132,6 +147,9 @@ class TransformerConfig:
 
 
 def check(cfg: TransformerConfig, seq_len: int) -> None:
+  if cfg.rope_scaling == 'llama3' and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
+    raise ConfigError(f'model.rope_high_freq_factor={cfg.rope_high_freq_factor} must be above '
+                      f'model.rope_low_freq_factor={cfg.rope_low_freq_factor} (Llama 3 RoPE scaling).')
   if cfg.num_heads % cfg.kv_heads:
     raise ConfigError(f'model.num_kv_heads={cfg.num_kv_heads} must divide model.num_heads={cfg.num_heads} '
                       '(each key/value head serves the same number of query heads), or be 0 (as many as '
@@ -163,15 +181,32 @@ def notes(cfg: TransformerConfig) -> list[str]:
   return []
 
 
-def rope(x_BLHK: jax.Array, base: float, positions_L: jax.Array | None = None) -> jax.Array:
-  """Rotary position embedding on the last dimension (split-half convention).
+def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
+  """float32 (K/2,) inverse frequencies; with 'llama3' scaling, Llama 3.1's: wavelengths beyond the
+  original context's / low_freq_factor slowed by `factor`, those below / high_freq_factor kept, and a
+  smooth blend between (transformers' `_compute_llama3_parameters`)."""
+  half = cfg.head_dim // 2
+  if cfg.rope_scaling == 'none':
+    return cfg.rope_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  inv_freq = 1.0 / cfg.rope_base ** (np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))
+  factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  old_len = cfg.rope_original_max_len
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return jnp.asarray(np.where(medium, blended, scaled), jnp.float32)
+
+
+def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_L: jax.Array | None = None) -> jax.Array:
+  """Rotary position embedding on the last dimension (split-half convention, as `transformers`).
 
   `positions_L` are the absolute positions of the L tokens (default 0..L-1): a
   decode step passes its offset, so a token is rotated the same as in training.
   """
   _, seq_len, _, head_dim = x_BLHK.shape
   half = head_dim // 2
-  inv_freq_K = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
   if positions_L is None:
     positions_L = jnp.arange(seq_len)
   angle_LK = positions_L.astype(jnp.float32)[:, None] * inv_freq_K[None, :]
@@ -195,6 +230,11 @@ class Attention(nnx.Module):
     init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=0, out_axis=(1, 2))
     out_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=(0, 1), out_axis=2)
     kv_axes = ('embed', cfg.kv_heads_axis, 'kv')
+    if cfg.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq_HK = param(rngs, zeros, (h, k), ('heads', 'kv'), dtype, rules, decay=False)
+      self.bk_GK = param(rngs, zeros, (g, k), kv_axes[1:], dtype, rules, decay=False)
+      self.bv_GK = param(rngs, zeros, (g, k), kv_axes[1:], dtype, rules, decay=False)
     self.wq_DHK = param(rngs, init, (d, h, k), ('embed', 'heads', 'kv'), dtype, rules)
     # (D, G, K): the names of the multi-head case (G = H), which keep older checkpoints' paths.
     self.wk_DHK = param(rngs, init, (d, g, k), kv_axes, dtype, rules)
@@ -245,8 +285,13 @@ class Attention(nnx.Module):
       kv_BLCGK = linear('BLD,DCGK->BLCGK', x_BLD, w_DCGK, custom_vjp=custom_vjp)
       k_BLGK, v_BLGK = kv_BLCGK[:, :, 0], kv_BLCGK[:, :, 1]
     layout = kv_layout(cfg)
-    q_BLHK = rules.reshard(rope(q_BLHK, cfg.rope_base, positions_L), BLHK)
-    k_BLGK = rules.reshard(rope(k_BLGK, cfg.rope_base, positions_L), layout)
+    if cfg.qkv_bias:
+      q_BLHK = q_BLHK + gather(self.bq_HK, rules, dtype)
+      k_BLGK = k_BLGK + gather(self.bk_GK, rules, dtype)
+      v_BLGK = v_BLGK + gather(self.bv_GK, rules, dtype)
+    inv_freq_K = rope_frequencies(cfg)
+    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_L), BLHK)
+    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_L), layout)
     return q_BLHK, k_BLGK, rules.reshard(v_BLGK, layout)
 
   def _repeat_kv(self, x_BMGK: jax.Array) -> jax.Array:
@@ -292,6 +337,7 @@ class GatedMLP(nnx.Module):
     self.wi_up_DF = param(rngs, init, (d, f), ('embed', 'mlp'), dtype, rules)
     self.wo_FD = param(rngs, init, (f, d), ('mlp', 'embed'), dtype, rules)
     self.rules, self.overlap, self.custom_vjp = rules, cfg.mlp_overlap, cfg.linear == 'custom_vjp'
+    self.activation = ACTIVATIONS[cfg.mlp_activation]
 
   def __call__(self, x_BLD: jax.Array, *, overlap: bool = True) -> jax.Array:
     """`overlap=False` forces the plain path (decode steps are too short to split into chunks)."""
@@ -300,21 +346,26 @@ class GatedMLP(nnx.Module):
     w_up_DF = gather(self.wi_up_DF, rules, dtype)
     w_down_FD = gather(self.wo_FD, rules, dtype)
     if overlap and self.overlap and collective_matmul.ring_axes(rules)[1] > 1:
-      return rules.reshard(collective_matmul.gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, rules), BLD)
+      return rules.reshard(collective_matmul.gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, rules,
+                                                       self.activation), BLD)
     # Gate and up as one matmul: one pass over x and a wider, faster product.
     w_DGF = jnp.stack([w_gate_DF, w_up_DF], axis=1)
     gate_up_BLGF = linear('BLD,DGF->BLGF', x_BLD, w_DGF, custom_vjp=self.custom_vjp)
     gate_BLF, up_BLF = gate_up_BLGF[:, :, 0], gate_up_BLGF[:, :, 1]
-    h_BLF = rules.reshard(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
+    h_BLF = rules.reshard(self.activation(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
     return linear('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD), custom_vjp=self.custom_vjp)
+
+
+def norm(cfg: TransformerConfig, rules: AxisRules, rngs: nnx.Rngs) -> RMSNorm:
+  return RMSNorm(cfg.embed_dim, rules=rules, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs,
+                 eps=cfg.norm_eps, plus_one=cfg.norm_plus_one)
 
 
 class Block(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rules: AxisRules, rngs: nnx.Rngs):
-    dtype = jnp.dtype(cfg.param_dtype)
-    self.attn_norm = RMSNorm(cfg.embed_dim, rules=rules, param_dtype=dtype, rngs=rngs)
+    self.attn_norm = norm(cfg, rules, rngs)
     self.attn = Attention(cfg, rules=rules, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.embed_dim, rules=rules, param_dtype=dtype, rngs=rngs)
+    self.mlp_norm = norm(cfg, rules, rngs)
     self.mlp = GatedMLP(cfg, rules=rules, rngs=rngs)
     self.rules, self.dropout_rate = rules, cfg.dropout_rate
 
@@ -344,7 +395,7 @@ class Transformer(nnx.Module):
     blocks = [Block(cfg, rules=rules, rngs=rngs) for _ in range(cfg.num_layers)]
     # With scan_layers, one Block whose parameters are all layers' stacked on a leading `layers` axis.
     self.blocks = stack_layers(blocks, rules) if cfg.scan_layers else nnx.List(blocks)
-    self.final_norm = RMSNorm(cfg.embed_dim, rules=rules, param_dtype=dtype, rngs=rngs)
+    self.final_norm = norm(cfg, rules, rngs)
     if not cfg.tie_embeddings:
       self.unembed_DV = param(rngs, nnx.initializers.lecun_normal(), (cfg.embed_dim, cfg.vocab_size),
                               ('embed', 'vocab'), dtype, rules)
@@ -424,7 +475,10 @@ class Transformer(nnx.Module):
     """(table_VD in its compute layout, x_BLD); the table is reused by a tied output layer."""
     rules = self.rules
     table_VD = gather(self.embedding_VD, rules, jnp.dtype(self.cfg.compute_dtype))
-    return table_VD, table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD))
+    x_BLD = table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD))
+    if self.cfg.embed_scale:  # Rounded to the compute dtype first, as Gemma's `normalizer`.
+      x_BLD = x_BLD * jnp.asarray(self.cfg.embed_dim ** 0.5, x_BLD.dtype)
+    return table_VD, x_BLD
 
   def _logits(self, x_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
     logits_BLV = jnp.einsum('BLD,DV->BLV', self.final_norm(x_BLD), self._unembedding(table_VD))
@@ -461,6 +515,7 @@ def train_flops_per_row(cfg: TransformerConfig, seq_len: int, causal_half: bool 
 def param_count(cfg: TransformerConfig) -> int:
   d, f, h, k, v = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.head_dim, cfg.vocab_size
   block = 2 * d * (h + cfg.kv_heads) * k + 3 * d * f + 2 * d  # q, k, v, out; gate, up, down; two norms.
+  block += (h + 2 * cfg.kv_heads) * k if cfg.qkv_bias else 0
   return v * d + cfg.num_layers * block + d + (0 if cfg.tie_embeddings else d * v)
 
 
@@ -501,6 +556,7 @@ FAMILY = Family(
                                                                                cfg.vocab_size),
     for_mesh=for_mesh,
     notes=notes,
+    hf=hf_llama,
     eval_metrics=lambda cfg, loss: {'eval_bits_per_byte': tokenizer.bits_per_byte(loss)},
     check=check,
 )

@@ -1,0 +1,178 @@
+"""Hugging Face Llama-family checkpoints <-> the transformer family: config.json keys and weight names.
+
+One table per direction, read by `mintrain.hf`, which knows nothing of any architecture:
+  llama    Llama 2 and 3.x (Llama 3.1's RoPE scaling: `rope_type` 'llama3')
+  mistral  as Llama; its sliding window is not applied, so sequences must fit inside it
+  qwen2    biases on the query, key and value projections
+  gemma    (first generation) norms scaling by (1 + w), embeddings times sqrt(hidden), GeGLU, tied output
+transformers 5.x keeps RoPE settings under `rope_parameters`; older files under `rope_scaling` and
+`rope_theta`. Both are read.
+
+Weights: `transformers` stores a projection as (out, in); mintrain stores (in, heads, head_dim) and
+(heads, head_dim, out). Each mintrain parameter maps to one tensor by one `Kind` of reshaping, which also
+maps any rectangular slice of it to one rectangular read of the tensor (`hf.py` reads slices lazily).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mintrain.fields import ConfigError
+
+MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
+               'gemma': 'GemmaForCausalLM'}
+ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu': 'gelu_tanh'}
+
+
+class Kind(enum.Enum):
+  SAME = 'same'  # Same layout (embeddings, norm scales).
+  T = 'transpose'  # ours (in, out) = theirs (out, in).T
+  IN_HEADS = 'in_heads'  # ours (D, N, K) = theirs (N*K, D).T, reshaped.
+  HEADS_OUT = 'heads_out'  # ours (N, K, D) = theirs (D, N*K).T, reshaped.
+  HEADS = 'heads'  # ours (N, K) = theirs (N*K,), reshaped.
+
+
+def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The `model` section's options for a `config.json`; a one-line ConfigError for what is not read."""
+  model_type = hf.get('model_type')
+  if model_type not in MODEL_TYPES:
+    raise ConfigError(f'config.json model_type={model_type!r} is not supported; mintrain reads '
+                      f'{", ".join(MODEL_TYPES)}.')
+  if hf.get('mlp_bias') or (model_type != 'qwen2' and hf.get('attention_bias')):
+    raise ConfigError(f'config.json: {model_type} with mlp_bias or attention_bias is not supported (mintrain '
+                      'has biases on the query, key and value projections only, as Qwen2).')
+  rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+  rope_type = rope.get('rope_type', rope.get('type', 'default'))
+  if rope_type not in ('default', 'llama3'):
+    raise ConfigError(f"config.json rope type {rope_type!r} is not supported; mintrain reads 'default' and "
+                      "'llama3'.")
+  activation = hf.get('hidden_activation') or hf.get('hidden_act', 'silu')
+  if activation not in ACTIVATIONS:
+    raise ConfigError(f'config.json hidden_act={activation!r} is not supported; mintrain reads '
+                      f'{", ".join(ACTIVATIONS)}.')
+  heads, embed = hf['num_attention_heads'], hf['hidden_size']
+  gemma = model_type == 'gemma'
+  options = {
+      'name': 'transformer', 'vocab_size': hf['vocab_size'], 'embed_dim': embed,
+      'num_layers': hf['num_hidden_layers'], 'num_heads': heads,
+      'num_kv_heads': hf.get('num_key_value_heads') or heads,
+      'head_dim': hf.get('head_dim') or embed // heads,
+      'mlp_dim': hf['intermediate_size'], 'tie_embeddings': bool(hf.get('tie_word_embeddings', gemma)),
+      'rope_base': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0))),
+      'norm_eps': float(hf.get('rms_norm_eps', 1e-6)), 'norm_plus_one': gemma, 'embed_scale': gemma,
+      'qkv_bias': model_type == 'qwen2', 'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
+  }
+  if rope_type == 'llama3':
+    options.update(rope_scaling='llama3', rope_scaling_factor=float(rope['factor']),
+                   rope_low_freq_factor=float(rope['low_freq_factor']),
+                   rope_high_freq_factor=float(rope['high_freq_factor']),
+                   rope_original_max_len=int(rope['original_max_position_embeddings']))
+  return options
+
+
+def max_seq_len(hf: Mapping[str, Any]) -> int | None:
+  """Mistral's sliding window, which mintrain does not apply: longer sequences would differ."""
+  return hf.get('sliding_window') if hf.get('use_sliding_window', True) else None
+
+
+def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
+  """A `config.json` for a transformer-family model config (`TransformerConfig`)."""
+  if cfg.norm_plus_one or cfg.embed_scale or cfg.mlp_activation != 'silu':
+    model_type = 'gemma'
+    if not (cfg.norm_plus_one and cfg.embed_scale and cfg.mlp_activation == 'gelu_tanh'):
+      raise ConfigError('Only the Gemma combination of norm_plus_one, embed_scale and '
+                        "mlp_activation='gelu_tanh' has a Hugging Face architecture.")
+  else:
+    model_type = 'qwen2' if cfg.qkv_bias else 'llama'
+  rope: dict[str, Any] = {'rope_theta': cfg.rope_base, 'rope_type': 'default'}
+  if cfg.rope_scaling == 'llama3':
+    rope.update(rope_type='llama3', factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                high_freq_factor=cfg.rope_high_freq_factor,
+                original_max_position_embeddings=cfg.rope_original_max_len)
+  out = {
+      'architectures': [MODEL_TYPES[model_type]], 'model_type': model_type, 'vocab_size': cfg.vocab_size,
+      'hidden_size': cfg.embed_dim, 'num_hidden_layers': cfg.num_layers,
+      'num_attention_heads': cfg.num_heads, 'num_key_value_heads': cfg.kv_heads, 'head_dim': cfg.head_dim,
+      'intermediate_size': cfg.mlp_dim, 'tie_word_embeddings': cfg.tie_embeddings,
+      'rms_norm_eps': cfg.norm_eps, 'rope_parameters': rope, 'dtype': dtype,
+      'hidden_act': 'gelu_pytorch_tanh' if model_type == 'gemma' else 'silu',
+  }
+  if model_type == 'gemma':
+    out['hidden_activation'] = 'gelu_pytorch_tanh'
+  return out
+
+
+def weight_names(cfg: Any) -> dict[str, tuple[str, Kind]]:
+  """{mintrain parameter path (unscanned layers): (Hugging Face tensor name, Kind)}."""
+  names = {'embedding_VD': ('model.embed_tokens.weight', Kind.SAME),
+           'final_norm.scale': ('model.norm.weight', Kind.SAME)}
+  if not cfg.tie_embeddings:
+    names['unembed_DV'] = ('lm_head.weight', Kind.T)
+  for i in range(cfg.num_layers):
+    ours, theirs = f'blocks.{i}', f'model.layers.{i}'
+    names |= {
+        f'{ours}.attn_norm.scale': (f'{theirs}.input_layernorm.weight', Kind.SAME),
+        f'{ours}.mlp_norm.scale': (f'{theirs}.post_attention_layernorm.weight', Kind.SAME),
+        f'{ours}.attn.wq_DHK': (f'{theirs}.self_attn.q_proj.weight', Kind.IN_HEADS),
+        f'{ours}.attn.wk_DHK': (f'{theirs}.self_attn.k_proj.weight', Kind.IN_HEADS),
+        f'{ours}.attn.wv_DHK': (f'{theirs}.self_attn.v_proj.weight', Kind.IN_HEADS),
+        f'{ours}.attn.wo_HKD': (f'{theirs}.self_attn.o_proj.weight', Kind.HEADS_OUT),
+        f'{ours}.mlp.wi_gate_DF': (f'{theirs}.mlp.gate_proj.weight', Kind.T),
+        f'{ours}.mlp.wi_up_DF': (f'{theirs}.mlp.up_proj.weight', Kind.T),
+        f'{ours}.mlp.wo_FD': (f'{theirs}.mlp.down_proj.weight', Kind.T),
+    }
+    if cfg.qkv_bias:
+      names |= {f'{ours}.attn.bq_HK': (f'{theirs}.self_attn.q_proj.bias', Kind.HEADS),
+                f'{ours}.attn.bk_GK': (f'{theirs}.self_attn.k_proj.bias', Kind.HEADS),
+                f'{ours}.attn.bv_GK': (f'{theirs}.self_attn.v_proj.bias', Kind.HEADS)}
+  return names
+
+
+def their_shape(kind: Kind, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The Hugging Face tensor's shape for a mintrain parameter of `shape`."""
+  if kind is Kind.SAME:
+    return shape
+  if kind is Kind.T:
+    return shape[::-1]
+  if kind is Kind.IN_HEADS:
+    return (shape[1] * shape[2], shape[0])
+  if kind is Kind.HEADS_OUT:
+    return (shape[2], shape[0] * shape[1])
+  return (shape[0] * shape[1],)
+
+
+def read(kind: Kind, tensor: Any, index: tuple[slice, ...], head_dim: int) -> np.ndarray:
+  """Our parameter's `index` (slices with explicit bounds) read from `tensor` (anything indexable by
+  slices, e.g. a lazy safetensors slice): one rectangular read, then the reshaping."""
+  if kind is Kind.SAME:
+    return np.asarray(tensor[index])
+  if kind is Kind.T:
+    return np.asarray(tensor[index[::-1]]).T
+  k = head_dim
+  if kind is Kind.IN_HEADS:  # ours (D, N, K)[d, n, kk] = theirs[n*K + kk, d]
+    d, n, kk = index
+    rows = np.asarray(tensor[n.start * k:n.stop * k, d])
+    return rows.T.reshape(d.stop - d.start, n.stop - n.start, k)[:, :, kk]
+  if kind is Kind.HEADS_OUT:  # ours (N, K, D)[n, kk, d] = theirs[d, n*K + kk]
+    n, kk, d = index
+    cols = np.asarray(tensor[d, n.start * k:n.stop * k])
+    return cols.T.reshape(n.stop - n.start, k, d.stop - d.start)[:, kk, :]
+  n, kk = index  # HEADS: ours (N, K)[n, kk] = theirs[n*K + kk]
+  return np.asarray(tensor[n.start * k:n.stop * k]).reshape(n.stop - n.start, k)[:, kk]
+
+
+def write(kind: Kind, value: np.ndarray) -> np.ndarray:
+  """Our whole parameter in the Hugging Face tensor's layout."""
+  if kind is Kind.SAME:
+    return value
+  if kind is Kind.T:
+    return np.ascontiguousarray(value.T)
+  if kind is Kind.IN_HEADS:
+    return np.ascontiguousarray(value.reshape(value.shape[0], -1).T)
+  if kind is Kind.HEADS_OUT:
+    return np.ascontiguousarray(value.reshape(-1, value.shape[2]).T)
+  return value.reshape(-1)

@@ -1,0 +1,91 @@
+"""Hugging Face checkpoints: tiny random `transformers` models of each family, loaded by `mintrain.hf`,
+give transformers' logits on several meshes; saved back, transformers loads them with the same logits."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch  # The reference, from the test extra; mintrain itself never imports it.
+import transformers
+from conftest import load_config, mesh_devices
+from flax import nnx
+
+from mintrain import hf
+from mintrain.fields import ConfigError
+from mintrain.mesh import make_mesh
+
+COMMON = {'vocab_size': 256, 'hidden_size': 64, 'intermediate_size': 96, 'num_hidden_layers': 2,
+          'num_attention_heads': 8, 'max_position_embeddings': 128}
+FAMILIES = {
+    # Grouped-query attention and Llama 3.1's RoPE scaling (a small original context, so it matters).
+    'llama3': ('LlamaConfig', {'num_key_value_heads': 2, 'rms_norm_eps': 1e-5, 'tie_word_embeddings': False,
+                               'rope_parameters': {'rope_type': 'llama3', 'rope_theta': 500000.0,
+                                                   'factor': 8.0, 'low_freq_factor': 1.0,
+                                                   'high_freq_factor': 4.0,
+                                                   'original_max_position_embeddings': 16}}),
+    'mistral': ('MistralConfig', {'num_key_value_heads': 4, 'head_dim': 8, 'sliding_window': 4096}),
+    'qwen2': ('Qwen2Config', {'num_key_value_heads': 2, 'tie_word_embeddings': True}),
+    'gemma': ('GemmaConfig', {'num_key_value_heads': 1, 'head_dim': 16}),  # Multi-query, as Gemma 2B.
+}
+
+
+@pytest.fixture(scope='module', params=list(FAMILIES))
+def reference(request, tmp_path_factory):
+  """(directory, tokens, transformers' float32 logits) of one tiny random model."""
+  name, options = FAMILIES[request.param]
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**COMMON, **options),
+                                                       dtype=torch.float32)
+  with torch.no_grad():  # Norm weights are drawn as ones (zeros for Gemma); make them matter.
+    for param_name, param in model.named_parameters():
+      if param_name.endswith('norm.weight') or param_name.endswith('bias'):
+        param.add_(0.1 * torch.randn_like(param))
+  directory = tmp_path_factory.mktemp(request.param)
+  model.save_pretrained(directory)
+  tokens = np.random.RandomState(1).randint(0, 256, (8, 24)).astype(np.int32)
+  with torch.no_grad():
+    logits = model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  return directory, tokens, logits
+
+
+def mintrain_logits(model, tokens):
+  graphdef, params = nnx.split(model)
+  return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
+
+
+@pytest.mark.parametrize('mesh_name', ['single', 'dp4_tp2', 'tp8', 'fsdp8'])
+def test_a_loaded_checkpoint_gives_the_logits_of_transformers(reference, mesh_name):
+  directory, tokens, expected = reference
+  config = load_config(mesh_name)
+  mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
+  with jax.set_mesh(mesh):
+    model = hf.from_pretrained(directory)
+    logits = mintrain_logits(model, tokens)
+  assert np.abs(logits - expected).max() <= 1e-4
+
+
+def test_a_saved_checkpoint_loads_in_transformers_with_the_same_logits(reference, tmp_path):
+  directory, tokens, expected = reference
+  with jax.set_mesh(make_mesh(load_config('dp4_tp2').mesh.sizes, mesh_devices(load_config('dp4_tp2')))):
+    model = hf.from_pretrained(directory)
+    hf.save_pretrained(model, tmp_path / 'out', max_shard_size=100_000)  # Several shards and an index.
+    again = hf.from_pretrained(tmp_path / 'out')
+  assert (tmp_path / 'out' / hf.INDEX).exists()
+  for (_, x), (_, y) in zip(nnx.to_flat_state(nnx.split(model, nnx.Param)[1]),
+                            nnx.to_flat_state(nnx.split(again, nnx.Param)[1])):
+    np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))  # Import-export-import: bitwise.
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'out', dtype=torch.float32)
+  with torch.no_grad():
+    logits = loaded(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  assert np.abs(logits - expected).max() <= 1e-4
+
+
+def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
+  (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
+  with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported; mintrain reads gemma, llama"):
+    hf.from_pretrained(tmp_path)
+  config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0}}
+  (tmp_path / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(ConfigError, match=r"rope type 'yarn' is not supported"):
+    hf.from_pretrained(tmp_path)
