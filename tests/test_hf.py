@@ -11,7 +11,7 @@ import transformers
 from conftest import load_config, mesh_devices
 from flax import nnx
 
-from mintrain import hf
+from mintrain import hf, sampling
 from mintrain.fields import ConfigError
 from mintrain.mesh import make_mesh
 
@@ -63,6 +63,19 @@ def test_a_loaded_checkpoint_gives_the_logits_of_transformers(reference, mesh_na
     model = hf.from_pretrained(directory)
     logits = mintrain_logits(model, tokens)
   assert np.abs(logits - expected).max() <= 1e-4
+
+
+def test_greedy_generation_with_the_kv_cache_equals_transformers_generate(reference):
+  directory, tokens, _ = reference
+  reference_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+  reference_model.generation_config.eos_token_id = None  # 32 tokens, whatever they are.
+  prompt = tokens[:2, :6]
+  with torch.no_grad():
+    expected = reference_model.generate(torch.from_numpy(prompt.astype(np.int64)), max_new_tokens=32,
+                                        do_sample=False).numpy()[:, 6:]
+  with jax.set_mesh(make_mesh(load_config('single').mesh.sizes, mesh_devices(load_config('single')))):
+    generated = np.asarray(sampling.generate(hf.from_pretrained(directory), prompt, 32))
+  np.testing.assert_array_equal(generated, expected)
 
 
 def test_a_saved_checkpoint_loads_in_transformers_with_the_same_logits(reference, tmp_path):
