@@ -99,6 +99,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.profile.start_step = -1  # Write a JAX profiler trace starting at this step to WORKDIR/profile; -1: off.
   c.profile.num_steps = 3  # Steps in the trace.
 
+  c.init = ml_collections.ConfigDict()
+  # A Hugging Face directory (config.json + safetensors): the model's options come from its config.json
+  # (the family that reads its model_type; other model options such as remat stay) and its weights are
+  # the initial parameters, on any mesh. '' draws them from the seed.
+  c.init.hf_checkpoint = ''
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100  # Save every N steps (asynchronously), at the end, and on SIGTERM/SIGINT.
   c.checkpoint.keep = 3  # Newest checkpoints kept in WORKDIR/checkpoints; 0 disables checkpointing.

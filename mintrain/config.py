@@ -112,6 +112,11 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InitConfig:
+  hf_checkpoint: str = option()  # '' or a Hugging Face model directory.
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   every_steps: int = option(at_least=0)
   keep: int = option(at_least=0)
@@ -132,7 +137,7 @@ class OptimizerConfig:
 
 SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,
             'train': TrainConfig, 'metrics': MetricsConfig, 'profile': ProfileConfig,
-            'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig}
+            'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig, 'init': InitConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +156,7 @@ class Config:
   checkpoint: CheckpointConfig
   metrics: MetricsConfig
   profile: ProfileConfig
+  init: InitConfig
 
   @property
   def family(self) -> models.Family:
@@ -180,9 +186,11 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
   if not isinstance(values['model'], Mapping):
     raise ConfigError(f"model must be a section of keys (a ConfigDict), not {values['model']!r}.")
   model = dict(values['model'])
+  sections = {key: fields.build(cls, values[key], key) for key, cls in SECTIONS.items()}
+  if sections['init'].hf_checkpoint:  # Its config.json sets the model; other model options stay.
+    model.update(models.hf_model_options(sections['init'].hf_checkpoint))
   name = model.pop('name', None)
   family = models.family(name)
-  sections = {key: fields.build(cls, values[key], key) for key, cls in SECTIONS.items()}
   model_cfg = fields.build(family.config, model, 'model')
   family.check(model_cfg, sections['train'].seq_len)
   return Config(seed=seed, model_name=name, model=model_cfg, **sections)

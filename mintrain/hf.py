@@ -28,27 +28,10 @@ from mintrain import config as config_lib
 from mintrain import train_state
 from mintrain.build import Run, build
 from mintrain.fields import ConfigError
-from mintrain.models import FAMILIES, family_for_hf
+from mintrain.models import FAMILIES, hf_model_options
 
 INDEX = 'model.safetensors.index.json'
 SINGLE = 'model.safetensors'
-
-
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
-  """The directory's `config.json`, or a one-line ConfigError."""
-  file = epath.Path(path) / 'config.json'
-  try:
-    return json.loads(file.read_text())
-  except FileNotFoundError:
-    raise ConfigError(f'{path} is not a Hugging Face model directory: it has no config.json.') from None
-  except ValueError as e:
-    raise ConfigError(f'{file} is not valid JSON: {e}.') from None
-
-
-def model_overrides(path: str | os.PathLike) -> dict[str, Any]:
-  """The `model` section's options for the checkpoint at `path` (its family's reading of config.json)."""
-  hf = read_config(path)
-  return FAMILIES[family_for_hf(hf.get('model_type'))].hf.model_options(hf)
 
 
 def make_config(path: str | os.PathLike, base: ml_collections.ConfigDict | None = None,
@@ -56,7 +39,7 @@ def make_config(path: str | os.PathLike, base: ml_collections.ConfigDict | None 
   """`base` (default configs/base.py) with the checkpoint's model options (and mesh sizes), validated."""
   config = (base or config_lib.defaults()).copy_and_resolve_references()
   model = ml_collections.ConfigDict(config_lib.defaults().model.to_dict())  # A fresh transformer section.
-  model.update(model_overrides(path))
+  model.update(hf_model_options(path))
   config.model = model
   if mesh_sizes:
     config.mesh.update(mesh_sizes)

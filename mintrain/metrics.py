@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -27,13 +28,29 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from etils import epath
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.summary import hparams as hparams_summaries
-from tensorboardX.summary import scalar as scalar_summary
 
 from mintrain import hardware
 from mintrain.checkpoint import StorageError, free_bytes, is_remote, prepare_dir
+
+
+def _import_tensorboardx_without_torch() -> None:
+  """tensorboardX's package import tries `import torch` (to accept torch tensors, which mintrain never
+  passes): 1.5 s of every start-up where the test extra installed torch. It is refused for that import
+  only, unless torch is already loaded."""
+  if 'torch' in sys.modules:
+    return
+  sys.modules['torch'] = None  # type: ignore[assignment]  # `import torch` raises ImportError.
+  try:
+    import tensorboardX  # noqa: F401
+  finally:
+    del sys.modules['torch']
+
+
+_import_tensorboardx_without_torch()
+from tensorboardX.event_file_writer import EventsWriter  # noqa: E402
+from tensorboardX.proto.event_pb2 import Event  # noqa: E402
+from tensorboardX.summary import hparams as hparams_summaries  # noqa: E402
+from tensorboardX.summary import scalar as scalar_summary  # noqa: E402
 
 SYNC_SECS = 60.0  # How often at most a remote workdir's metrics are copied there while the run writes.
 

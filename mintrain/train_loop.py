@@ -247,6 +247,12 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
     if changed:
       print_fn(f"The config differs from the checkpoint's: {', '.join(changed)}.")
     return TrainState(**restored.state), restored.data
+  if restore_from is None and run.config.init.hf_checkpoint:
+    from mintrain import hf  # safetensors only when asked for.
+
+    path = run.config.init.hf_checkpoint
+    print_fn(f'Initialising the parameters from the Hugging Face checkpoint {path}.')
+    return run.from_params(hf.load_params(path, run)), {}
   if restore_from is None:
     return run.init(), {}
   directory, step = ckpt_lib.find_run_checkpoints(restore_from)

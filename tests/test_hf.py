@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from conftest import load_config, mesh_devices
+from conftest import SCRIPT_DEFAULTS, build, load_config, mesh_devices, run_script
 from flax import nnx
 
+from mintrain import checkpoint as ckpt_lib
 from mintrain import hf, sampling
 from mintrain.fields import ConfigError
 from mintrain.mesh import make_mesh
+from mintrain.models import hf_model_options
 
 COMMON = {'vocab_size': 256, 'hidden_size': 64, 'intermediate_size': 96, 'num_hidden_layers': 2,
           'num_attention_heads': 8, 'max_position_embeddings': 128}
@@ -102,3 +104,33 @@ def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps(config))
   with pytest.raises(ConfigError, match=r"rope type 'yarn' is not supported"):
     hf.from_pretrained(tmp_path)
+
+
+def test_fine_tune_from_a_checkpoint_then_export_gives_transformers_the_trained_logits(tmp_path):
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(**{**COMMON, 'vocab_size': 384}, num_key_value_heads=2)
+  transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / 'hf')
+  workdir = tmp_path / 'run'
+  proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir),
+                    f'--config.init.hf_checkpoint={tmp_path / "hf"}', '--config.train.steps=12',
+                    '--config.train.log_every=1', '--config.train.seq_len=32', *SCRIPT_DEFAULTS)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f'Initialising the parameters from the Hugging Face checkpoint {tmp_path / "hf"}' in proc.stdout
+  losses = [r['loss'] for r in map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines())
+            if 'loss' in r]
+  assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3])
+  proc = run_script('scripts/export_hf.py', '--workdir', str(workdir), '--out', str(tmp_path / 'out'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'Wrote step 12' in proc.stdout
+
+  reader = ckpt_lib.Checkpoints(workdir / 'checkpoints', read_only=True)
+  run = build(load_config('single', *(f'model.{k}={v}' for k, v in hf_model_options(tmp_path / 'hf').items()
+                                      if k != 'name')))
+  params = reader.restore(12, run.abstract_state, params_only=True).state['params']
+  tokens = np.random.RandomState(2).randint(0, 384, (2, 16)).astype(np.int32)
+  with jax.set_mesh(run.mesh):
+    trained = mintrain_logits(run.model(params), tokens)
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'out', dtype=torch.float32)
+  with torch.no_grad():
+    logits = exported(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  assert np.abs(logits - trained).max() <= 1e-4

@@ -6,6 +6,12 @@ or a user script may also register one at run time (`FAMILIES['name'] = ...`).
 
 from __future__ import annotations
 
+import json
+import os
+from typing import Any
+
+from etils import epath
+
 from mintrain.fields import ConfigError
 from mintrain.models import mlp, transformer
 from mintrain.models.family import Family
@@ -14,6 +20,18 @@ FAMILIES: dict[str, Family] = {
     'transformer': transformer.FAMILY,
     'mlp': mlp.FAMILY,
 }
+
+
+def hf_model_options(path: str | os.PathLike) -> dict[str, Any]:
+  """The `model` section (with `name`) for the Hugging Face directory at `path`, from its config.json."""
+  file = epath.Path(path) / 'config.json'
+  try:
+    hf = json.loads(file.read_text())
+  except FileNotFoundError:
+    raise ConfigError(f'{path} is not a Hugging Face model directory: it has no config.json.') from None
+  except ValueError as e:
+    raise ConfigError(f'{file} is not valid JSON: {e}.') from None
+  return FAMILIES[family_for_hf(hf.get('model_type'))].hf.model_options(hf)
 
 
 def family_for_hf(model_type: str | None) -> str:

@@ -1,0 +1,65 @@
+#!/usr/bin/env python
+"""Write a run's checkpoint as a Hugging Face directory that `transformers` loads.
+
+  python scripts/export_hf.py --workdir runs/llama_ft --out exported/llama_ft
+  python scripts/export_hf.py --workdir runs/llama_ft --out exported/step200 --step 200 --dtype bfloat16
+
+Only the parameters are read, onto one device (or the mesh of --config); the model is the one in the
+checkpoint's saved config. Tensors are written one at a time into safetensors shards of at most
+--max_shard_size bytes, with `config.json` (and `model.safetensors.index.json` when sharded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import _bootstrap
+
+from mintrain import config as config_lib
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('--workdir', required=True, help='a run directory, its checkpoints/, or one step in it')
+  parser.add_argument('--out', required=True, help='the Hugging Face directory to write')
+  parser.add_argument('--step', type=int, default=None, help='the checkpoint step (default: the newest)')
+  parser.add_argument('--dtype', default=None, choices=('float32', 'bfloat16'),
+                      help="the tensors' dtype (default: the model's parameter dtype)")
+  parser.add_argument('--max_shard_size', type=int, default=2**30, help='bytes per safetensors file')
+  args = parser.parse_args()
+  one_device = {'mesh': {'data': 1, 'fsdp': 1, 'model': 1}}
+  devices = _bootstrap.devices_for(config_lib.validate(config_lib.upgrade(one_device)).mesh)
+
+  import jax
+
+  from mintrain import checkpoint as ckpt_lib
+  from mintrain import hf
+  from mintrain.build import build
+
+  try:
+    directory, step = ckpt_lib.find_run_checkpoints(args.workdir)
+    checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
+    steps = checkpoints.steps()
+    step = args.step if args.step is not None else step if step is not None else (steps or [None])[-1]
+    if step not in steps:
+      raise ckpt_lib.CheckpointError(f'{args.workdir}: no complete checkpoint of step {step} (it has: '
+                                     f'{", ".join(map(str, steps)) or "none"}).')
+    saved = config_lib.upgrade(checkpoints.metadata(step)['config'])
+    saved.init.hf_checkpoint = ''  # The saved model section is complete; the source may be gone.
+    saved.mesh.data, saved.mesh.fsdp, saved.mesh.model = 1, 1, 1
+    saved.train.global_batch_size, saved.train.grad_accum_steps = 1, 1
+    run = build(config_lib.validate(saved), devices[:1])
+    params = checkpoints.restore(step, run.abstract_state, params_only=True).state['params']
+    checkpoints.close()
+    with jax.set_mesh(run.mesh):
+      files = hf.save_pretrained(run.model(params), args.out, dtype=args.dtype,
+                                 max_shard_size=args.max_shard_size)
+  except (ckpt_lib.CheckpointError, config_lib.ConfigError) as e:
+    _bootstrap.fail(str(e))
+  print(f'Wrote step {step} of {directory} to {args.out}: {", ".join(files)}.')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
