@@ -144,24 +144,35 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
   out = epath.Path(out_dir)
   if is_main:
     out.mkdir(parents=True, exist_ok=True)
-  shards: list[dict[str, np.ndarray]] = [{}]
+  # Each shard is written once full; its final name needs the shard count, so it is renamed at the end.
+  shard: dict[str, np.ndarray] = {}
+  shard_names: list[list[str]] = []
+  total = 0
+
+  def flush() -> None:
+    save_file(shard, os.fspath(out / f'part-{len(shard_names)}.tmp'), metadata={'format': 'pt'})
+    shard_names.append(list(shard))
+    shard.clear()
+
   for key, value in _params(model):
-    ours = train_state.path_str(key)
-    name, kind = names[ours]
-    tensor = family.hf.write(kind, _host(value)).astype(out_dtype)
-    if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + tensor.nbytes > max_shard_size:
-      shards.append({})
-    shards[-1][name] = tensor
+    name, kind = names[train_state.path_str(key)]
+    host = _host(value)  # Every process takes part in the gather; process 0 keeps the tensor.
+    if not is_main:
+      continue
+    tensor = family.hf.write(kind, host).astype(out_dtype)
+    if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_size:
+      flush()
+    shard[name] = tensor
+    total += tensor.nbytes
   if not is_main:
     return []
-  files = [SINGLE] if len(shards) == 1 else [
-      f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors' for i in range(len(shards))]
-  weight_map = {}
-  for file, shard in zip(files, shards):
-    save_file(shard, os.fspath(out / file), metadata={'format': 'pt'})
-    weight_map |= dict.fromkeys(shard, file)
-  if len(files) > 1:
-    total = sum(t.nbytes for shard in shards for t in shard.values())
+  flush()
+  count = len(shard_names)
+  files = [SINGLE] if count == 1 else [f'model-{i + 1:05d}-of-{count:05d}.safetensors' for i in range(count)]
+  for i, file in enumerate(files):
+    (out / f'part-{i}.tmp').rename(out / file)
+  if count > 1:
+    weight_map = {name: file for file, names_in in zip(files, shard_names) for name in names_in}
     (out / INDEX).write_text(json.dumps({'metadata': {'total_size': total}, 'weight_map': weight_map},
                                         indent=2))
   (out / 'config.json').write_text(json.dumps(family.hf.config_json(cfg, str(out_dtype)), indent=2))
@@ -171,4 +182,4 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
 def _params(model: nnx.Module) -> Iterator[tuple[Sequence[Any], jax.Array]]:
   _, params = nnx.split(model, nnx.Param)
   for key, var in nnx.to_flat_state(params):
-    yield key, var[...] if isinstance(var, nnx.Variable) else var
+    yield key, var[...] if _is_variable(var) else var

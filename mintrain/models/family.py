@@ -59,5 +59,5 @@ class Family:
   check: Callable[[Any, int], None] = _no_check  # (cfg, seq_len): raises ConfigError across sections.
   compute_dtype: Callable[[Any], str] = _float32  # Of its matmuls: which peak FLOP/s MFU divides by.
   # Its Hugging Face conversion (a module like `models.hf_llama`: MODEL_TYPES, model_options, config_json,
-  # weight_names, their_shape, read, write, max_seq_len), or None.
+  # weight_names, their_shape, read, write), or None.
   hf: Any = None

@@ -2,7 +2,7 @@
 
 One table per direction, read by `mintrain.hf`, which knows nothing of any architecture:
   llama    Llama 2 and 3.x (Llama 3.1's RoPE scaling: `rope_type` 'llama3')
-  mistral  as Llama; its sliding window is not applied, so sequences must fit inside it
+  mistral  as Llama; its sliding window is not applied (sequences longer than it would differ)
   qwen2    biases on the query, key and value projections
   gemma    (first generation) norms scaling by (1 + w), embeddings times sqrt(hidden), GeGLU, tied output
 transformers 5.x keeps RoPE settings under `rope_parameters`; older files under `rope_scaling` and
@@ -37,11 +37,9 @@ class Kind(enum.Enum):
 
 
 def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
-  """The `model` section's options for a `config.json`; a one-line ConfigError for what is not read."""
-  model_type = hf.get('model_type')
-  if model_type not in MODEL_TYPES:
-    raise ConfigError(f'config.json model_type={model_type!r} is not supported; mintrain reads '
-                      f'{", ".join(MODEL_TYPES)}.')
+  """The `model` section's options for a `config.json` whose model_type is one of MODEL_TYPES
+  (`models.family_for_hf` picked this family by it); a one-line ConfigError for what is not read."""
+  model_type = hf['model_type']
   if hf.get('mlp_bias') or (model_type != 'qwen2' and hf.get('attention_bias')):
     raise ConfigError(f'config.json: {model_type} with mlp_bias or attention_bias is not supported (mintrain '
                       'has biases on the query, key and value projections only, as Qwen2).')
@@ -72,11 +70,6 @@ def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
                    rope_high_freq_factor=float(rope['high_freq_factor']),
                    rope_original_max_len=int(rope['original_max_position_embeddings']))
   return options
-
-
-def max_seq_len(hf: Mapping[str, Any]) -> int | None:
-  """Mistral's sliding window, which mintrain does not apply: longer sequences would differ."""
-  return hf.get('sliding_window') if hf.get('use_sliding_window', True) else None
 
 
 def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
