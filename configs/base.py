@@ -13,6 +13,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.data = 4  # Data-parallel ways (batch split, params replicated). -1: all remaining devices.
   c.mesh.fsdp = 1  # Fully-sharded data-parallel ways (batch split, params split on `embed`).
   c.mesh.model = 2  # Tensor-parallel ways (heads, mlp and vocab split).
+  # Multi-slice: how many of the data (fsdp) ways go across slices or hosts over the data-centre network;
+  # the rest stay within each slice. 1: one slice. The product is the number of slices (or processes).
+  c.mesh.dcn_data = 1
+  c.mesh.dcn_fsdp = 1
 
   c.partitioning = ml_collections.ConfigDict()
   # Compute layout of activations and of parameters in use: (logical name, mesh axes) in priority

@@ -39,15 +39,28 @@ class MeshConfig:
   data: int = option(check=_mesh_size)
   fsdp: int = option(check=_mesh_size)
   model: int = option(check=_mesh_size)
+  # Of those ways, how many go across slices (multi-slice); only the axes in mesh.SPANS_SLICES have one.
+  dcn_data: int = option(at_least=1)
+  dcn_fsdp: int = option(at_least=1)
 
   def __post_init__(self):
     if list(self.sizes.values()).count(-1) > 1:
       raise ConfigError(f'mesh sizes may have one -1 (all remaining devices), not several; got '
                         f'{", ".join(f"mesh.{k}={v}" for k, v in self.sizes.items())}.')
+    for axis, ways in self.slices.items():
+      size = self.sizes[axis]
+      if size != -1 and size % ways:
+        raise ConfigError(f'mesh.dcn_{axis}={ways} must divide mesh.{axis}={size}: of its {size} ways, that '
+                          'many go across slices and the rest stay within each.')
 
   @property
   def sizes(self) -> dict[str, int]:
     return {axis: getattr(self, axis) for axis in mesh_lib.AXES}
+
+  @property
+  def slices(self) -> dict[str, int]:
+    """Ways of each axis across slices (`mesh.make_mesh`)."""
+    return {axis: getattr(self, f'dcn_{axis}') for axis in mesh_lib.SPANS_SLICES}
 
 
 @dataclasses.dataclass(frozen=True)

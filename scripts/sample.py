@@ -91,7 +91,7 @@ def main() -> int:
     checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
     step = checkpoints.steps()[-1] if step is None else step
     config = sampling_config(checkpoints.metadata(step)['config'], layout, overrides, args.num_samples)
-    mesh_shape = mesh_lib.make_mesh(config.mesh.sizes, devices).shape
+    mesh_shape = mesh_lib.make_mesh(config.mesh.sizes, devices, config.mesh.slices).shape
     batch_ways = AxisRules.from_config(config.partitioning).ways('batch', mesh_shape)
     if args.num_samples % batch_ways:
       note(f'note: {args.num_samples} sample(s) do not split over the {batch_ways} devices that `batch` maps '
