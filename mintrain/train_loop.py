@@ -26,7 +26,7 @@ from mintrain import config as config_lib
 from mintrain import distributed, flops, hardware, host_allocator, memory, metrics, preemption, report
 from mintrain.build import Run, build
 from mintrain.config import Config, ProfileConfig
-from mintrain.data import pipeline
+from mintrain.data import pipeline, tokenizer
 from mintrain.data.batches import GlobalBatches
 from mintrain.metrics import NonFiniteLossError
 from mintrain.run_lock import RunLock
@@ -129,8 +129,9 @@ class Log:
 class Evaluate:
   """Every `eval.every_steps` steps and at the end: mean loss on the same held-out batches each time."""
 
-  def __init__(self, run: Run, log: Callable[[int, dict], None]):
+  def __init__(self, run: Run, log: Callable[[int, dict], None], bytes_per_token: float | None):
     self.run, self.log, self.every = run, log, run.config.eval.every_steps
+    self.bytes_per_token = bytes_per_token
     self.batches = run.batches('eval') if run.config.eval.steps else None
     self.start = self.batches.get_state() if self.batches is not None else {}
     self.last: dict[str, float] = {}
@@ -141,17 +142,21 @@ class Evaluate:
     return info.last or bool(self.every and info.step % self.every == 0)
 
   def __call__(self, info: StepInfo) -> None:
-    self.last = evaluate(self.run, info.state.params, self.batches, self.start)
+    self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token)
     self.log(info.step, self.last)
 
 
-def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict) -> dict[str, float]:
-  """Mean loss on the first `eval.steps` held-out batches (the same ones every time), and what follows."""
+def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
+             bytes_per_token: float | None = None) -> dict[str, float]:
+  """Mean loss on the first `eval.steps` held-out batches (the same ones every time), and what follows:
+  perplexity, the family's own figures, and bits per byte where the text's bytes per token are known."""
   steps = run.config.eval.steps
   batches.set_state(start_state)
   losses = [run.eval_step(params, next(batches)) for _ in range(steps)]
   loss = float(sum(to_host(losses)) / steps)
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
+  if bytes_per_token:
+    out['eval_bits_per_byte'] = loss / math.log(2) / bytes_per_token
   return out | run.config.family.eval_metrics(run.config.model, loss)
 
 
@@ -296,6 +301,11 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       stack.enter_context(RunLock(workdir, force=force, warn=say))
     r = build(config, devices)
     config = r.config
+    text = config.data.source != 'synthetic'
+    if text:  # A tokenizer that does not load fails before anything is written; the run keeps a copy.
+      tok = tokenizer.load(config.data.tokenizer)
+      if workdir is not None and is_main:
+        tok.save(workdir / tokenizer.RUN_DIR)
     say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan))
     for note in config.family.notes(config.model):
       say(f'note: {note}')
@@ -324,7 +334,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     profile = stack.enter_context(Profile(config.profile, workdir, say))
     stack.enter_context(jax.set_mesh(r.mesh))
     batches = r.batches()
-    evaluation = Evaluate(r, log)
+    bytes_per_token = pipeline.bytes_per_token(config.data) if text else None
+    evaluation = Evaluate(r, log, bytes_per_token)
     actions: list = [Log(r, timer, log, peak), evaluation, profile]
     if checkpoints is not None:  # It saves before the others run.
       actions.insert(0, stack.enter_context(Save(r, checkpoints, batches)))
@@ -336,8 +347,9 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       say(f"note: the checkpoint's data position is for data.source={data_state.get('source')!r}; "
           f'starting data.source={config.data.source!r} from its beginning.')
     first_step = int(to_host(state.step))
-    if config.data.source != 'synthetic' and is_main:  # A full pass over the eval split: once.
-      log(first_step, {'unigram_bits_per_byte': pipeline.unigram_bits_per_byte(config.data)})
+    if text and is_main:  # A full pass over the eval split: once.
+      bits = pipeline.unigram_bits_per_token(config.data)
+      log(first_step, {'unigram_bits_per_token': bits, 'unigram_bits_per_byte': bits / bytes_per_token})
 
     train_step, compile_time, stopped = r.train_step, 0.0, False
     for step in range(first_step, total):
