@@ -129,10 +129,10 @@ class Log:
 class Evaluate:
   """Every `eval.every_steps` steps and at the end: mean loss on the same held-out batches each time."""
 
-  def __init__(self, run: Run, log: Callable[[int, dict], None], bytes_per_token: float | None):
+  def __init__(self, run: Run, log: Callable[[int, dict], None], batches: GlobalBatches | None,
+               bytes_per_token: float | None):
     self.run, self.log, self.every = run, log, run.config.eval.every_steps
-    self.bytes_per_token = bytes_per_token
-    self.batches = run.batches('eval') if run.config.eval.steps else None
+    self.batches, self.bytes_per_token = batches, bytes_per_token
     self.start = self.batches.get_state() if self.batches is not None else {}
     self.last: dict[str, float] = {}
 
@@ -301,15 +301,17 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       stack.enter_context(RunLock(workdir, force=force, warn=say))
     r = build(config, devices)
     config = r.config
-    text = config.data.source != 'synthetic'
-    if text:  # A tokenizer that does not load fails before anything is written; the run keeps a copy.
-      tok = tokenizer.load(config.data.tokenizer)
-      if workdir is not None and is_main:
-        tok.save(workdir / tokenizer.RUN_DIR)
     say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan))
     for note in config.family.notes(config.model):
       say(f'note: {note}')
     memory.check(r.plan)
+    text = config.data.source != 'synthetic'
+    with jax.set_mesh(r.mesh):  # Unreadable data or tokenizer fails before anything is written.
+      batches = r.batches()
+      eval_batches = r.batches('eval') if config.eval.steps else None
+    bytes_per_token = pipeline.bytes_per_token(config.data) if text else None
+    if text and workdir is not None and is_main:  # The run's copy of its tokenizer, for sampling and export.
+      tokenizer.load(config.data.tokenizer).save(workdir / tokenizer.RUN_DIR)
     total = config.train.steps
     flops_per_step, tokens_per_step = flops.train_flops_per_step(config), flops.tokens_per_step(config)
     peak, peak_source = hardware.peak_tflops(
@@ -333,9 +335,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
                                          keep=config.checkpoint.keep)
     profile = stack.enter_context(Profile(config.profile, workdir, say))
     stack.enter_context(jax.set_mesh(r.mesh))
-    batches = r.batches()
-    bytes_per_token = pipeline.bytes_per_token(config.data) if text else None
-    evaluation = Evaluate(r, log, bytes_per_token)
+    evaluation = Evaluate(r, log, eval_batches, bytes_per_token)
     actions: list = [Log(r, timer, log, peak), evaluation, profile]
     if checkpoints is not None:  # It saves before the others run.
       actions.insert(0, stack.enter_context(Save(r, checkpoints, batches)))
