@@ -40,8 +40,8 @@ def _float32(cfg: Any) -> str:
   return 'float32'
 
 
-def _no_tokens(cfg: Any) -> int:
-  return 0
+def _no_vocab(cfg: Any) -> int | None:
+  return None
 
 
 def _ignore_tokenizer(cfg: Any, num_ids: Callable[[], int]) -> Any:
@@ -67,7 +67,8 @@ class Family:
   eval_metrics: Callable[[Any, float], dict[str, float]] = _no_extra_metrics
   check: Callable[[Any, int], None] = _no_check  # (cfg, seq_len): raises ConfigError across sections.
   compute_dtype: Callable[[Any], str] = _float32  # Of its matmuls: which peak FLOP/s MFU divides by.
-  vocab_size: Callable[[Any], int] = _no_tokens  # Token ids it reads (its embedding rows); 0: no tokens.
+  # Token ids it reads (its embedding rows); None: data ids are checked against the tokenizer's alone.
+  vocab_size: Callable[[Any], int | None] = _no_vocab
   # (cfg, num_ids): the config for a tokenizer of num_ids() ids (called only when the config defers to it,
   # e.g. a vocabulary size 'from the tokenizer').
   for_tokenizer: Callable[[Any, Callable[[], int]], Any] = _ignore_tokenizer
