@@ -42,6 +42,7 @@ TOKEN_DTYPES = ('uint16', 'uint32')
 STDLIB_EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages', 'dist-packages',
                                   '__pycache__'})
 _SCAN_CHUNK = 1 << 24  # Tokens checked per step when validating a token file.
+DOCS_PER_MAP = 64  # Text files tokenized together.
 
 
 class DataError(ValueError):
@@ -137,11 +138,13 @@ def _split_files(data_cfg: DataConfig, split: str) -> list[pathlib.Path]:
 
 
 def documents(data_cfg: DataConfig, split: str) -> grain.MapDataset:
-  """The split's documents as token arrays: a Grain map that reads and tokenizes each file when asked."""
+  """The split's documents as lists of token arrays, DOCS_PER_MAP at a time: a Grain map that reads and
+  tokenizes files when asked (together, so the tokenizer's threads encode them in parallel)."""
   where, tok = describe(data_cfg), tokenizer.load(data_cfg.tokenizer)
   return (grain.MapDataset.source(_split_files(data_cfg, split))
           .map(lambda path: read_text(path, where).decode('utf-8'))
-          .map(tok.document))
+          .batch(DOCS_PER_MAP, batch_fn=list)
+          .map(tok.documents))
 
 
 def text_bytes(data_cfg: DataConfig, split: str) -> int:
@@ -156,7 +159,7 @@ def _text_streams(data_cfg: DataConfig, split: str, vocab_size: int) -> list[np.
     raise DataError(f'data.tokenizer={tok.name!r} has {tok.vocab_size} ids, more than the model\'s '
                     f'vocabulary ({vocab_size}); set model.vocab_size=0 (from the tokenizer) or at least '
                     f'{tok.vocab_size}.')
-  return [np.concatenate([docs[i] for i in range(len(docs))])]
+  return [np.concatenate([doc for i in range(len(docs)) for doc in docs[i]])]
 
 
 def _check_ids(part: np.ndarray, path: pathlib.Path, offset: int, vocab_size: int) -> None:

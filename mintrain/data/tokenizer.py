@@ -9,9 +9,10 @@
 
 Every tokenizer gives the same small interface (`ByteTokenizer` is the reference): `encode(text)` ids
 without special tokens, `document(text)` the ids a document contributes to a packed stream (with BOS and
-EOS by the tokenizer's conventions), lenient `decode`, `bos_id`/`eos_id`, `vocab_size` (every id is below
-it), `bytes_per_token` where it is fixed, and `save(directory)`, which writes the files that `load` and
-transformers' `AutoTokenizer` read back. `tokenizers` and `sentencepiece` are imported on first use.
+EOS by the tokenizer's conventions; `documents(texts)` many at once, in parallel), lenient `decode`,
+`bos_id`/`eos_id`, `vocab_size` (every id is below it), `bytes_per_token` where it is fixed, and
+`save(directory)`, which writes the files that `load` and transformers' `AutoTokenizer` read back.
+`tokenizers` and `sentencepiece` are imported on first use.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class ByteTokenizer:
     out[1:] = np.frombuffer(raw, np.uint8)
     return out
 
+  def documents(self, texts: Sequence[str]) -> list[np.ndarray]:
+    return [self.document(text) for text in texts]
+
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Text of the byte ids; special and out-of-range ids are dropped, broken UTF-8 becomes U+FFFD.
 
@@ -93,6 +97,9 @@ class _FileTokenizer:
   files: dict[str, bytes]  # What `save` writes: file name -> contents.
 
   def encode(self, text: str) -> np.ndarray:
+    return self._encode_batch([text])[0]
+
+  def _encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     raise NotImplementedError
 
   def _decode(self, ids: list[int]) -> str:
@@ -101,10 +108,14 @@ class _FileTokenizer:
   def document(self, text: str) -> np.ndarray:
     """[BOS] + ids + [EOS] in the stream's dtype, each special token where the tokenizer has one (once,
     where BOS and EOS are the same token, as GPT-2's <|endoftext|>)."""
+    return self.documents([text])[0]
+
+  def documents(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """`document` of each text, encoded together (in parallel, by the tokenizer's own threads)."""
     head = [self.bos_id] if self.bos_id is not None else []
     tail = [self.eos_id] if self.eos_id is not None and self.eos_id != self.bos_id else []
-    return np.concatenate([np.array(head, np.int64), self.encode(text),
-                           np.array(tail, np.int64)]).astype(_stream_dtype(self.vocab_size))
+    dtype = _stream_dtype(self.vocab_size)
+    return [np.array(head + ids + tail, dtype) for ids in self._encode_batch(texts)]
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Text of the ids without special tokens; ids outside the vocabulary (padding) are dropped."""
@@ -170,6 +181,9 @@ class HFTokenizer(_FileTokenizer):
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
+  def _encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
   def _decode(self, ids: list[int]) -> str:
     return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -197,6 +211,9 @@ class SentencePieceTokenizer(_FileTokenizer):
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self.processor.encode(text), np.int32)
+
+  def _encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return self.processor.encode(list(texts))
 
   def _decode(self, ids: list[int]) -> str:
     return self.processor.decode(ids)
