@@ -65,6 +65,30 @@ def test_a_document_is_bos_its_ids_and_eos_in_the_stream_dtype(spec):
   assert tok.bos_id != tok.eos_id and {tok.bos_id, tok.eos_id} <= set(range(3))
 
 
+@pytest.mark.parametrize('config, bos, eos', [
+    ({'bos_token': '<s>', 'eos_token': '</s>'}, None, 1),  # Qwen2, GPT-2: no BOS prepended, EOS ends.
+    ({'bos_token': '<s>', 'eos_token': '</s>', 'add_bos_token': True}, 0, 1),  # Older Llama configs.
+    ({'bos_token': '</s>', 'eos_token': '</s>', 'add_bos_token': True}, 1, 1),  # One token for both: once.
+    ({}, None, None),
+])
+def test_hugging_face_bos_and_eos_follow_the_post_processor_and_tokenizer_config(bpe_tokenizer, tmp_path,
+                                                                                  config, bos, eos):
+  plain = json.loads((bpe_tokenizer / 'tokenizer.json').read_text())
+  plain['post_processor'] = None  # No template: tokenizer_config.json alone says.
+  (tmp_path / 'tokenizer.json').write_text(json.dumps(plain))
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps(config))
+  tok = tokenizer.load(str(tmp_path))
+  assert (tok.bos_id, tok.eos_id) == (bos, eos)
+  ids = tok.encode('x = 1').tolist()
+  expected = ([bos] if bos is not None else []) + ids + ([eos] if eos not in (None, bos) else [])
+  assert tok.document('x = 1').tolist() == expected
+  if not config:  # Documents would run into each other.
+    (tmp_path / 'corpus.txt').write_text('x = 1\n')
+    cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'), tokenizer=str(tmp_path), eval_fraction=1e-9)
+    with pytest.raises(DataError, match='has neither a BOS nor an EOS token to separate documents; name one'):
+      sources.load_split(cfg, 'train')
+
+
 def test_model_vocab_size_0_follows_the_tokenizer_and_a_set_one_stays(spec):
   assert load_config('dp4_tp2', f'data.tokenizer={spec}').model.vocab_size == TOKENIZER_VOCAB
   assert load_config('tp8', f'data.tokenizer={spec}', 'model.vocab_size=1024').model.vocab_size == 1024

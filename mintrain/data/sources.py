@@ -159,6 +159,9 @@ def _text_streams(data_cfg: DataConfig, split: str, vocab_size: int) -> list[np.
     raise DataError(f'data.tokenizer={tok.name!r} has {tok.vocab_size} ids, more than the model\'s '
                     f'vocabulary ({vocab_size}); set model.vocab_size=0 (from the tokenizer) or at least '
                     f'{tok.vocab_size}.')
+  if tok.bos_id is None and tok.eos_id is None:
+    raise DataError(f'data.tokenizer={tok.name!r} has neither a BOS nor an EOS token to separate documents; '
+                    f'name one (eos_token) in the tokenizer_config.json beside its tokenizer.json.')
   return [np.concatenate([doc for i in range(len(docs)) for doc in docs[i]])]
 
 

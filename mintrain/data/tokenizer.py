@@ -96,9 +96,6 @@ class _FileTokenizer:
   bytes_per_token: float | None = None  # Depends on the text: measured on the eval split.
   files: dict[str, bytes]  # What `save` writes: file name -> contents.
 
-  def encode(self, text: str) -> np.ndarray:
-    return self._encode_batch([text])[0]
-
   def _encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     raise NotImplementedError
 
