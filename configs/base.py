@@ -2,8 +2,6 @@
 
 import ml_collections
 
-from mintrain.data import tokenizer
-
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -39,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.name = 'transformer'  # 'transformer' (decoder-only LM) or 'mlp' (classifier).
-  c.model.vocab_size = tokenizer.padded_vocab_size()  # Byte tokenizer's 257 ids, padded to 384 to split.
+  c.model.vocab_size = 0  # 0: data.tokenizer's ids, padded to a multiple of 128 to split (bytes: 257 -> 384).
   c.model.embed_dim = 128  # Width of the residual stream (D).
   c.model.num_layers = 2  # Transformer blocks.
   c.model.num_heads = 8  # Attention heads (H); split over `model`.
@@ -78,6 +76,9 @@ def get_config() -> ml_collections.ConfigDict:
   # data.path; 'tokens': flat uint16/uint32 token files of data.path; 'synthetic': sequences from the seed.
   c.data.source = 'stdlib'
   c.data.path = ''  # Glob for 'text' and 'tokens', e.g. 'data/*.txt'.
+  # 'byte' (UTF-8 bytes + BOS), a Hugging Face tokenizer.json, a SentencePiece .model, or a directory
+  # holding one; '': init.hf_checkpoint's tokenizer if that directory has one, else 'byte'.
+  c.data.tokenizer = ''
   c.data.eval_fraction = 0.05  # Held-out share: files by a stable hash of their path; a token file's tail.
   c.data.token_dtype = 'uint16'  # Element type of 'tokens' files: 'uint16' or 'uint32'.
   c.data.max_bytes = 0  # Read only the first files (in sorted order) up to about this many bytes; 0: all.

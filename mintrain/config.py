@@ -25,6 +25,7 @@ import ml_collections
 
 from mintrain import fields, models, partitioning
 from mintrain import mesh as mesh_lib
+from mintrain.data import tokenizer
 from mintrain.fields import ConfigError, option
 
 BASE = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'base.py'
@@ -80,6 +81,7 @@ class PartitioningConfig:
 class DataConfig:
   source: str = option(choices=('stdlib', 'text', 'tokens', 'synthetic'))
   path: str = option()
+  tokenizer: str = option()  # 'byte', a tokenizer file or directory; '' resolved by `validate`.
   eval_fraction: float = option(at_least=0, below=1)
   token_dtype: str = option(choices=('uint16', 'uint32'))
   max_bytes: int = option(at_least=0)
@@ -200,11 +202,15 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
     raise ConfigError(f"model must be a section of keys (a ConfigDict), not {values['model']!r}.")
   model = dict(values['model'])
   sections = {key: fields.build(cls, values[key], key) for key, cls in SECTIONS.items()}
-  if sections['init'].hf_checkpoint:  # Its config.json sets the model; other model options stay.
-    model.update(models.hf_model_options(sections['init'].hf_checkpoint))
+  hf_checkpoint = sections['init'].hf_checkpoint
+  if hf_checkpoint:  # Its config.json sets the model; other model options stay.
+    model.update(models.hf_model_options(hf_checkpoint))
+  spec = tokenizer.resolve(sections['data'].tokenizer, hf_checkpoint)
+  sections['data'] = dataclasses.replace(sections['data'], tokenizer=spec)
   name = model.pop('name', None)
   family = models.family(name)
-  model_cfg = fields.build(family.config, model, 'model')
+  model_cfg = family.for_tokenizer(fields.build(family.config, model, 'model'),
+                                   lambda: tokenizer.load(spec).vocab_size)
   family.check(model_cfg, sections['train'].seq_len)
   return Config(seed=seed, model_name=name, model=model_cfg, **sections)
 

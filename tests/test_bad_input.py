@@ -44,6 +44,9 @@ class Scene:
   def write(self, name: str, text: str) -> None:
     (self.tmp / name).write_text(text)
 
+  def write_bytes(self, name: str, data: bytes) -> None:
+    (self.tmp / name).write_bytes(data)
+
   def tmpfs(self, name: str, size: str) -> pathlib.Path:
     """A fresh tmpfs at TMP/name (chmod does not stop root, a read-only mount does)."""
     path = self.tmp / name
@@ -156,6 +159,18 @@ ROWS = {
     'unknown choice': row(
         '--config.model.remat=some', '--workdir', '{tmp}/run',
         says="model.remat='some'; choose one of ('none', 'full', 'save_matmuls')."),
+    'tokenizer that does not exist': row(
+        '--config.data.tokenizer={tmp}/nope.json', '--workdir', '{tmp}/run',
+        says="data.tokenizer='{tmp}/nope.json' does not exist; give 'byte', a Hugging Face tokenizer.json"),
+    'tokenizer that is not one': row(
+        '--config.data.tokenizer={tmp}/tokenizer.json', '--workdir', '{tmp}/run',
+        says=("data.tokenizer='{tmp}/tokenizer.json': {tmp}/tokenizer.json is not a Hugging Face "
+              'tokenizer.json ('),
+        setup=lambda s: s.write('tokenizer.json', '{"version": "1.0", "model": 3}\n')),
+    'token file with an id outside the vocabulary': row(
+        '--config.data.source=tokens', '--config.data.path={tmp}/ids.bin', '--workdir', '{tmp}/run',
+        says=('{tmp}/ids.bin holds token id 500 at token 70 (byte offset 140)', '[0, 384) of 384 ids'),
+        setup=lambda s: s.write_bytes('ids.bin', bytes(140) + b'\xf4\x01' + bytes(58))),
     'unknown model family': row(
         '--config.model.name=gpt', '--workdir', '{tmp}/run', says="model.name='gpt'; choose one of"),
     'batch the mesh does not divide': row(

@@ -58,7 +58,8 @@ def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path):
   with jax.set_mesh(mesh):
     state = setup.init()
     batches = make_batches(config, mesh, rules, split='eval')
-    metrics = train_loop.evaluate(setup, state.params, batches, batches.get_state())
+    metrics = train_loop.evaluate(setup, state.params, batches, batches.get_state(),
+                                  pipeline.bytes_per_token(config.data))
     model = nnx.merge(setup.graphdef, state.params)
     local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8,
                                    micro_batch_size=8, rows=np.arange(8), seed=0)
@@ -72,7 +73,8 @@ def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path):
   loss = float(np.mean(nats))
   np.testing.assert_allclose(metrics['eval_loss'], loss, rtol=1e-5)
   np.testing.assert_allclose(metrics['eval_perplexity'], math.exp(loss), rtol=1e-5)
-  np.testing.assert_allclose(metrics['eval_bits_per_byte'], loss / math.log(2), rtol=1e-5)
+  np.testing.assert_allclose(metrics['eval_bits_per_token'], loss / math.log(2), rtol=1e-5)
+  np.testing.assert_allclose(metrics['eval_bits_per_byte'], loss / math.log(2), rtol=1e-5)  # 1 byte a token.
 
 
 def test_training_logs_baseline_eval_and_data_wait(tmp_path):
@@ -82,6 +84,7 @@ def test_training_logs_baseline_eval_and_data_wait(tmp_path):
   records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   baseline = [r for r in records if 'unigram_bits_per_byte' in r]
   assert len(baseline) == 1 and 3.0 < baseline[0]['unigram_bits_per_byte'] < 6.0
+  assert baseline[0]['unigram_bits_per_token'] == baseline[0]['unigram_bits_per_byte']  # Bytes.
   assert [r['step'] for r in records if 'eval_loss' in r] == [2, 4]
   assert all(0.0 <= r['data_wait_fraction'] <= 1.0 for r in records if 'data_wait_fraction' in r)
 
