@@ -98,7 +98,7 @@ def docs_of(text: str) -> list[str]:
 @pytest.mark.parametrize('fmt', FORMATS)
 def test_every_document_once_per_epoch_then_again_in_a_new_order(tmp_path, fmt):
   docs = documents(60)
-  cfg = dataclasses.replace(FORMATS[fmt](tmp_path, docs), eval_fraction=0.0, shuffle_window=2)
+  cfg = dataclasses.replace(FORMATS[fmt](tmp_path, docs), eval_fraction=0.0, shuffle_window=1)
   total = sum(len(d) + 1 for d in docs)
   seq_len = 16
   batches = take(rows_iter(cfg, rows=[0], batch=1, seq_len=seq_len), 2 * total // seq_len + 2)
