@@ -15,7 +15,8 @@ blocks in file order, unshuffled.
 
 A mixture (`data.mixture`: (settings, weight) pairs) gives each row one stream per source and draws the
 source of row g at step n from the seed, in proportion to the weights; a source whose blocks run out starts
-a new epoch (said once on stdout). State: {'step': n, 'rows': {g: [window, document, token] per source}}.
+a new epoch (said on stdout, at most every 10 s).
+State: {'step': n, 'rows': {g: [window, document, token] per source}}.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import collections
 import dataclasses
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -39,11 +41,19 @@ if TYPE_CHECKING:
 _BLOCK_ORDER, _DOCUMENT_ORDER, _MIX = 0x0B10C, 0xD0C5, 0x313C  # Separate random streams drawn from the seed.
 _BASELINE_TOKENS = 1 << 26  # Tokens of the eval split counted for its unigram entropy.
 _STATE_WIDTH = 3  # (window, document, token) per source.
+_SAY_EVERY_S = 10.0  # At most one "ran out" line per source this often (a small corpus repeats quickly).
 
 
-def encode_document(doc: records.Document) -> np.ndarray:
+Encoder = Callable[[str], np.ndarray]  # Text -> int (n,) ids, BOS first: the run's tokenizer.
+
+
+def byte_encoder(text: str) -> np.ndarray:
+  return tokenizer.encode(text, bos=True)
+
+
+def encode_document(doc: records.Document, encode: Encoder = byte_encoder) -> np.ndarray:
   """A document's ids, BOS first; token records already hold theirs."""
-  return doc if isinstance(doc, np.ndarray) else tokenizer.encode(doc, bos=True)
+  return doc if isinstance(doc, np.ndarray) else encode(doc)
 
 
 def source_settings(data_cfg: DataConfig) -> list[tuple[DataConfig, float]]:
@@ -61,14 +71,14 @@ def describe(data_cfg: DataConfig) -> str:
 class Split:
   """One source's blocks of one split, and which block fills each slot of the endless block order."""
 
-  def __init__(self, data_cfg: DataConfig, split: str, seed: int):
+  def __init__(self, data_cfg: DataConfig, split: str, seed: int, encode: Encoder = byte_encoder):
     if not 0.0 <= data_cfg.eval_fraction < 1.0:
       raise DataError(f'data.eval_fraction={data_cfg.eval_fraction} must be in [0, 1).')
     if split == 'eval' and data_cfg.eval_fraction == 0.0:
       raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
     if data_cfg.shuffle_window < 1:
       raise DataError(f'data.shuffle_window={data_cfg.shuffle_window} must be >= 1.')
-    self.reader = records.Reader(data_cfg)
+    self.reader, self.encode = records.Reader(data_cfg), encode
     every = self.reader.blocks()
     in_eval = np.array([sources.in_eval(every.key(i), data_cfg.eval_fraction) for i in range(len(every))])
     self.blocks = every.select(in_eval if split == 'eval' else ~in_eval)
@@ -77,13 +87,13 @@ class Split:
                       f'into the other split at data.eval_fraction={data_cfg.eval_fraction}; change it, '
                       f'lower data.block_bytes or add files.')
     self.shuffle, self.seed, self.window = split == 'train', seed, data_cfg.shuffle_window
-    self.name, self.epochs_said = describe(data_cfg), 0
+    self.name, self.epochs_said, self.said_at = describe(data_cfg), 0, -float('inf')
     self._order = (-1, np.empty(0, np.int64))  # The block order of the last epoch asked for.
 
   def block(self, slot: int) -> int:
     epoch, k = divmod(slot, len(self.blocks))
-    if epoch > self.epochs_said and self.shuffle:
-      self.epochs_said = epoch
+    if epoch > self.epochs_said and self.shuffle and time.monotonic() - self.said_at > _SAY_EVERY_S:
+      self.epochs_said, self.said_at = epoch, time.monotonic()
       if jax.process_index() == 0:
         print(f'data: {self.name} ran out; repeating it (epoch {epoch + 1}).', flush=True)
     if not self.shuffle:
@@ -123,7 +133,7 @@ class RowStream:
   def _doc_tokens(self, window: int, doc: int) -> np.ndarray:
     key = (window, doc)
     if key not in self._tokens:
-      self._tokens[key] = encode_document(self._docs(window)[doc])
+      self._tokens[key] = encode_document(self._docs(window)[doc], self.split.encode)
       if len(self._tokens) > 4:
         self._tokens.popitem(last=False)
     return self._tokens[key]
@@ -270,11 +280,12 @@ class Prefetch:
 
 
 def make_iterator(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
-                  micro_batch_size: int, rows: np.ndarray, seed: int) -> RowsIterator | Prefetch:
+                  micro_batch_size: int, rows: np.ndarray, seed: int,
+                  encode: Encoder = byte_encoder) -> RowsIterator | Prefetch:
   """This process's endless local batches of a streamed source or mixture (the layout of
-  `pipeline.make_dataset`), read `data.prefetch` batches ahead on a thread."""
+  `pipeline.make_dataset`), read `data.prefetch` batches ahead on a thread; text becomes ids by `encode`."""
   settings = source_settings(data_cfg)
-  splits = [Split(cfg, split, seed) for cfg, _ in settings]
+  splits = [Split(cfg, split, seed, encode) for cfg, _ in settings]
   accum = global_batch_size // micro_batch_size
   mine = (np.arange(accum)[:, None] * micro_batch_size + np.asarray(rows)[None, :]).reshape(-1)
   local = RowsIterator(splits, [w for _, w in settings], mine, global_batch_size, seq_len, seed)
