@@ -97,13 +97,13 @@ class Reader:
     self.tokens = self.kind == 'arrayrecord' and data_cfg.record_format == 'tokens'
     self.dtype = np.dtype(data_cfg.token_dtype)
     self.bad = BadRecords(data_cfg.skip_bad_records)
-    self.pattern = data_cfg.path
+    self.pattern, self.max_bytes = data_cfg.path, data_cfg.max_bytes
     self._open: dict[pathlib.Path, Any] = {}
 
   def blocks(self) -> Blocks:
     """Every block of the files of `data.path`, in sorted file order."""
     files, keys, file_of, start, end = [], [], [], [], []
-    for key, path in sources.glob_files(self.pattern):
+    for key, path in sources.first_bytes(sources.glob_files(self.pattern), self.max_bytes):
       spans = self._spans(path)
       if spans is None:
         continue
