@@ -49,6 +49,7 @@ def tokenize_file(data_cfg: config_lib.DataConfig, path: pathlib.Path, target: p
   target.parent.mkdir(parents=True, exist_ok=True)
   partial = target.with_name(target.name + '.partial')
   docs = tokens = 0
+  encode = streaming.encoder_for(data_cfg)
   if fmt == 'arrayrecord':
     from array_record.python.array_record_module import ArrayRecordWriter
     writer = ArrayRecordWriter(str(partial), 'group_size:1')
@@ -59,7 +60,7 @@ def tokenize_file(data_cfg: config_lib.DataConfig, path: pathlib.Path, target: p
   try:
     for i in range(len(blocks)):
       for doc in reader.read(blocks, i):
-        ids = streaming.encode_document(doc)
+        ids = streaming.encode_document(doc, encode)
         if ids.max(initial=0) > np.iinfo(dtype).max:
           raise DataError(f'{path}: token id {int(ids.max())} does not fit data.token_dtype='
                           f'{dtype.name!r}; use uint32.')

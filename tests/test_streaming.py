@@ -290,6 +290,19 @@ def test_skip_bad_records_leaves_out_only_the_bad_line_and_counts_it(tmp_path, c
   assert 'warning: data.skip_bad_records: skipped ' in capsys.readouterr().err and reader.bad.count == 1
 
 
+def test_skip_bad_records_leaves_out_bad_files_with_a_warning_each(tmp_path, capsys):
+  docs = documents(30)
+  write_parquet(tmp_path, docs)
+  (tmp_path / 'broken.parquet').write_bytes(b'PAR1 not really')
+  (tmp_path / 'empty.parquet').write_bytes(b'')
+  reader = records.Reader(data_cfg(source='parquet', path=str(tmp_path / '*.parquet'), skip_bad_records=True))
+  blocks = reader.blocks()
+  assert sorted(d for i in range(len(blocks)) for d in reader.read(blocks, i)) == sorted(docs)
+  err = capsys.readouterr().err
+  assert reader.bad.count == 2 and 'broken.parquet is not a readable Parquet file' in err
+  assert 'empty.parquet is empty (2 skipped so far)' in err
+
+
 def test_bad_files_are_named(tmp_path):
   (tmp_path / 'empty.jsonl').write_text('')
   with pytest.raises(DataError, match=r'empty.jsonl is empty'):

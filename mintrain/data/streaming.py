@@ -51,6 +51,12 @@ def byte_encoder(text: str) -> np.ndarray:
   return tokenizer.encode(text, bos=True)
 
 
+def encoder_for(data_cfg: DataConfig) -> Encoder:
+  """The run's tokenizer as an encoder, the one place that picks it: the byte tokenizer."""
+  del data_cfg
+  return byte_encoder
+
+
 def encode_document(doc: records.Document, encode: Encoder = byte_encoder) -> np.ndarray:
   """A document's ids, BOS first; token records already hold theirs."""
   return doc if isinstance(doc, np.ndarray) else encode(doc)
@@ -281,10 +287,12 @@ class Prefetch:
 
 def make_iterator(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
                   micro_batch_size: int, rows: np.ndarray, seed: int,
-                  encode: Encoder = byte_encoder) -> RowsIterator | Prefetch:
+                  encode: Encoder | None = None) -> RowsIterator | Prefetch:
   """This process's endless local batches of a streamed source or mixture (the layout of
-  `pipeline.make_dataset`), read `data.prefetch` batches ahead on a thread; text becomes ids by `encode`."""
+  `pipeline.make_dataset`), read `data.prefetch` batches ahead on a thread; text becomes ids by `encode`
+  (default: `encoder_for(data_cfg)`)."""
   settings = source_settings(data_cfg)
+  encode = encode or encoder_for(data_cfg)
   splits = [Split(cfg, split, seed, encode) for cfg, _ in settings]
   accum = global_batch_size // micro_batch_size
   mine = (np.arange(accum)[:, None] * micro_batch_size + np.asarray(rows)[None, :]).reshape(-1)
@@ -310,12 +318,13 @@ def unigram_counts(data_cfg: DataConfig, split: str = 'eval') -> np.ndarray:
   """int64 (VOCAB_SIZE,) ids of the first `_BASELINE_TOKENS` of each source's split, in file order, each
   source's counts scaled to its mixture weight."""
   total = np.zeros(tokenizer.VOCAB_SIZE, np.float64)
+  encode = encoder_for(data_cfg)
   for cfg, weight in source_settings(data_cfg):
-    part = Split(cfg, split, seed=0)
+    part = Split(cfg, split, seed=0, encode=encode)
     counts, seen = np.zeros(tokenizer.VOCAB_SIZE, np.int64), 0
     for i in range(len(part.blocks)):
       for doc in part.reader.read(part.blocks, i):
-        ids = encode_document(doc)
+        ids = encode_document(doc, encode)
         counts += np.bincount(ids, minlength=tokenizer.VOCAB_SIZE)
         seen += len(ids)
       if seen >= _BASELINE_TOKENS:
