@@ -94,7 +94,7 @@ class Split:
                       f'lower data.block_bytes or add files.')
     self.shuffle, self.seed, self.window = split == 'train', seed, data_cfg.shuffle_window
     self.name, self.epochs_said, self.said_at = describe(data_cfg), 0, -float('inf')
-    self._order = (-1, np.empty(0, np.int64))  # The block order of the last epoch asked for.
+    self._orders: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # Recent epochs'.
 
   def block(self, slot: int) -> int:
     epoch, k = divmod(slot, len(self.blocks))
@@ -104,10 +104,12 @@ class Split:
         print(f'data: {self.name} ran out; repeating it (epoch {epoch + 1}).', flush=True)
     if not self.shuffle:
       return k
-    if self._order[0] != epoch:
+    if epoch not in self._orders:  # Rows cross an epoch's end at different steps: keep a few.
       rng = np.random.default_rng([self.seed, _BLOCK_ORDER, epoch])
-      self._order = (epoch, rng.permutation(len(self.blocks)))
-    return int(self._order[1][k])
+      self._orders[epoch] = rng.permutation(len(self.blocks))
+      if len(self._orders) > 4:
+        self._orders.popitem(last=False)
+    return int(self._orders[epoch][k])
 
   def documents(self, row: int, num_rows: int, window: int) -> list[records.Document]:
     """The documents of `row`'s window `window` (its slots window * W ... + W - 1), shuffled in training."""
