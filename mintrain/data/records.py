@@ -61,7 +61,6 @@ class BadRecords:
 class Blocks:
   """A corpus's blocks: block i is `start[i]:end[i]` (bytes, row group or records) of `paths[file[i]]`."""
 
-  kind: str
   paths: list[pathlib.Path]
   keys: list[str]  # Each file's path relative to the glob's fixed prefix: the split's hash key.
   file: np.ndarray  # int32 (U,)
@@ -76,12 +75,6 @@ class Blocks:
 
   def select(self, keep: np.ndarray) -> Blocks:
     return dataclasses.replace(self, file=self.file[keep], start=self.start[keep], end=self.end[keep])
-
-  def describe(self, i: int) -> str:
-    path, start, end = self.paths[self.file[i]], int(self.start[i]), int(self.end[i])
-    if self.kind == 'jsonl':
-      return f'{path} bytes [{start}, {end})' if end >= 0 else str(path)
-    return f'{path} row group {start}' if self.kind == 'parquet' else f'{path} records [{start}, {end})'
 
 
 class Reader:
@@ -116,7 +109,7 @@ class Reader:
         end.append(b)
     if not file_of:
       raise DataError(f'data.path={self.pattern!r}: no readable {self.kind} data in its files.')
-    return Blocks(self.kind, files, keys, np.array(file_of, np.int32), np.array(start, np.int64),
+    return Blocks(files, keys, np.array(file_of, np.int32), np.array(start, np.int64),
                   np.array(end, np.int64))
 
   def _spans(self, path: pathlib.Path) -> list[tuple[int, int]] | None:
