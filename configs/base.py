@@ -74,8 +74,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of
   # data.path; 'tokens': flat uint16/uint32 token files of data.path; 'synthetic': sequences from the seed.
+  # 'jsonl', 'parquet', 'arrayrecord': files of data.path streamed a block at a time; 'mixture': data.mixture.
   c.data.source = 'stdlib'
-  c.data.path = ''  # Glob for 'text' and 'tokens', e.g. 'data/*.txt'.
+  c.data.path = ''  # Glob of the source's files, e.g. 'data/*.txt' or 'corpus/*.jsonl.gz'.
   # 'byte' (UTF-8 bytes + BOS), a Hugging Face tokenizer.json, a SentencePiece .model, or a directory
   # holding one; '': init.hf_checkpoint's tokenizer if that directory has one, else 'byte'.
   c.data.tokenizer = ''
@@ -85,6 +86,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.num_threads = 1  # Grain reader threads (no worker processes).
   c.data.prefetch = 4  # Batches each process reads ahead of the train step; 0 turns prefetching off.
   c.data.device_prefetch = 1  # Train batches already on their devices when a step starts; 0: none.
+  c.data.text_field = 'text'  # The JSONL field or Parquet column holding each document's text.
+  c.data.record_format = 'text'  # ArrayRecord records: 'text' (UTF-8) or 'tokens' (token_dtype ids from BOS).
+  c.data.block_bytes = 1 << 18  # Streamed files are read and shuffled in blocks of about this many bytes.
+  c.data.shuffle_window = 4  # Blocks each batch row reads together and shuffles the documents of.
+  c.data.skip_bad_records = False  # Skip bad lines, records and files with a counted warning, not an error.
+  # Sources to mix, with data.source='mixture': [({'source': 'jsonl', 'path': 'a/*.jsonl'}, 0.7), (..., 0.3)];
+  # each row draws its source per step in proportion to the weights. A source sets only its own keys.
+  c.data.mixture = []
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 100  # Evaluate on the held-out split every N steps and at the end; 0: only at the end.

@@ -26,7 +26,7 @@ from mintrain import config as config_lib
 from mintrain import distributed, flops, hardware, host_allocator, memory, metrics, preemption, report
 from mintrain.build import Run, build
 from mintrain.config import Config, ProfileConfig
-from mintrain.data import pipeline, tokenizer
+from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.data.batches import GlobalBatches
 from mintrain.metrics import NonFiniteLossError
 from mintrain.run_lock import RunLock
@@ -110,6 +110,7 @@ class Log:
   def __init__(self, run: Run, timer: Timer, log: Callable[[int, dict], None], peak: float):
     self.every, self.total = run.config.train.log_every, run.config.train.steps
     self.timer, self.log, self.peak = timer, log, peak
+    self.data, self.seed, self.rows = run.config.data, run.config.seed, run.config.train.global_batch_size
     self.rates = dict(tokens_per_step=flops.tokens_per_step(run.config),
                       flops_per_step=flops.train_flops_per_step(run.config), num_devices=run.mesh.size)
 
@@ -123,6 +124,9 @@ class Log:
       scalars.update(metrics.throughput(steps, seconds, **self.rates, peak_tflops=self.peak))
       scalars['data_wait_fraction'] = min(data_wait / seconds, 1.0)
       scalars['eta_sec'] = (self.total - info.step) * scalars['step_time']
+    if self.data.source == 'mixture':  # Each source's share of the tokens of the last `every` steps.
+      steps = range(max(info.step - self.every, 0), info.step)
+      scalars.update(streaming.token_fractions(self.data, self.seed, self.rows, steps))
     self.log(info.step, scalars)
 
 
@@ -306,10 +310,16 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       say(f'note: {note}')
     memory.check(r.plan)
     text = config.data.source != 'synthetic'
-    with jax.set_mesh(r.mesh):  # Unreadable data or tokenizer fails before anything is written.
+    # Data first: unreadable data or tokenizer (a bad file, a bad line in the first blocks) stops the run
+    # before it writes anything.
+    with jax.set_mesh(r.mesh):
       batches = r.batches()
       eval_batches = r.batches('eval') if config.eval.steps else None
     bytes_per_token = pipeline.bytes_per_token(config.data) if text else None
+    baseline = {}
+    if text and is_main:  # A full pass over the eval split: once.
+      bits = pipeline.unigram_bits_per_token(config.data)
+      baseline = {'unigram_bits_per_token': bits, 'unigram_bits_per_byte': bits / bytes_per_token}
     if text and workdir is not None and is_main:  # The run's copy of its tokenizer, for sampling and export.
       tokenizer.load(config.data.tokenizer).save(workdir / tokenizer.RUN_DIR)
     total = config.train.steps
@@ -347,9 +357,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       say(f"note: the checkpoint's data position is for data.source={data_state.get('source')!r}; "
           f'starting data.source={config.data.source!r} from its beginning.')
     first_step = int(to_host(state.step))
-    if text and is_main:  # A full pass over the eval split: once.
-      bits = pipeline.unigram_bits_per_token(config.data)
-      log(first_step, {'unigram_bits_per_token': bits, 'unigram_bits_per_byte': bits / bytes_per_token})
+    if baseline:
+      log(first_step, baseline)
 
     train_step, compile_time, stopped = r.train_step, 0.0, False
     for step in range(first_step, total):

@@ -94,6 +94,31 @@ def workdir_on_full_disk(scene: Scene) -> None:
   scene.remount(disk, f'size={(used + 32) * os.statvfs(disk).f_frsize}')  # 32 pages to spare.
 
 
+def corpus(bad_name: str, bad: bytes | Callable[[pathlib.Path], None]) -> Callable[[Scene], None]:
+  """TMP/c: twelve good JSONL files, both splits, and one bad file (bytes, or written by a function)."""
+  def setup(scene: Scene) -> None:
+    root = scene.tmp / 'c'
+    root.mkdir()
+    for i in range(12):
+      (root / f'good{i:02d}.jsonl').write_text(''.join(json.dumps({'text': f'doc {i} {j} ' * 9}) + '\n'
+                                                       for j in range(20)))
+    if callable(bad):
+      bad(root / bad_name)
+    else:
+      (root / bad_name).write_bytes(bad)
+  return setup
+
+
+def parquet_without_text(path: pathlib.Path) -> None:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.table({'body': ['a document']}), path)
+
+
+STREAMED = ('--workdir', '{tmp}/run', '--config.data.source=jsonl', '--config.data.path={tmp}/c/*',
+            '--config.data.eval_fraction=0.3')
+
+
 def workdir_read_only(scene: Scene) -> None:
   disk = scene.tmpfs('disk', '64m')
   shutil.copytree(scene.tmp / 'run', disk / 'run')
@@ -178,6 +203,33 @@ ROWS = {
     'memory plan beyond the host memory': row(
         '--config.train.global_batch_size=1048576', '--workdir', '{tmp}/run',
         says=('memory plan', 'train.global_batch_size')),
+    # Streamed data: each bad file, line or record is named; the run stops before it writes anything.
+    'malformed JSONL line': row(
+        *STREAMED, says=('{tmp}/c/bad.jsonl:2: not valid JSON', 'data.skip_bad_records=True'),
+        setup=corpus('bad.jsonl', b'{"text": "one"}\n{"text": "two\n{"text": "three"}\n')),
+    'JSONL line without the text field': row(
+        *STREAMED, says="{tmp}/c/bad.jsonl:3: no field 'text' (data.text_field)",
+        setup=corpus('bad.jsonl', b'{"text": "one"}\n\n{"body": "two"}\n')),
+    'empty JSONL file': row(*STREAMED, says='{tmp}/c/bad.jsonl is empty', setup=corpus('bad.jsonl', b'')),
+    'corrupt Parquet file': row(
+        *STREAMED, '--config.data.source=parquet', says='{tmp}/c/bad.parquet is not a readable Parquet file',
+        setup=corpus('bad.parquet', b'PAR1' + b'\0' * 64)),
+    'Parquet file without the text column': row(
+        *STREAMED, '--config.data.source=parquet', '--config.data.path={tmp}/c/*.parquet',
+        says="{tmp}/c/bad.parquet has no column 'text' (data.text_field; its columns: body)",
+        setup=corpus('bad.parquet', parquet_without_text)),
+    'corrupt ArrayRecord file': row(
+        *STREAMED, '--config.data.source=arrayrecord', '--config.data.path={tmp}/c/*.arrayrecord',
+        says='{tmp}/c/bad.arrayrecord is not a readable ArrayRecord file',
+        setup=corpus('bad.arrayrecord', b'\1' * 4096)),
+    'mixture weight of 0': row(
+        '--workdir', '{tmp}/run', '--config.data.source=mixture',
+        "--config.data.mixture=[({{'source': 'jsonl', 'path': 'a/*.jsonl'}}, 0)]",
+        says='data.mixture[0]: weight=0 must be a finite number > 0'),
+    'mixture of an unknown source': row(
+        '--workdir', '{tmp}/run', '--config.data.source=mixture',
+        "--config.data.mixture=[({{'source': 'csv', 'path': 'a/*.csv'}}, 1)]",
+        says="data.mixture[0]: source='csv' is not a source a mixture can draw from"),
     # Workdirs that cannot take the run.
     'workdir that is a file': row(
         '--workdir', '{tmp}/file', says='{tmp}/file is a file', kept='file',

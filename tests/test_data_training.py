@@ -31,6 +31,13 @@ def tiny_corpus(tmp_path):
   return str(root / '*.txt')
 
 
+def tiny_jsonl(tmp_path):
+  lines = [json.dumps({'text': f'document {i}: ' + 'the quick brown fox jumps. ' * (3 + i % 5)})
+           for i in range(40)]
+  (tmp_path / 'corpus.jsonl').write_text('\n'.join(lines) + '\n')
+  return str(tmp_path / 'corpus.jsonl')
+
+
 def test_checkpointed_iterator_state_continues_the_exact_stream(tmp_path):
   config = load_config('dp8', *TINY, 'train.steps=3', 'checkpoint.every_steps=3')
   train_loop.run(config, tmp_path, devices=mesh_devices(config), print_fn=quiet)
@@ -116,10 +123,11 @@ def test_restored_checkpoint_with_another_source_does_not_reuse_its_stream(tmp_p
   assert result.first_step == 2 and len(result.losses) == 1
 
 
-@pytest.mark.parametrize('source', ['synthetic', 'text'])
+@pytest.mark.parametrize('source', ['synthetic', 'text', 'jsonl'])
 def test_batches_sent_ahead_are_on_their_devices_and_not_counted_in_the_saved_position(tmp_path, source):
-  data = ('data.source=synthetic',) if source == 'synthetic' else ('data.source=text',
-                                                                   f'data.path={tiny_corpus(tmp_path)}')
+  data = {'synthetic': ('data.source=synthetic',),
+          'text': ('data.source=text', f'data.path={tiny_corpus(tmp_path)}'),
+          'jsonl': ('data.source=jsonl', f'data.path={tiny_jsonl(tmp_path)}', 'data.block_bytes=200')}[source]
   ahead_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=2')
   plain_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=0')
   mesh = make_mesh(ahead_config.mesh.sizes)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from mintrain.data import pipeline
+from mintrain.data import pipeline, streaming
 from mintrain.partitioning import AxisRules
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ class GlobalBatches:
   def get_state(self) -> dict[str, Any]:
     """The position after the last batch handed out (batches read ahead are not counted)."""
     position = self.ready[0][0] if self.ready else self.local.get_state()
+    if 'rows' in position:  # A streamed source's: each process knows its own rows' positions.
+      position = streaming.gather_rows(position, self.micro * self.accum)
     return {'source': self.source, 'iterator': position}
 
   def set_state(self, state: Mapping[str, Any]) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mintrain.data import sources, tokenizer
+from mintrain.data import records, sources, streaming, tokenizer
 from mintrain.data.sources import DataError
 from mintrain.lazy import lazy_import
 
@@ -110,9 +110,16 @@ def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch
   return ds.to_iter_dataset(read)
 
 
+def streamed(data_cfg: DataConfig) -> bool:
+  """Whether the source is read a block at a time (`streaming`) rather than loaded (`sources`)."""
+  return data_cfg.source in (*records.FORMATS, 'mixture')
+
+
 def make_iterator(data_cfg: DataConfig, **layout) -> grain.DatasetIterator:
-  """An iterator over `make_dataset(data_cfg, **layout)`; `get_state()` is a JSON-able dict, `set_state`
-  resumes it."""
+  """An iterator over `make_dataset(data_cfg, **layout)`, or over a streamed source's or mixture's rows
+  (`streaming`); `get_state()` is a JSON-able dict, `set_state` resumes it."""
+  if streamed(data_cfg):
+    return streaming.make_iterator(data_cfg, **layout)
   return iter(make_dataset(data_cfg, **layout))
 
 
@@ -131,9 +138,13 @@ def token_counts(streams: Sequence[np.ndarray]) -> np.ndarray:
 def unigram_bits_per_token(data_cfg: DataConfig, *, split: str = 'eval') -> float:
   """Entropy of the split's own token frequencies: the loss a model ignoring context cannot beat.
 
-  Counts every token of the split, BOS and EOS included, as the training loss does.
+  Counts every token of the split, BOS and EOS included, as the training loss does (of a streamed source,
+  its first 2**26 tokens; of a mixture, each source's frequencies weighted by its share).
   """
-  counts = token_counts(sources.load_split(data_cfg, split))
+  if streamed(data_cfg):
+    counts = streaming.unigram_counts(data_cfg, split)
+  else:
+    counts = token_counts(sources.load_split(data_cfg, split))
   p = counts[counts > 0] / counts.sum()
   return float(-(p * np.log2(p)).sum())
 
@@ -145,6 +156,8 @@ def bytes_per_token(data_cfg: DataConfig, *, split: str = 'eval', max_tokens: in
   tok = tokenizer.load(data_cfg.tokenizer)
   if tok.bytes_per_token is not None:
     return tok.bytes_per_token
+  if streamed(data_cfg):
+    return streaming.bytes_per_token(data_cfg, split)
   streams = sources.load_split(data_cfg, split)
   if data_cfg.source != 'tokens':
     return sources.text_bytes(data_cfg, split) / sum(len(s) for s in streams)

@@ -92,7 +92,7 @@ def glob_files(pattern: str) -> list[tuple[str, pathlib.Path]]:
   return sorted((os.path.relpath(p, base).replace(os.sep, '/'), p) for p in paths)
 
 
-def _first_bytes(files: list[tuple[str, pathlib.Path]], max_bytes: int) -> list[tuple[str, pathlib.Path]]:
+def first_bytes(files: list[tuple[str, pathlib.Path]], max_bytes: int) -> list[tuple[str, pathlib.Path]]:
   """The leading files, in order, until their total size reaches `max_bytes` (0: all)."""
   if not max_bytes:
     return files
@@ -126,7 +126,7 @@ def _split_files(data_cfg: DataConfig, split: str) -> list[pathlib.Path]:
   """The text files of `split`, in sorted order; a DataError when there are none."""
   where, fraction = describe(data_cfg), data_cfg.eval_fraction
   files = stdlib_files() if data_cfg.source == 'stdlib' else glob_files(data_cfg.path)
-  files = _first_bytes(files, data_cfg.max_bytes)
+  files = first_bytes(files, data_cfg.max_bytes)
   mine = [path for key, path in files if in_eval(key, fraction) == (split == 'eval')]
   if not mine:
     owner = 'eval' if split == 'train' else 'train'
