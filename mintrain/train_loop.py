@@ -146,11 +146,12 @@ class Evaluate:
 
 
 def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict) -> dict[str, float]:
-  """Mean loss on the first `eval.steps` held-out batches (the same ones every time), and what follows."""
+  """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
+  time), and what follows."""
   steps = run.config.eval.steps
   batches.set_state(start_state)
-  losses = [run.eval_step(params, next(batches)) for _ in range(steps)]
-  loss = float(sum(to_host(losses)) / steps)
+  sums, counts = zip(*to_host([run.eval_step(params, next(batches)) for _ in range(steps)]))
+  loss = float(sum(sums) / sum(counts))
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
   return out | run.config.family.eval_metrics(run.config.model, loss)
 

@@ -52,7 +52,7 @@ def train_iter(cfg, *, batch=8, seq_len=8, seed=0, index=0, count=1, split='trai
   share = micro // count
   return pipeline.make_iterator(cfg, split=split, seq_len=seq_len, global_batch_size=batch,
                                 micro_batch_size=micro, rows=np.arange(index * share, (index + 1) * share),
-                                seed=seed)
+                                seed=seed, bos=tokenizer.BOS)
 
 
 def rows(batches: list[dict[str, np.ndarray]]) -> list[tuple[int, ...]]:
@@ -97,7 +97,7 @@ def test_windows_overlap_by_one_token_and_never_cross_streams():
 
 
 def test_targets_are_inputs_shifted_by_one():
-  batch = pipeline.split_inputs_targets(np.arange(12, dtype=np.int32).reshape(2, 6))
+  batch = pipeline.split_inputs_targets(np.arange(12, dtype=np.int32).reshape(2, 6), bos=tokenizer.BOS)
   assert batch['inputs'].tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]
   assert batch['targets'].tolist() == [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11]]
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from mintrain.data import pipeline
+from mintrain.data import pipeline, tokenizer
 from mintrain.partitioning import AxisRules
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ def make_batches(config: Config, mesh: Mesh, rules: AxisRules, *, split: str = '
   else:
     local = pipeline.make_iterator(data, split=split, seq_len=train.seq_len,
                                    global_batch_size=train.global_batch_size,
-                                   micro_batch_size=train.micro_batch_size, rows=rows, seed=config.seed)
+                                   micro_batch_size=train.micro_batch_size, rows=rows, seed=config.seed,
+                                   bos=tokenizer.BOS)
   return GlobalBatches(local, data.source, mesh, rules, train.grad_accum_steps, train.global_batch_size, rows,
                        ahead=data.device_prefetch if split == 'train' else 0)

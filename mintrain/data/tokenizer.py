@@ -2,8 +2,9 @@
 
 No vocabulary file and no training: any text round-trips exactly, and since one
 token is one byte, a loss in nats per token is a loss in nats per byte.
-`BOS` starts every document, so it also separates documents in a packed stream;
-packing needs no padding, so there is no PAD token.
+`BOS` starts every document, so it also separates documents in a packed stream.
+There is no PAD token: padded rows (`data.packing='pad'`) mark padding in their segment ids
+and target weights (`mintrain.data.pipeline`).
 """
 
 from __future__ import annotations

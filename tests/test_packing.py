@@ -1,0 +1,231 @@
+"""Packing with document boundaries: the segment layout of rows, and documents that never see each other.
+
+A packed row's documents are predicted as each would be alone (attention within a document, positions
+restarting at its BOS), padding never counts, and a step weighs every counted target the same
+however the batch is split into micro-batches.
+"""
+
+import signal
+
+import jax
+import numpy as np
+import pytest
+from conftest import build, convert_layers, fill, load_config, mesh_devices, quiet, short_documents
+from flax import nnx
+
+from mintrain import train_loop, train_state
+from mintrain.config import ConfigError
+from mintrain.data import pipeline, sources, tokenizer
+from mintrain.mesh import make_mesh
+from mintrain.partitioning import AxisRules
+from mintrain.train_step import loss_fn
+
+BOS = tokenizer.BOS
+TINY = ('model.num_layers=2', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4',
+        'model.head_dim=8', 'train.seq_len=32', 'train.global_batch_size=8', 'train.log_every=1',
+        'optimizer.warmup_steps=1')
+
+
+def text(short_docs: tuple[str, ...], packing: str = 'pack') -> tuple[str, ...]:
+  return (*short_docs, f'data.packing={packing}')
+
+
+# The layout of rows.
+
+def test_packed_rows_number_their_documents_and_restart_positions_at_each_bos():
+  windows_BL = np.array([[7, 8, BOS, 1, 2, 3, BOS, 4, 5],
+                         [BOS, 1, 2, BOS, BOS, 3, 4, 5, 6]], np.int32)
+  batch = pipeline.split_inputs_targets(windows_BL, bos=BOS)
+  assert batch['inputs'].tolist() == windows_BL[:, :-1].tolist()
+  assert batch['targets'].tolist() == windows_BL[:, 1:].tolist()
+  # Row 0 starts mid-document: that document is segment 1 and its positions count from the row's start.
+  assert batch['segment_ids'].tolist() == [[1, 1, 2, 2, 2, 2, 3, 3], [1, 1, 1, 2, 3, 3, 3, 3]]
+  assert batch['positions'].tolist() == [[0, 1, 0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 1, 2, 3]]
+  assert batch['target_weights'].tolist() == [[1.0] * 8] * 2  # The BOS ending a document is a target too.
+  assert {k: v.dtype for k, v in batch.items()} == {
+      'inputs': np.int32, 'targets': np.int32, 'segment_ids': np.int32, 'positions': np.int32,
+      'target_weights': np.float32}
+
+
+def test_padded_rows_hold_one_document_up_to_the_next_bos_then_padding_that_does_not_count():
+  stream = np.array([BOS, 1, 2, BOS, 3, 4, 5, 6, 7, 8, 9, BOS, 10], np.uint16)
+  windows = pipeline.PaddedDocuments([stream, np.array([11, 12, BOS], np.uint16)], seq_len=5, bos=BOS)
+  assert [windows[i].tolist() for i in range(len(windows))] == [
+      [BOS, 1, 2, BOS, -1, -1],  # The document and the BOS that ends it.
+      [BOS, 3, 4, 5, 6, 7],  # Truncated to seq_len + 1 tokens.
+      [BOS, 10, -1, -1, -1, -1],  # The stream's last document has no BOS after it.
+      [11, 12, BOS, -1, -1, -1]]  # A token file's first document need not start with BOS.
+  batch = pipeline.split_inputs_targets(np.stack([windows[0], windows[2]]), bos=BOS)
+  assert batch['inputs'].tolist() == [[BOS, 1, 2, 0, 0], [BOS, 0, 0, 0, 0]]
+  assert batch['targets'].tolist() == [[1, 2, BOS, 0, 0], [10, 0, 0, 0, 0]]
+  assert batch['segment_ids'].tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+  assert batch['positions'].tolist() == [[0, 1, 2, 0, 0], [0, 0, 0, 0, 0]]
+  assert batch['target_weights'].tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+
+
+def test_pad_mode_gives_each_document_of_the_split_its_own_row_in_order(short_docs):
+  data = load_config('single', *text(short_docs, 'pad')).data
+  stream = sources.load_split(data, 'eval')[0]
+  starts = np.flatnonzero(stream == BOS)
+  assert len(starts) > 4
+  batch = next(pipeline.make_iterator(data, split='eval', seq_len=32, global_batch_size=4, micro_batch_size=4,
+                                      rows=np.arange(4), seed=0, bos=BOS))
+  for row in range(4):
+    tokens = stream[starts[row]:starts[row + 1] + 1]  # Short documents: none is truncated.
+    n = len(tokens) - 1  # Targets: every token after the BOS, and the next document's BOS.
+    assert batch['inputs'][row, :n].tolist() == tokens[:-1].tolist()
+    assert batch['targets'][row, :n].tolist() == tokens[1:].tolist()
+    assert batch['target_weights'][row].tolist() == [1.0] * n + [0.0] * (32 - n)
+    assert batch['segment_ids'][row].tolist() == [1] * n + [0] * (32 - n)
+    assert batch['positions'][row, :n].tolist() == list(range(n))
+
+
+def test_an_unknown_packing_names_the_choices():
+  with pytest.raises(ConfigError, match=r"data.packing='bogus'.*'pack'.*'pad'"):
+    load_config('single', 'data.packing=bogus')
+
+
+# Documents in a packed row are predicted as each would be alone.
+
+@pytest.fixture(scope='module')
+def host_params():
+  """The tiny model's parameters, drawn once; every case moves them to its mesh."""
+  config = load_config('single', *TINY)
+  setup = build(config)
+  with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
+    params = jax.device_get(setup.init().params)
+  return {train_state.path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def model_on(host_params, name, *overrides):
+  config = load_config(name, *TINY, *overrides)
+  setup = build(config)
+  params = fill(setup.abstract_state.params, convert_layers(host_params, to_scanned=False))
+  return setup, params
+
+
+@pytest.fixture(scope='module')
+def packed():
+  """Four packed rows of short documents, and each document's (row, segment, alone loss).
+
+  The alone loss is the plain model's (no segments: one sequence per row, einsum attention, logits then
+  cross-entropy) on the document's tokens at the start of a row; what follows them cannot matter to a
+  causal model.
+  """
+  stream = sources.join_documents(short_documents(12, seed=1))
+  windows = pipeline.PackedSequences([stream], seq_len=32)
+  batch = pipeline.split_inputs_targets(np.stack([windows[i] for i in range(4)]), bos=BOS)
+  documents = [(r, s) for r in range(4) for s in np.unique(batch['segment_ids'][r])]
+  assert len(documents) >= 10 and all(s > 0 for _, s in documents)
+  alone_BL = np.zeros((len(documents), 32), np.int32)
+  for i, (r, s) in enumerate(documents):
+    tokens = batch['inputs'][r][batch['segment_ids'][r] == s]
+    alone_BL[i, :len(tokens)] = tokens
+  return batch, documents, alone_BL
+
+
+@pytest.fixture(scope='module')
+def alone_losses(host_params, packed):
+  batch, documents, alone_BL = packed
+  setup, params = model_on(host_params, 'single', 'model.loss_chunks=0')
+  with jax.set_mesh(make_mesh(setup.config.mesh.sizes, mesh_devices(setup.config))):
+    logits = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, alone_BL), np.float64)
+  losses = []
+  for i, (r, s) in enumerate(documents):
+    mine = batch['segment_ids'][r] == s
+    n = int(mine.sum())
+    log_z = np.log(np.exp(logits[i, :n] - logits[i, :n].max(-1, keepdims=True)).sum(-1))
+    log_z += logits[i, :n].max(-1)
+    losses.append(np.mean(log_z - logits[i, np.arange(n), batch['targets'][r][mine]]))
+  return np.array(losses)
+
+
+def only_document(batch, row, segment):
+  """Target weights that count the targets of one document of the batch."""
+  rows = np.arange(len(batch['segment_ids']))[:, None]
+  return ((rows == row) & (batch['segment_ids'] == segment)).astype(np.float32)
+
+
+@pytest.mark.parametrize('attention,loss_chunks', [
+    ('einsum', 0), ('dot_product', 2),
+    pytest.param('einsum', 2, marks=pytest.mark.slow),
+    pytest.param('dot_product', 0, marks=pytest.mark.slow)])
+def test_each_document_of_a_packed_row_has_the_loss_it_has_alone(host_params, packed, alone_losses, attention,
+                                                                 loss_chunks):
+  batch, documents, _ = packed
+  for name in ('single', 'dp4_tp2'):
+    setup, params = model_on(host_params, name, f'model.attention={attention}',
+                             f'model.loss_chunks={loss_chunks}')
+    rules = AxisRules.from_config(setup.config.partitioning)
+    with jax.set_mesh(make_mesh(setup.config.mesh.sizes, mesh_devices(setup.config))):
+      layout = rules.activation_spec(('batch', 'length'))
+      loss = jax.jit(lambda p, b, graphdef=setup.graphdef: loss_fn(p, graphdef, b, None))
+      losses = []
+      for r, s in documents:  # The packed batch as it is; only that document's targets counted.
+        only = dict(batch, target_weights=only_document(batch, r, s))
+        value, count = loss(params, {k: jax.device_put(v, layout) for k, v in only.items()})
+        assert count == np.sum(only['target_weights'])
+        losses.append(float(value))
+    np.testing.assert_allclose(losses, alone_losses, rtol=2e-5, err_msg=name)
+
+
+def test_without_segments_documents_would_see_each_other(host_params, packed, alone_losses):
+  """The check above can fail: the same packed batch without its segment layout gives other losses."""
+  batch, documents, _ = packed
+  setup, params = model_on(host_params, 'single', 'model.loss_chunks=0')
+  plain = {k: batch[k] for k in ('inputs', 'targets')}
+  with jax.set_mesh(make_mesh(setup.config.mesh.sizes, mesh_devices(setup.config))):
+    loss = jax.jit(lambda p, b: loss_fn(p, setup.graphdef, b, None)[0])
+    later = [(r, s) for r, s in documents if s > 1]  # Documents that have a neighbour before them.
+    for r, s in later:
+      value = float(loss(params, dict(plain, target_weights=only_document(batch, r, s))))
+      assert abs(value - alone_losses[documents.index((r, s))]) > 1e-3
+
+
+# Padding in the loss; resume. (Meshes and micro-batches: tests/test_train_step.py.)
+
+def grads_of(host_params, config_name, batch, *overrides):
+  setup, params = model_on(host_params, config_name, *overrides)
+  rules = AxisRules.from_config(setup.config.partitioning)
+  with jax.set_mesh(make_mesh(setup.config.mesh.sizes, mesh_devices(setup.config))):
+    layout = rules.activation_spec(('batch', 'length'))
+    step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, setup.graphdef, b, None), has_aux=True))
+    (loss, _), grads = step(params, {k: jax.device_put(v, layout) for k, v in batch.items()})
+  return float(loss), [np.asarray(g) for g in jax.tree.leaves(jax.device_get(grads))]
+
+
+def test_padding_gets_no_loss_and_no_gradient_in_either_loss_or_attention(host_params, short_docs):
+  config = load_config('single', *TINY, *text(short_docs, 'pad'))
+  batch = next(pipeline.make_iterator(config.data, split='train', seq_len=32, global_batch_size=8,
+                                      micro_batch_size=8, rows=np.arange(8), seed=0, bos=BOS))
+  assert 0 < batch['target_weights'].mean() < 1
+  reference = grads_of(host_params, 'single', batch, 'model.loss_chunks=0')
+  # Whatever the padding holds changes nothing.
+  noisy = dict(batch, inputs=np.where(batch['target_weights'] > 0, batch['inputs'], 77),
+               targets=np.where(batch['target_weights'] > 0, batch['targets'], 99))
+  for name, data, overrides in [('single', noisy, ('model.loss_chunks=0',)),
+                                ('single', batch, ('model.loss_chunks=2',)),
+                                ('dp4_tp2', noisy, ('model.loss_chunks=4', 'model.attention=dot_product'))]:
+    loss, grads = grads_of(host_params, name, data, *overrides)
+    np.testing.assert_allclose(loss, reference[0], rtol=1e-5, err_msg=name)
+    for got, want in zip(grads, reference[1]):
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def run(config, workdir=None, stop_at=None):
+  def print_fn(line):
+    if stop_at is not None and line.startswith(f'step {stop_at - 1}/'):
+      signal.raise_signal(signal.SIGTERM)
+  return train_loop.run(config, workdir, devices=mesh_devices(config),
+                        print_fn=print_fn if stop_at else quiet)
+
+
+def test_resume_after_sigterm_with_packed_rows_is_bit_identical(short_docs, tmp_path):
+  config = load_config('dp4_tp2', *TINY, *text(short_docs), 'train.steps=6', 'checkpoint.every_steps=3')
+  straight = run(config, tmp_path / 'straight')
+  first = run(config, tmp_path / 'stopped', stop_at=3)
+  assert first.stopped_by == 'SIGTERM' and int(first.state.step) == 3
+  resumed = run(config, tmp_path / 'stopped')
+  assert first.losses + resumed.losses == straight.losses
+  for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
