@@ -229,3 +229,13 @@ def test_resume_after_sigterm_with_packed_rows_is_bit_identical(short_docs, tmp_
   assert first.losses + resumed.losses == straight.losses
   for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_split_without_a_document_to_learn_from_is_a_one_line_error(tmp_path):
+  (tmp_path / 'empty.txt').write_text('')
+  data = load_config('single', 'data.source=text', f'data.path={tmp_path}/*.txt', 'data.packing=pad',
+                     'data.eval_fraction=0.0').data
+  with pytest.raises(sources.DataError, match=r"no document of two or more tokens; add data or use "
+                                              r"data.packing='pack'"):
+    pipeline.make_iterator(data, split='train', seq_len=8, global_batch_size=1, micro_batch_size=1,
+                           rows=np.arange(1), seed=0, bos=BOS)
