@@ -100,7 +100,7 @@ def host_params():
 def model_on(host_params, name, *overrides):
   config = load_config(name, *TINY, *overrides)
   setup = build(config)
-  params = fill(setup.abstract_state.params, convert_layers(host_params, to_scanned=False))
+  params = fill(setup.abstract_state.params, convert_layers(host_params, to_scanned=config.model.scan_layers))
   return setup, params
 
 
@@ -191,25 +191,36 @@ def grads_of(host_params, config_name, batch, *overrides):
     layout = rules.activation_spec(('batch', 'length'))
     step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, setup.graphdef, b, None), has_aux=True))
     (loss, _), grads = step(params, {k: jax.device_put(v, layout) for k, v in batch.items()})
-  return float(loss), [np.asarray(g) for g in jax.tree.leaves(jax.device_get(grads))]
+  flat = {train_state.path_str(p): np.asarray(g)
+          for p, g in jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0]}
+  return float(loss), convert_layers(flat, to_scanned=False)
 
 
-def test_padding_gets_no_loss_and_no_gradient_in_either_loss_or_attention(host_params, short_docs):
+@pytest.fixture(scope='module')
+def padded(host_params, short_docs):
+  """A batch of padded rows, and its loss and gradients from the plain model on one device."""
   config = load_config('single', *TINY, *text(short_docs, 'pad'))
   batch = next(pipeline.make_iterator(config.data, split='train', seq_len=32, global_batch_size=8,
                                       micro_batch_size=8, rows=np.arange(8), seed=0, bos=BOS))
   assert 0 < batch['target_weights'].mean() < 1
-  reference = grads_of(host_params, 'single', batch, 'model.loss_chunks=0')
+  return batch, grads_of(host_params, 'single', batch, 'model.loss_chunks=0')
+
+
+@pytest.mark.parametrize('name,overrides', [
+    ('single', ('model.loss_chunks=0',)),
+    ('single', ('model.loss_chunks=2',)),
+    ('dp4_tp2', ('model.loss_chunks=4', 'model.attention=dot_product')),
+    pytest.param('single', ('model.scan_layers=True', 'model.remat=full'), marks=pytest.mark.slow)])
+def test_padding_changes_neither_loss_nor_gradients(host_params, padded, name, overrides):
+  batch, (loss, grads) = padded
   # Whatever the padding holds changes nothing.
   noisy = dict(batch, inputs=np.where(batch['target_weights'] > 0, batch['inputs'], 77),
                targets=np.where(batch['target_weights'] > 0, batch['targets'], 99))
-  for name, data, overrides in [('single', noisy, ('model.loss_chunks=0',)),
-                                ('single', batch, ('model.loss_chunks=2',)),
-                                ('dp4_tp2', noisy, ('model.loss_chunks=4', 'model.attention=dot_product'))]:
-    loss, grads = grads_of(host_params, name, data, *overrides)
-    np.testing.assert_allclose(loss, reference[0], rtol=1e-5, err_msg=name)
-    for got, want in zip(grads, reference[1]):
-      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=name)
+  noisy_loss, noisy_grads = grads_of(host_params, name, noisy, *overrides)
+  np.testing.assert_allclose(noisy_loss, loss, rtol=1e-5)
+  assert noisy_grads.keys() == grads.keys()
+  for path, want in grads.items():
+    np.testing.assert_allclose(noisy_grads[path], want, rtol=1e-4, atol=1e-6, err_msg=path)
 
 
 def run(config, workdir=None, stop_at=None):
@@ -221,10 +232,11 @@ def run(config, workdir=None, stop_at=None):
 
 
 def test_resume_after_sigterm_with_packed_rows_is_bit_identical(short_docs, tmp_path):
-  config = load_config('dp4_tp2', *TINY, *text(short_docs), 'train.steps=6', 'checkpoint.every_steps=3')
+  config = load_config('dp4_tp2', *TINY, *text(short_docs), 'model.num_layers=1', 'train.steps=4',
+                       'checkpoint.every_steps=2')
   straight = run(config, tmp_path / 'straight')
-  first = run(config, tmp_path / 'stopped', stop_at=3)
-  assert first.stopped_by == 'SIGTERM' and int(first.state.step) == 3
+  first = run(config, tmp_path / 'stopped', stop_at=2)
+  assert first.stopped_by == 'SIGTERM' and int(first.state.step) == 2
   resumed = run(config, tmp_path / 'stopped')
   assert first.losses + resumed.losses == straight.losses
   for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
