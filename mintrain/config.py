@@ -271,6 +271,13 @@ def defaults() -> ml_collections.ConfigDict:
   return load(BASE)
 
 
+def one_device_mesh() -> ml_collections.ConfigDict:
+  """The `mesh` section of a single-device run: every axis of size 1, within one slice."""
+  mesh = defaults().mesh
+  mesh.update(dict.fromkeys(mesh_lib.AXES, 1))
+  return mesh
+
+
 def upgrade(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """A config saved by any mintrain version (a checkpoint's), with the keys added since then filled in
   from configs/base.py. A model of another family than base's keeps its own section whole."""

@@ -29,7 +29,7 @@ def main() -> int:
                       help="the tensors' dtype (default: the model's parameter dtype)")
   parser.add_argument('--max_shard_size', type=int, default=2**30, help='bytes per safetensors file')
   args = parser.parse_args()
-  one_device = {'mesh': {'data': 1, 'fsdp': 1, 'model': 1}}
+  one_device = {'mesh': config_lib.one_device_mesh().to_dict()}
   devices = _bootstrap.devices_for(config_lib.validate(config_lib.upgrade(one_device)).mesh)
 
   import jax
@@ -50,7 +50,7 @@ def main() -> int:
     saved = config_lib.upgrade(checkpoints.metadata(step)['config'])
     tok = tokenizer.for_run(directory.parent, saved.data.tokenizer or 'byte')
     saved.init.hf_checkpoint = ''  # The saved model section is complete; the source may be gone.
-    saved.mesh.data, saved.mesh.fsdp, saved.mesh.model = 1, 1, 1
+    saved.mesh = config_lib.one_device_mesh()
     saved.train.global_batch_size, saved.train.grad_accum_steps = 1, 1
     run = build(config_lib.validate(saved), devices[:1])
     params = checkpoints.restore(step, run.abstract_state, params_only=True).state['params']

@@ -44,7 +44,7 @@ def tokenize_file(data_cfg: config_lib.DataConfig, path: pathlib.Path, target: p
   """Writes `path`'s documents as ids to `target` (through a temporary name); (documents, tokens, bytes
   read, records skipped)."""
   reader = records.Reader(dataclasses.replace(data_cfg, path=str(path)))
-  blocks = reader.blocks()
+  blocks = reader.all_blocks()
   dtype = np.dtype(data_cfg.token_dtype)
   target.parent.mkdir(parents=True, exist_ok=True)
   partial = target.with_name(target.name + '.partial')

@@ -115,7 +115,7 @@ def test_formats_hold_the_same_documents_block_by_block(tmp_path):
   for fmt, make in FORMATS.items():
     cfg = make(tmp_path / fmt.replace('.', '_'), docs)
     reader = records.Reader(cfg)
-    blocks = reader.blocks()
+    blocks = reader.all_blocks()
     read = [d for i in range(len(blocks)) for d in reader.read(blocks, i)]
     assert sorted(read) == sorted(docs), fmt
     assert len(blocks) > 1, fmt
@@ -126,7 +126,7 @@ def test_jsonl_blocks_split_at_line_starts_whatever_the_block_size(tmp_path):
   path = write_jsonl(tmp_path, docs, files=1)
   for block_bytes in (1, 7, 100, 1 << 20):
     reader = records.Reader(data_cfg(source='jsonl', path=path, block_bytes=block_bytes))
-    blocks = reader.blocks()
+    blocks = reader.all_blocks()
     assert [d for i in range(len(blocks)) for d in reader.read(blocks, i)] == docs
 
 
@@ -165,7 +165,7 @@ def test_a_process_reads_only_the_blocks_of_its_rows(tmp_path, monkeypatch):
     take(rows_iter(cfg, rows=rows), 4)
   assert read['low'] and read['high'] and not read['low'] & read['high']
   assert read['low'] | read['high'] == read['all']
-  assert len(read['all']) < len(records.Reader(cfg).blocks())
+  assert len(read['all']) < len(records.Reader(cfg).all_blocks())
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
@@ -204,7 +204,8 @@ def test_order_is_a_function_of_the_seed_and_eval_is_in_file_order(tmp_path):
   assert all(np.array_equal(x['inputs'], y['inputs']) for x, y in zip(e0, e1))
   evaluated = docs_of(stream_text(e0))
   split = streaming.Split(cfg, 'eval', seed=0)
-  in_file_order = [d for i in range(len(split.blocks)) for d in split.reader.read(split.blocks, i)]
+  blocks = split.split_blocks
+  in_file_order = [d for i in range(len(blocks)) for d in split.reader.read(blocks, i)]
   assert evaluated[:-1] == in_file_order[:len(evaluated) - 1]
   train_docs = set(docs_of(stream_text(take(rows_iter(cfg, rows=[0], batch=1), 60))))
   assert not set(evaluated[1:-1]) & train_docs  # Whole blocks go to one split.
@@ -285,7 +286,7 @@ def test_a_bad_jsonl_line_names_file_and_line(tmp_path, line, says):
 def test_skip_bad_records_leaves_out_only_the_bad_line_and_counts_it(tmp_path, capsys):
   cfg = dataclasses.replace(bad_jsonl(tmp_path, '{"text": "cut'), skip_bad_records=True)
   reader = records.Reader(cfg)
-  blocks = reader.blocks()
+  blocks = reader.all_blocks()
   assert [d for i in range(len(blocks)) for d in reader.read(blocks, i)] == ['fine'] * 3 + ['fine too']
   assert 'warning: data.skip_bad_records: skipped ' in capsys.readouterr().err and reader.bad.count == 1
 
@@ -296,7 +297,7 @@ def test_skip_bad_records_leaves_out_bad_files_with_a_warning_each(tmp_path, cap
   (tmp_path / 'broken.parquet').write_bytes(b'PAR1 not really')
   (tmp_path / 'empty.parquet').write_bytes(b'')
   reader = records.Reader(data_cfg(source='parquet', path=str(tmp_path / '*.parquet'), skip_bad_records=True))
-  blocks = reader.blocks()
+  blocks = reader.all_blocks()
   assert sorted(d for i in range(len(blocks)) for d in reader.read(blocks, i)) == sorted(docs)
   err = capsys.readouterr().err
   assert reader.bad.count == 2 and 'broken.parquet is not a readable Parquet file' in err

@@ -95,7 +95,7 @@ class Reader:
     self.pattern, self.max_bytes = data_cfg.path, data_cfg.max_bytes
     self._open: dict[pathlib.Path, Any] = {}
 
-  def blocks(self) -> Blocks:
+  def all_blocks(self) -> Blocks:
     """Every block of the files of `data.path`, in sorted file order."""
     files, keys, file_of, start, end = [], [], [], [], []
     for key, path in sources.first_bytes(sources.glob_files(self.pattern), self.max_bytes):

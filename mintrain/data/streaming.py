@@ -85,10 +85,10 @@ class Split:
     if data_cfg.shuffle_window < 1:
       raise DataError(f'data.shuffle_window={data_cfg.shuffle_window} must be >= 1.')
     self.reader, self.encode = records.Reader(data_cfg, vocab_size), encode
-    every = self.reader.blocks()
+    every = self.reader.all_blocks()
     in_eval = np.array([sources.in_eval(every.key(i), data_cfg.eval_fraction) for i in range(len(every))])
-    self.blocks = every.select(in_eval if split == 'eval' else ~in_eval)
-    if not len(self.blocks):
+    self.split_blocks = every.select(in_eval if split == 'eval' else ~in_eval)
+    if not len(self.split_blocks):
       raise DataError(f'The {split} split of {describe(data_cfg)} is empty: all {len(every)} block(s) hash '
                       f'into the other split at data.eval_fraction={data_cfg.eval_fraction}; change it, '
                       f'lower data.block_bytes or add files.')
@@ -97,7 +97,7 @@ class Split:
     self._orders: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # Recent epochs'.
 
   def block(self, slot: int) -> int:
-    epoch, k = divmod(slot, len(self.blocks))
+    epoch, k = divmod(slot, len(self.split_blocks))
     if epoch > self.epochs_said and self.shuffle and time.monotonic() - self.said_at > _SAY_EVERY_S:
       self.epochs_said, self.said_at = epoch, time.monotonic()
       if jax.process_index() == 0:
@@ -106,7 +106,7 @@ class Split:
       return k
     if epoch not in self._orders:  # Rows cross an epoch's end at different steps: keep a few.
       rng = np.random.default_rng([self.seed, _BLOCK_ORDER, epoch])
-      self._orders[epoch] = rng.permutation(len(self.blocks))
+      self._orders[epoch] = rng.permutation(len(self.split_blocks))
       if len(self._orders) > 4:
         self._orders.popitem(last=False)
     return int(self._orders[epoch][k])
@@ -115,7 +115,7 @@ class Split:
     """The documents of `row`'s window `window` (its slots window * W ... + W - 1), shuffled in training."""
     docs = []
     for k in range(window * self.window, (window + 1) * self.window):
-      docs += self.reader.read(self.blocks, self.block(k * num_rows + row))
+      docs += self.reader.read(self.split_blocks, self.block(k * num_rows + row))
     if self.shuffle:
       order = np.random.default_rng([self.seed, _DOCUMENT_ORDER, row, window]).permutation(len(docs))
       docs = [docs[i] for i in order]
@@ -151,7 +151,7 @@ class RowStream:
     empty_windows = 0
     while doc >= len(docs := self._docs(window)):
       empty_windows = empty_windows + 1 if not docs else 0
-      if empty_windows > 4 * len(self.split.blocks) + 16:
+      if empty_windows > 4 * len(self.split.split_blocks) + 16:
         raise DataError(f'{self.split.name}: no documents left to read in its blocks; check the files '
                         f'(or the skipped records).')
       window, doc = window + 1, 0
@@ -348,8 +348,8 @@ def _eval_documents(data_cfg: DataConfig, split: str) -> Iterator[tuple[int, Any
   encode = encoder_for(data_cfg)
   for source, (cfg, _) in enumerate(source_settings(data_cfg)):
     part, seen = Split(cfg, split, seed=0, encode=encode), 0
-    for i in range(len(part.blocks)):
-      for doc in part.reader.read(part.blocks, i):
+    for i in range(len(part.split_blocks)):
+      for doc in part.reader.read(part.split_blocks, i):
         ids = encode_document(doc, encode)
         seen += len(ids)
         yield source, doc, ids
