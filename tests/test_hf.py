@@ -2,13 +2,15 @@
 give transformers' logits on several meshes; saved back, transformers loads them with the same logits."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from conftest import REPO, SCRIPT_DEFAULTS, build, load_config, mesh_devices, run_script
+from conftest import REPO, SCRIPT_DEFAULTS, build, load_config, mesh_devices, run_script, script_env
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -303,3 +305,58 @@ def test_fine_tune_from_a_checkpoint_with_scanned_layers_then_export_gives_trans
   with torch.no_grad():
     logits = exported(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
   assert np.abs(logits - trained).max() <= 1e-4
+
+
+LOAD_AND_MEASURE = """
+import json, sys
+sys.path.insert(0, '.')
+import jax
+from mintrain import distributed, hf, mesh
+from mintrain.build import build
+
+mesh.simulate_cpu_devices(4)
+distributed.initialize(distributed.settings(), say=lambda _: None)
+def status(key):
+  return next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith(key))
+run = build(hf.make_config(sys.argv[1], mesh_sizes={'data': 1, 'fsdp': 8, 'model': 1}), jax.devices())
+with open('/proc/self/clear_refs', 'w') as f:
+  f.write('5')  # The peak (VmHWM) starts again from here.
+before = status('VmRSS:')
+params = jax.block_until_ready(hf.load_params(sys.argv[1], run))
+growth = status('VmHWM:') - before
+squares = sum(float(jax.jit(lambda x: (x * x).sum())(x)) for x in jax.tree.leaves(params))
+print('RESULT', json.dumps({'growth': growth, 'squares': squares}))
+"""
+
+
+@pytest.mark.slow  # Writes a 234 MB checkpoint and loads it in two processes (about 15 s).
+def test_two_processes_each_grow_by_under_0_6x_the_checkpoint_while_loading_it_on_fsdp8(tmp_path):
+  vocab, hidden, mlp, layers = 32000, 1024, 2816, 2
+  shapes = {'model.embed_tokens.weight': (vocab, hidden), 'model.norm.weight': (hidden,)}
+  for i in range(layers):
+    layer = f'model.layers.{i}.'
+    shapes |= {f'{layer}{name}.weight': (hidden,) for name in ('input_layernorm', 'post_attention_layernorm')}
+    shapes |= {f'{layer}self_attn.{name}_proj.weight': (hidden, hidden) for name in 'qkvo'}
+    shapes |= {f'{layer}mlp.{name}_proj.weight': (mlp, hidden) for name in ('gate', 'up')}
+    shapes[f'{layer}mlp.down_proj.weight'] = (hidden, mlp)
+  rng = np.random.default_rng(0)
+  tensors = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+  squares = sum(float((t.astype(np.float64) ** 2).sum()) for t in tensors.values())
+  save_file(tensors, tmp_path / hf.SINGLE, metadata={'format': 'pt'})
+  del tensors
+  (tmp_path / 'config.json').write_text(json.dumps({
+      'model_type': 'llama', 'vocab_size': vocab, 'hidden_size': hidden, 'intermediate_size': mlp,
+      'num_hidden_layers': layers, 'num_attention_heads': 8, 'num_key_value_heads': 8,
+      'tie_word_embeddings': True}))
+  size = (tmp_path / hf.SINGLE).stat().st_size
+  assert size >= 200e6
+  proc = subprocess.run([sys.executable, 'scripts/launch_local.py', '--num_processes', '2', '--',
+                         sys.executable, '-c', LOAD_AND_MEASURE, str(tmp_path)],
+                        cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  results = [json.loads(line.split('RESULT ')[1]) for line in proc.stdout.splitlines() if 'RESULT ' in line]
+  assert len(results) == 2, proc.stdout[-3000:]
+  for result in results:
+    assert result['squares'] == pytest.approx(squares, rel=1e-6)  # Every weight arrived (float32 sums).
+    # Each process holds half of every parameter (0.5x), and less than a tenth of the file more.
+    assert 0.45 * size < result['growth'] < 0.6 * size, (result['growth'] / size, proc.stdout[-2000:])
