@@ -132,22 +132,44 @@ def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | Non
       source = where[ours]
       their_shape = tuple(conversion.their_shape(source.kind, abstract.shape[source.stacked:]))
       files = [tensors.get(name, ours, their_shape) for name in source.names]
-
-      def callback(index, source=source, files=files, shape=abstract.shape, dtype=abstract.dtype):
-        bounds = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
-        out = _adoptable_empty(tuple(b.stop - b.start for b in bounds), dtype)
-        if not source.stacked:
-          conversion.read(source.kind, files[0], bounds, cfg.head_dim, out)
-          return out
-        layers = bounds[0]
-        for i in range(layers.start, layers.stop):  # The device's layers, one tensor each.
-          conversion.read(source.kind, files[i], bounds[1:], cfg.head_dim, out[i - layers.start])
-        return out
-
-      sharding = NamedSharding(mesh, abstract.sharding.spec)
-      value = jax.make_array_from_callback(abstract.shape, sharding, callback)
+      value = _load(conversion, source, files, abstract.shape, abstract.dtype,
+                    NamedSharding(mesh, abstract.sharding.spec), cfg.head_dim)
       loaded.append(var.replace(value) if _is_variable(var) else value)
   return jax.tree_util.tree_unflatten(treedef, loaded)
+
+
+def _load(conversion: Any, source: Source, files: list[safetensors_reader.Tensor], shape: tuple[int, ...],
+          dtype: np.dtype, sharding: NamedSharding, head_dim: int) -> jax.Array:
+  """One parameter, each of this process's devices given its slice; devices that hold the same slice
+  (replicas) share its read, and each distinct slice is read in one pass over the tensor's rows."""
+  slices: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+  devices = []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+    if bounds not in slices:
+      slices[bounds] = _adoptable_empty(tuple(b - a for a, b in bounds), dtype)
+    devices.append((device, bounds))
+  targets = [(tuple(slice(a, b) for a, b in bounds), out) for bounds, out in slices.items()]
+  if not source.stacked:
+    conversion.read(source.kind, files[0], targets, head_dim)
+  else:  # Layer i's tensor fills index i - start of each slice whose layers hold it.
+    for i in range(len(files)):
+      layer = [(index[1:], out[i - index[0].start]) for index, out in targets
+               if index[0].start <= i < index[0].stop]
+      if layer:
+        conversion.read(source.kind, files[i], layer, head_dim)
+  arrays, taken = [], set()
+  for device, bounds in devices:  # A replica gets a copy of its own (a device buffer is never shared).
+    host = slices[bounds] if bounds not in taken else _copy(slices[bounds])
+    taken.add(bounds)
+    arrays.append(jax.device_put(host, device))
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _copy(x: np.ndarray) -> np.ndarray:
+  out = _adoptable_empty(x.shape, x.dtype)
+  out[...] = x
+  return out
 
 
 def _adoptable_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from mintrain import checkpoint as ckpt_lib
 from mintrain import config as config_lib
-from mintrain import hf, sampling
+from mintrain import hf, safetensors_reader, sampling
 from mintrain.fields import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.models import hf_llama, hf_model_options
@@ -305,6 +305,24 @@ def test_fine_tune_from_a_checkpoint_with_scanned_layers_then_export_gives_trans
   with torch.no_grad():
     logits = exported(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
   assert np.abs(logits - trained).max() <= 1e-4
+
+
+@pytest.mark.parametrize('kind', list(hf_llama.Kind))
+def test_reading_any_slices_of_a_written_tensor_gives_back_those_slices(kind, tmp_path, monkeypatch):
+  monkeypatch.setattr(safetensors_reader, 'BLOCK_BYTES', 64)  # Blocks of a few rows.
+  shapes = {hf_llama.Kind.SAME: (12, 10), hf_llama.Kind.T: (10, 12), hf_llama.Kind.IN_HEADS: (10, 6, 4),
+            hf_llama.Kind.HEADS_OUT: (6, 4, 10), hf_llama.Kind.HEADS: (6, 4)}
+  rng = np.random.default_rng(0)
+  ours = rng.standard_normal(shapes[kind]).astype(np.float32)
+  save_file({'w': hf_llama.write(kind, ours)}, tmp_path / 'w.safetensors')
+  with safetensors_reader.File(tmp_path / 'w.safetensors') as file:
+    for _ in range(10):  # Several overlapping or disjoint slices at once, as a process's devices ask.
+      indices = [tuple(slice(*sorted(rng.choice(n + 1, 2, replace=False))) for n in ours.shape)
+                 for _ in range(rng.integers(1, 4))]
+      targets = [(index, np.full([s.stop - s.start for s in index], np.nan, np.float32)) for index in indices]
+      hf_llama.read(kind, file.tensors['w'], targets, head_dim=4)
+      for index, out in targets:
+        np.testing.assert_array_equal(out, ours[index])
 
 
 LOAD_AND_MEASURE = """

@@ -17,7 +17,7 @@ maps any rectangular slice of it to one rectangular slice of the tensor, read bl
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -162,29 +162,70 @@ def their_shape(kind: Kind, shape: tuple[int, ...]) -> tuple[int, ...]:
   return (shape[0] * shape[1],)
 
 
-def read(kind: Kind, tensor: Any, index: tuple[slice, ...], head_dim: int, out: np.ndarray) -> None:
-  """Fills `out` with our parameter's `index` (slices with explicit bounds), read from `tensor`
-  (`safetensors_reader.Tensor`) one block of its rows at a time, so nothing but `out` is slice-sized."""
+def their_index(kind: Kind, index: tuple[slice, ...], head_dim: int) -> tuple[slice, ...]:
+  """The rectangle of the Hugging Face tensor that our parameter's `index` (slices with explicit bounds)
+  reads: (rows, columns), or (rows,) of a vector."""
   k = head_dim
   if kind is Kind.SAME:
-    for r, rows in tensor.blocks(index):
-      out[r:r + len(rows)] = rows
-  elif kind is Kind.T:  # ours (in, out)[i, o] = theirs[o, i]
-    for r, rows in tensor.blocks(index[::-1]):
-      out[:, r:r + len(rows)] = rows.T
-  elif kind is Kind.IN_HEADS:  # ours (D, N, K)[d, n, kk] = theirs[n*K + kk, d]
-    d, n, kk = index
-    for r, rows in tensor.blocks((slice(n.start * k, n.stop * k), d), rows_multiple=k):
-      heads_NKD = rows.reshape(-1, k, rows.shape[1])
-      out[:, r // k:r // k + len(heads_NKD)] = heads_NKD[:, kk].transpose(2, 0, 1)
-  elif kind is Kind.HEADS_OUT:  # ours (N, K, D)[n, kk, d] = theirs[d, n*K + kk]
-    n, kk, d = index
-    for r, rows in tensor.blocks((d, slice(n.start * k, n.stop * k))):
-      out[:, :, r:r + len(rows)] = rows.T.reshape(n.stop - n.start, k, len(rows))[:, kk]
-  else:  # HEADS: ours (N, K)[n, kk] = theirs[n*K + kk]
-    n, kk = index
-    for r, rows in tensor.blocks((slice(n.start * k, n.stop * k),), rows_multiple=k):
-      out[r // k:(r + len(rows)) // k] = rows.reshape(-1, k)[:, kk]
+    return index
+  if kind is Kind.T:
+    return index[::-1]
+  if kind is Kind.IN_HEADS:  # ours (D, N, K)[d, n, kk] = theirs[n*K + kk, d]
+    return slice(index[1].start * k, index[1].stop * k), index[0]
+  if kind is Kind.HEADS_OUT:  # ours (N, K, D)[n, kk, d] = theirs[d, n*K + kk]
+    return index[2], slice(index[0].start * k, index[0].stop * k)
+  return (slice(index[0].start * k, index[0].stop * k),)  # HEADS: ours (N, K)[n, kk] = theirs[n*K + kk]
+
+
+def _place(kind: Kind, rows: np.ndarray, offset: int, index: tuple[slice, ...], head_dim: int,
+           out: np.ndarray) -> None:
+  """Writes into `out` (our `index`) the part that `rows` of its rectangle (`their_index`) hold, which
+  start `offset` rows into it."""
+  k, n = head_dim, len(rows)
+  if kind is Kind.SAME:
+    out[offset:offset + n] = rows
+  elif kind is Kind.T:
+    out[:, offset:offset + n] = rows.T
+  elif kind is Kind.IN_HEADS:  # Rows of whole heads: (heads, K, D), our head dims picked, to (D, heads, K).
+    out[:, offset // k:(offset + n) // k] = rows.reshape(n // k, k, -1)[:, index[2]].transpose(2, 0, 1)
+  elif kind is Kind.HEADS_OUT:  # Rows of D: to (N, K, D), our head dims picked.
+    out[:, :, offset:offset + n] = rows.T.reshape(out.shape[0], k, n)[:, index[1]]
+  else:
+    out[offset // k:(offset + n) // k] = rows.reshape(n // k, k)[:, index[1]]
+
+
+def read(kind: Kind, tensor: Any, targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+         head_dim: int) -> None:
+  """Fills each target's array with our parameter's slice `index` (slices with explicit bounds) of
+  `targets` [(index, array)], read from `tensor` (`safetensors_reader.Tensor`) in one pass over the rows
+  that any of them needs, a block at a time: the devices of a process share each read, and nothing but
+  the targets is slice-sized. Rows of heads are read whole heads at a time."""
+  wanted = [(their_index(kind, index, head_dim), index, out) for index, out in targets]
+  columns = ()
+  if len(tensor.shape) == 2:
+    columns = (slice(min(w[0][1].start for w in wanted), max(w[0][1].stop for w in wanted)),)
+  multiple = head_dim if kind in (Kind.IN_HEADS, Kind.HEADS) else 1
+  for rows in _merged(sorted(w[0][0] for w in wanted)):
+    for start, block in tensor.blocks((rows, *columns), rows_multiple=multiple):
+      start += rows.start
+      for (their_rows, *their_columns), index, out in wanted:
+        first, last = max(their_rows.start, start), min(their_rows.stop, start + len(block))
+        if first < last:
+          part = block[first - start:last - start]
+          if columns:
+            part = part[:, their_columns[0].start - columns[0].start:their_columns[0].stop - columns[0].start]
+          _place(kind, part, first - their_rows.start, index, head_dim, out)
+
+
+def _merged(intervals: Sequence[slice]) -> list[slice]:
+  """Sorted intervals with those that overlap or touch merged."""
+  out: list[slice] = []
+  for s in intervals:
+    if out and s.start <= out[-1].stop:
+      out[-1] = slice(out[-1].start, max(out[-1].stop, s.stop))
+    else:
+      out.append(s)
+  return out
 
 
 def write(kind: Kind, value: np.ndarray) -> np.ndarray:
