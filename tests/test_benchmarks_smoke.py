@@ -86,3 +86,14 @@ def test_breakdown_benchmark_smoke_attributes_op_time_to_model_code():
       <= parts
   assert not parts & {'gather', 'AxisRules.reshard'}  # Helpers count for their callers.
   assert abs(sum(float(row[4].rstrip('%')) for row in body) - 100) < 1
+
+
+def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_memory():
+  stdout, header, body = smoke('hf_load.py')
+  assert header == ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read',
+                    'peak_growth_MiB', 'growth / ckpt']
+  assert [row[:4] for row in body] == [['read file', '1', '-', 'cold'], ['read file', '1', '-', 'warm'],
+                                       ['hf.load_params', '1 x 8', 'fsdp8', 'warm'],
+                                       ['hf.load_params', '2 x 4', 'fsdp8', 'warm']]
+  assert all(n > 0 for row in body[2:] for n in numbers(row[4:]))
+  assert 'Checkpoint: ' in stdout
