@@ -41,9 +41,10 @@ LOADS = [(1, 'fsdp8', 'cold'), (1, 'fsdp8', 'warm'), (1, 'tp8', 'warm'), (1, 'dp
 SMOKE_LOADS = [(1, 'fsdp8', 'warm'), (2, 'fsdp8', 'warm')]
 REPEATS = 3  # Reads of the file per cache state (the median is reported).
 RESULT = 'RESULT '  # The line a measuring process prints.
-# x_read: wall time over the read's from the same cache; peak_growth_MiB: of the process that grew most.
-HEADER = ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'peak_growth_MiB',
-          'growth / ckpt']
+# x_read: wall time over the file read's from the same cache; read_MiB: bytes read (the process that read
+# most); peak_growth_MiB: of the process that grew most.
+HEADER = ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'read_MiB',
+          'peak_growth_MiB', 'growth / ckpt']
 
 
 def write_checkpoint(directory: pathlib.Path, model: dict[str, int]) -> int:
@@ -95,6 +96,12 @@ def status_bytes(key: str) -> int:
     return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
+def bytes_read() -> int:
+  """Bytes this process has read with read-like system calls (`rchar`; pages of a memory map not counted)."""
+  with open('/proc/self/io') as f:
+    return next(int(line.split()[1]) for line in f if line.startswith('rchar:'))
+
+
 def measure_process(directory: pathlib.Path, mesh_name: str, cache: str) -> None:
   """One process of a load: prints its load time and peak memory growth (run by `load`)."""
   from mintrain import distributed
@@ -118,11 +125,11 @@ def measure_process(directory: pathlib.Path, mesh_name: str, cache: str) -> None
   with open('/proc/self/clear_refs', 'w') as f:
     f.write('5')  # The peak (VmHWM) starts again from the current size.
   before = status_bytes('VmRSS:')
-  start, cpu = time.perf_counter(), time.process_time()
+  start, cpu, read = time.perf_counter(), time.process_time(), bytes_read()
   jax.block_until_ready(hf.load_params(directory, run))
-  seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-  print(RESULT + json.dumps({'seconds': seconds, 'cpu': cpu, 'growth': status_bytes('VmHWM:') - before}),
-        flush=True)
+  seconds, cpu, read = time.perf_counter() - start, time.process_time() - cpu, bytes_read() - read
+  print(RESULT + json.dumps({'seconds': seconds, 'cpu': cpu, 'read': read,
+                             'growth': status_bytes('VmHWM:') - before}), flush=True)
 
 
 def load(directory: pathlib.Path, processes: int, mesh_name: str, cache: str) -> list[dict[str, float]]:
@@ -161,15 +168,15 @@ def main() -> int:
     for cache in ('cold', 'warm'):
       times = [read_seconds(path, cache) for _ in range(1 if args.smoke else REPEATS)]
       read[cache] = tuple(statistics.median(t[i] for t in times) for i in (0, 1))
-    rows = [['read file', '1', '-', cache, f'{wall * 1e3:.1f}', f'{cpu * 1e3:.1f}', '1.00', '-', '-']
-            for cache, (wall, cpu) in read.items()]
+    rows = [['read file', '1', '-', cache, f'{wall * 1e3:.1f}', f'{cpu * 1e3:.1f}', '1.00', harness.mib(size),
+             '-', '-'] for cache, (wall, cpu) in read.items()]
     for processes, mesh_name, cache in SMOKE_LOADS if args.smoke else LOADS:
       results = load(directory, processes, mesh_name, cache)
       seconds, cpu = max(r['seconds'] for r in results), max(r['cpu'] for r in results)
-      growth = max(r['growth'] for r in results)
+      growth, bytes_in = max(r['growth'] for r in results), max(r['read'] for r in results)
       rows.append(['hf.load_params', f'{processes} x {harness.DEVICES // processes}', mesh_name, cache,
                    f'{seconds * 1e3:.1f}', f'{cpu * 1e3:.1f}', f'{seconds / read[cache][0]:.2f}',
-                   harness.mib(growth), f'{growth / size:.2f}'])
+                   harness.mib(bytes_in), harness.mib(growth), f'{growth / size:.2f}'])
       print(f'measured {processes} process(es), {mesh_name}, {cache}', flush=True)
   sizes = ', '.join(f'{k}={v}' for k, v in model.items())
   print(f'\nCheckpoint: {harness.mib(size)} MiB of float32 ({sizes}, tied). A load row is the slowest '

@@ -90,7 +90,7 @@ def test_breakdown_benchmark_smoke_attributes_op_time_to_model_code():
 
 def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_memory():
   stdout, header, body = smoke('hf_load.py')
-  assert header == ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read',
+  assert header == ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'read_MiB',
                     'peak_growth_MiB', 'growth / ckpt']
   assert [row[:4] for row in body] == [['read file', '1', '-', 'cold'], ['read file', '1', '-', 'warm'],
                                        ['hf.load_params', '1 x 8', 'fsdp8', 'warm'],
