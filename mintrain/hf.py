@@ -3,10 +3,11 @@
 A directory holds `config.json` and `model.safetensors`, or shards named by
 `model.safetensors.index.json`. The model family that claims the config's `model_type`
 (`Family.hf`, e.g. `models.hf_llama`) says which options it sets and where each tensor goes;
-this module only reads and writes. Loading reads, for each parameter, only the slices that this
-process's devices hold (`safetensors_reader`, with positioned reads: no memory map keeps the file's
-pages in the process), so no host holds a whole sharded parameter. Saving writes one tensor at a time
-from process 0, in shards of at most `max_shard_size` bytes.
+this module only reads and writes. Loading reads, for each parameter, only the rows of its tensor that
+this process's devices need, once for all of them, block by block (`safetensors_reader`, positioned
+reads: no memory map keeps the file's pages in the process), straight into the arrays the devices keep:
+no host holds a whole sharded parameter, nor a second copy of its slices. Saving writes one tensor at a
+time from process 0, in shards of at most `max_shard_size` bytes.
 
 The family names its tensors for layers held one by one (`blocks.<i>.X`); with `model.scan_layers`, a
 parameter stacked on a leading `layers` axis (`blocks.X`) is layer i's tensor at index i, found as

@@ -202,6 +202,10 @@ def test_scanned_layers_load_on_tp8_and_save_back_the_same_tensors(llama3, tmp_p
 def test_mistral_sliding_window_sequences_within_it_match_and_longer_ones_are_errors(tmp_path):
   reference = random_model('mistral', tmp_path, sliding_window=16)
   assert hf_model_options(tmp_path)['sliding_window'] == 16
+  with pytest.raises(ConfigError, match=r'^train.seq_len=32 is longer than model.sliding_window=16'):
+    load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'train.seq_len=32')  # A fine-tune's config.
+  fine_tune = load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'train.seq_len=16')
+  assert fine_tune.model.sliding_window == 16
   with on_mesh('dp4_tp2'):
     with pytest.raises(ConfigError, match=r'^train.seq_len=64 is longer than model.sliding_window=16: .* '
                                           r'\(train.seq_len <= 16\)\.$'):
