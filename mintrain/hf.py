@@ -99,16 +99,16 @@ class _Tensors(contextlib.ExitStack):
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
+class _Source:
   """Where one mintrain parameter lives in a Hugging Face checkpoint."""
   names: tuple[str, ...]  # Its tensor; with `stacked`, layer i's tensor at index i.
   kind: Any  # How the family reshapes it (e.g. `hf_llama.Kind`).
   stacked: bool  # Stacked on a leading `layers` axis (scan_layers).
 
 
-def sources(conversion: Any, cfg: Any, params: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
-            ) -> dict[str, Source]:
-  """{our parameter path: its Source} for `params` ({path: (shape, logical axes)})."""
+def _sources(conversion: Any, cfg: Any, params: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
+            ) -> dict[str, _Source]:
+  """{our parameter path: its _Source} for `params` ({path: (shape, logical axes)})."""
   names = conversion.weight_names(cfg)
   stacked = Relayout.plan(params, dict.fromkeys(names)).stack
   out = {}
@@ -116,16 +116,17 @@ def sources(conversion: Any, cfg: Any, params: dict[str, tuple[tuple[int, ...], 
     per_layer = [names[p] for p in stacked[ours]] if ours in stacked else [names.get(ours)]
     if None in per_layer:
       raise ConfigError(f'mintrain parameter {ours} has no Hugging Face tensor.')
-    out[ours] = Source(tuple(name for name, _ in per_layer), per_layer[0][1], ours in stacked)
+    out[ours] = _Source(tuple(name for name, _ in per_layer), per_layer[0][1], ours in stacked)
   return out
 
 
 def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | None = None) -> nnx.State:
-  """The checkpoint's weights as `run`'s parameters, each device's slice read on its own process."""
+  """The checkpoint's weights as `run`'s parameters on `mesh` (default `run.mesh`): each process reads
+  the slices its devices hold, each tensor once (`_load`)."""
   conversion, cfg = run.config.family.hf, run.config.model
   mesh = mesh or run.mesh
   leaves, treedef = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
-  where = sources(conversion, cfg, {train_state.path_str(key): _shape_and_axes(var) for key, var in leaves})
+  where = _sources(conversion, cfg, {train_state.path_str(key): _shape_and_axes(var) for key, var in leaves})
   loaded = []
   with _Tensors(path) as tensors:
     for key, var in leaves:
@@ -139,7 +140,7 @@ def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | Non
   return jax.tree_util.tree_unflatten(treedef, loaded)
 
 
-def _load(conversion: Any, source: Source, files: list[safetensors_reader.Tensor], shape: tuple[int, ...],
+def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tensor], shape: tuple[int, ...],
           dtype: np.dtype, sharding: NamedSharding, head_dim: int) -> jax.Array:
   """One parameter, each of this process's devices given its slice; devices that hold the same slice
   (replicas) share its read, and each distinct slice is read in one pass over the tensor's rows."""
@@ -225,7 +226,7 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
   out_dtype = np.dtype(dtype or cfg.param_dtype)
   _, params = nnx.split(model, nnx.Param)
   variables = {train_state.path_str(key): var for key, var in nnx.to_flat_state(params)}
-  where = sources(family.hf, cfg, {path: _shape_and_axes(var) for path, var in variables.items()})
+  where = _sources(family.hf, cfg, {path: _shape_and_axes(var) for path, var in variables.items()})
   is_main = jax.process_index() == 0
   out = epath.Path(out_dir)
   if is_main:
