@@ -54,7 +54,7 @@ class Run:
 
 def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   """The run of `config` on a mesh over `devices` (default: all of the default backend's)."""
-  mesh = mesh_lib.make_mesh(config.mesh.sizes, devices)
+  mesh = mesh_lib.make_mesh(config.mesh.sizes, devices, config.mesh.slices)
   family = config.family
   rules = AxisRules.from_config(config.partitioning)
   rules.check_mesh_axes(mesh.axis_names)

@@ -88,6 +88,15 @@ def test_breakdown_benchmark_smoke_attributes_op_time_to_model_code():
   assert abs(sum(float(row[4].rstrip('%')) for row in body) - 100) < 1
 
 
+def test_data_pipeline_benchmark_smoke_reads_each_source_faster_than_nothing():
+  proc = run_script('benchmarks/data_pipeline.py', '--smoke')
+  assert proc.returncode == 0, proc.stderr
+  rates = {line[:24].strip(): float(line[24:].split()[0].replace(',', ''))
+           for line in proc.stdout.splitlines() if 'tokens/s per process' in line}
+  assert set(rates) == {'JSONL, byte tokenizer', 'JSONL, BPE tokenizer', 'ArrayRecord ids'}, proc.stdout
+  assert all(rate > 0 for rate in rates.values())
+
+
 def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_memory():
   stdout, header, body = smoke('hf_load.py')
   assert header == ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'read_MiB',

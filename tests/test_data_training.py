@@ -31,6 +31,13 @@ def tiny_corpus(tmp_path):
   return str(root / '*.txt')
 
 
+def tiny_jsonl(tmp_path):
+  lines = [json.dumps({'text': f'document {i}: ' + 'the quick brown fox jumps. ' * (3 + i % 5)})
+           for i in range(40)]
+  (tmp_path / 'corpus.jsonl').write_text('\n'.join(lines) + '\n')
+  return str(tmp_path / 'corpus.jsonl')
+
+
 def test_checkpointed_iterator_state_continues_the_exact_stream(tmp_path):
   config = load_config('dp8', *TINY, 'train.steps=3', 'checkpoint.every_steps=3')
   train_loop.run(config, tmp_path, devices=mesh_devices(config), print_fn=quiet)
@@ -58,7 +65,8 @@ def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path):
   with jax.set_mesh(mesh):
     state = setup.init()
     batches = make_batches(config, mesh, rules, split='eval')
-    metrics = train_loop.evaluate(setup, state.params, batches, batches.get_state())
+    metrics = train_loop.evaluate(setup, state.params, batches, batches.get_state(),
+                                  pipeline.bytes_per_token(config.data))
     model = nnx.merge(setup.graphdef, state.params)
     local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8,
                                    micro_batch_size=8, rows=np.arange(8), seed=0)
@@ -72,7 +80,8 @@ def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path):
   loss = float(np.mean(nats))
   np.testing.assert_allclose(metrics['eval_loss'], loss, rtol=1e-5)
   np.testing.assert_allclose(metrics['eval_perplexity'], math.exp(loss), rtol=1e-5)
-  np.testing.assert_allclose(metrics['eval_bits_per_byte'], loss / math.log(2), rtol=1e-5)
+  np.testing.assert_allclose(metrics['eval_bits_per_token'], loss / math.log(2), rtol=1e-5)
+  np.testing.assert_allclose(metrics['eval_bits_per_byte'], loss / math.log(2), rtol=1e-5)  # 1 byte a token.
 
 
 def test_training_logs_baseline_eval_and_data_wait(tmp_path):
@@ -82,6 +91,7 @@ def test_training_logs_baseline_eval_and_data_wait(tmp_path):
   records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   baseline = [r for r in records if 'unigram_bits_per_byte' in r]
   assert len(baseline) == 1 and 3.0 < baseline[0]['unigram_bits_per_byte'] < 6.0
+  assert baseline[0]['unigram_bits_per_token'] == baseline[0]['unigram_bits_per_byte']  # Bytes.
   assert [r['step'] for r in records if 'eval_loss' in r] == [2, 4]
   assert all(0.0 <= r['data_wait_fraction'] <= 1.0 for r in records if 'data_wait_fraction' in r)
 
@@ -113,10 +123,11 @@ def test_restored_checkpoint_with_another_source_does_not_reuse_its_stream(tmp_p
   assert result.first_step == 2 and len(result.losses) == 1
 
 
-@pytest.mark.parametrize('source', ['synthetic', 'text'])
+@pytest.mark.parametrize('source', ['synthetic', 'text', 'jsonl'])
 def test_batches_sent_ahead_are_on_their_devices_and_not_counted_in_the_saved_position(tmp_path, source):
-  data = ('data.source=synthetic',) if source == 'synthetic' else ('data.source=text',
-                                                                   f'data.path={tiny_corpus(tmp_path)}')
+  data = {'synthetic': ('data.source=synthetic',),
+          'text': ('data.source=text', f'data.path={tiny_corpus(tmp_path)}'),
+          'jsonl': ('data.source=jsonl', f'data.path={tiny_jsonl(tmp_path)}', 'data.block_bytes=200')}[source]
   ahead_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=2')
   plain_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=0')
   mesh = make_mesh(ahead_config.mesh.sizes)

@@ -10,13 +10,24 @@ import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from conftest import REPO, SCRIPT_DEFAULTS, build, load_config, mesh_devices, run_script, script_env
+from conftest import (
+  REPO,
+  SCRIPT_DEFAULTS,
+  TOKENIZER_VOCAB,
+  build,
+  load_config,
+  mesh_devices,
+  run_script,
+  script_env,
+  stdlib_texts,
+)
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from mintrain import checkpoint as ckpt_lib
 from mintrain import config as config_lib
 from mintrain import hf, safetensors_reader, sampling
+from mintrain.data import tokenizer
 from mintrain.fields import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.models import hf_llama, hf_model_options
@@ -265,10 +276,10 @@ def test_a_missing_tensor_and_a_shape_that_disagrees_with_config_json_are_one_li
 
 
 @pytest.mark.parametrize('problem', ['shape', pytest.param('model_type', marks=pytest.mark.slow)])
-def test_train_script_with_a_bad_hf_checkpoint_exits_2_with_one_line(llama3, tmp_path, problem):
-  directory, _ = llama3
+def test_train_script_with_a_bad_hf_checkpoint_exits_2_with_one_line(tmp_path, problem):
+  random_model('llama3', tmp_path / 'good', vocab_size=384)  # Holds the byte tokenizer's 257 ids.
   changes = {'model_type': 'gpt2'} if problem == 'model_type' else {'intermediate_size': 128}
-  bad = broken_copy(directory, tmp_path / 'bad', config_changes=changes)
+  bad = broken_copy(tmp_path / 'good', tmp_path / 'bad', config_changes=changes)
   proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(tmp_path / 'run'),
                     f'--config.init.hf_checkpoint={bad}', '--config.train.seq_len=16', *SCRIPT_DEFAULTS)
   assert proc.returncode == 2, proc.stderr[-3000:]
@@ -279,36 +290,59 @@ def test_train_script_with_a_bad_hf_checkpoint_exits_2_with_one_line(llama3, tmp
   assert not checkpoints.exists() or not any(checkpoints.iterdir())
 
 
-def test_fine_tune_from_a_checkpoint_with_scanned_layers_then_export_gives_transformers_the_trained_logits(
-    tmp_path):
+def test_fine_tune_with_the_checkpoint_tokenizer_and_scanned_layers_then_export_gives_transformers_the_model(
+    tmp_path, bpe_tokenizer):
+  """The directory brings its tokenizer (a transformers tokenizer of the BPE trained in conftest.py): the run
+  tokenizes text files with it, sample.py decodes with it, and the export carries it to AutoTokenizer.
+  The layers are scanned and rematerialised, in training, export and sampling."""
   torch.manual_seed(0)
-  config = transformers.LlamaConfig(**{**COMMON, 'vocab_size': 384}, num_key_value_heads=2)
+  config = transformers.LlamaConfig(**{**COMMON, 'vocab_size': TOKENIZER_VOCAB}, num_key_value_heads=2)
   transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / 'hf')
+  transformers.AutoTokenizer.from_pretrained(bpe_tokenizer).save_pretrained(tmp_path / 'hf')
+  (tmp_path / 'text').mkdir()
+  for i, text in enumerate(stdlib_texts(2 << 20)[-12:]):
+    (tmp_path / 'text' / f'{i:02d}.py.txt').write_text(text)
   workdir = tmp_path / 'run'
   proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir),
                     f'--config.init.hf_checkpoint={tmp_path / "hf"}', '--config.train.steps=12',
-                    '--config.train.log_every=1', '--config.train.seq_len=32',
-                    '--config.model.scan_layers=True', '--config.model.remat=full', *SCRIPT_DEFAULTS)
+                    '--config.train.log_every=1', '--config.train.seq_len=32', '--config.data.source=text',
+                    f'--config.data.path={tmp_path / "text" / "*.txt"}', '--config.data.eval_fraction=0.2',
+                    '--config.model.scan_layers=True', '--config.model.remat=full', *SCRIPT_DEFAULTS,
+                    '--config.eval.steps=1')
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f'Initialising the parameters from the Hugging Face checkpoint {tmp_path / "hf"}' in proc.stdout
-  losses = [r['loss'] for r in map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines())
-            if 'loss' in r]
+  records = list(map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines()))
+  losses = [r['loss'] for r in records if 'loss' in r]
   assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3])
+  [final] = [r for r in records if 'eval_loss' in r]
+  assert 1.5 < final['eval_bits_per_token'] / final['eval_bits_per_byte'] < 4  # Bytes per token, measured.
   proc = run_script('scripts/export_hf.py', '--workdir', str(workdir), '--out', str(tmp_path / 'out'))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert 'Wrote step 12' in proc.stdout
+  assert 'Wrote step 12' in proc.stdout and 'tokenizer.json' in proc.stdout
 
+  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / 'out')
+  ours = tokenizer.load(str(tmp_path / 'hf'))
+  text = 'def parse(path):\n    """Read a file."""\n    return open(path).read()\n'
+  ids = ours.document(text)[:-1].astype(np.int32)  # <s> and the text, without </s>.
+  assert theirs(text).input_ids == ids.tolist()  # Their conventions: <s> before the text.
   reader = ckpt_lib.Checkpoints(workdir / 'checkpoints', read_only=True)
   run = build(load_config('single', *(f'model.{k}={v}' for k, v in hf_model_options(tmp_path / 'hf').items()
                                       if k != 'name')))
   params = reader.restore(12, run.abstract_state, params_only=True).state['params']
-  tokens = np.random.RandomState(2).randint(0, 384, (2, 16)).astype(np.int32)
   with jax.set_mesh(run.mesh):
-    trained = mintrain_logits(run.model(params), tokens)
+    trained = mintrain_logits(run.model(params), ids[None])
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'out', dtype=torch.float32)
   with torch.no_grad():
-    logits = exported(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    logits = exported(torch.from_numpy(ids[None].astype(np.int64))).logits.numpy()
   assert np.abs(logits - trained).max() <= 1e-4
+
+  exported.generation_config.eos_token_id = None
+  with torch.no_grad():
+    greedy = exported.generate(torch.tensor([theirs('def ').input_ids]), max_new_tokens=8, do_sample=False)
+  proc = run_script('scripts/sample.py', '--workdir', str(workdir), '--prompt', 'def ',
+                    '--max_new_tokens', '8', '--temperature', '0')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout == theirs.decode(greedy[0], skip_special_tokens=True) + '\n'
 
 
 @pytest.mark.parametrize('kind', list(hf_llama.Kind))

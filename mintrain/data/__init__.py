@@ -3,6 +3,8 @@
 tokenizer.py  byte-level ids (256 bytes + BOS)
 sources.py    the embedded stdlib corpus, text globs, token files; train/eval split
 pipeline.py   Grain: packing, global shuffle per epoch, per-process shards, prefetch
+records.py    JSONL / Parquet / ArrayRecord corpora listed as blocks, read a block at a time; bad records
+streaming.py  a packed stream per batch row over shuffled blocks; mixtures; state of every row
 synthetic.py  deterministic sequences from the seed, for tests and benchmarks
 batches.py    per-process rows -> one global batch sharded on `batch`; iterator state
 """

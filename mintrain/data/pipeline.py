@@ -1,4 +1,4 @@
-"""Grain pipelines of packed byte sequences: one process's share of each batch, checkpointable.
+"""Grain pipelines of packed token sequences: one process's share of each batch, checkpointable.
 
 Packing: each token stream is cut into windows of seq_len + 1 tokens at stride seq_len
 (neighbours share one token), so every token but a stream's first is a target exactly once;
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mintrain.data import sources, tokenizer
+from mintrain.data import records, sources, streaming, tokenizer
 from mintrain.data.sources import DataError
 from mintrain.lazy import lazy_import
 
@@ -78,8 +78,11 @@ class ProcessRows:
 
 
 def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
-                 micro_batch_size: int, rows: np.ndarray, seed: int) -> grain.IterDataset:
+                 micro_batch_size: int, rows: np.ndarray, seed: int,
+                 vocab_size: int | None = None) -> grain.IterDataset:
   """This process's endless local batches of `split`; `iter()` it afresh to restart (e.g. per eval).
+
+  Every id is below `vocab_size` (the model's; default: the tokenizer's), or it is a DataError.
 
   Elements are {'inputs', 'targets'}: int32 (global_batch_size // micro_batch_size * len(rows), seq_len),
   micro-batch by micro-batch, each holding `rows` of its micro-batch.
@@ -91,7 +94,7 @@ def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch
                     f'micro-batch ({micro_batch_size}).')
   if not len(rows) or min(rows) < 0 or max(rows) >= micro_batch_size:
     raise DataError(f'rows {list(rows)} must be some of the micro-batch\'s {micro_batch_size} rows.')
-  streams = sources.load_split(data_cfg, split)
+  streams = sources.load_split(data_cfg, split, vocab_size=vocab_size)
   windows = PackedSequences(streams, seq_len)
   if not len(windows):
     raise DataError(f'The {split} split of {sources.describe(data_cfg)} has {max(len(s) for s in streams)} '
@@ -107,27 +110,56 @@ def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch
   return ds.to_iter_dataset(read)
 
 
+def streamed(data_cfg: DataConfig) -> bool:
+  """Whether the source is read a block at a time (`streaming`) rather than loaded (`sources`)."""
+  return data_cfg.source in (*records.FORMATS, 'mixture')
+
+
 def make_iterator(data_cfg: DataConfig, **layout) -> grain.DatasetIterator:
-  """An iterator over `make_dataset(data_cfg, **layout)`; `get_state()` is a JSON-able dict, `set_state`
-  resumes it."""
+  """An iterator over `make_dataset(data_cfg, **layout)`, or over a streamed source's or mixture's rows
+  (`streaming`); `get_state()` is a JSON-able dict, `set_state` resumes it."""
+  if streamed(data_cfg):
+    return streaming.make_iterator(data_cfg, **layout)
   return iter(make_dataset(data_cfg, **layout))
 
 
 def token_counts(streams: Sequence[np.ndarray]) -> np.ndarray:
-  """int64 (VOCAB_SIZE,) occurrences of each id, read in chunks so a memory-mapped corpus fits."""
-  counts = np.zeros(tokenizer.VOCAB_SIZE, np.int64)
+  """int64 occurrences of each id (up to the largest), read in chunks so a memory-mapped corpus fits."""
+  counts = np.zeros(0, np.int64)
   chunk = 1 << 24
   for stream in streams:
     for start in range(0, len(stream), chunk):
-      counts += np.bincount(np.asarray(stream[start:start + chunk]), minlength=tokenizer.VOCAB_SIZE)
+      part = np.bincount(np.asarray(stream[start:start + chunk]))
+      counts = np.pad(counts, (0, max(len(part) - len(counts), 0)))
+      counts[:len(part)] += part
   return counts
 
 
-def unigram_bits_per_byte(data_cfg: DataConfig, *, split: str = 'eval') -> float:
+def unigram_bits_per_token(data_cfg: DataConfig, *, split: str = 'eval') -> float:
   """Entropy of the split's own token frequencies: the loss a model ignoring context cannot beat.
 
-  Counts every token of the split, BOS included, as the training loss does.
+  Counts every token of the split, BOS and EOS included, as the training loss does (of a streamed source,
+  its first 2**26 tokens; of a mixture, each source's frequencies weighted by its share).
   """
-  counts = token_counts(sources.load_split(data_cfg, split))
+  if streamed(data_cfg):
+    counts = streaming.unigram_counts(data_cfg, split)
+  else:
+    counts = token_counts(sources.load_split(data_cfg, split))
   p = counts[counts > 0] / counts.sum()
   return float(-(p * np.log2(p)).sum())
+
+
+def bytes_per_token(data_cfg: DataConfig, *, split: str = 'eval', max_tokens: int = 1 << 22) -> float:
+  """UTF-8 bytes per token of the split: the tokenizer's own figure where it is fixed (bytes: 1), else
+  measured: the text files' bytes over their tokens (BOS and EOS included, as the loss counts them), or
+  for token files, the bytes their first `max_tokens` tokens decode to."""
+  tok = tokenizer.load(data_cfg.tokenizer)
+  if tok.bytes_per_token is not None:
+    return tok.bytes_per_token
+  if streamed(data_cfg):
+    return streaming.bytes_per_token(data_cfg, split)
+  streams = sources.load_split(data_cfg, split)
+  if data_cfg.source != 'tokens':
+    return sources.text_bytes(data_cfg, split) / sum(len(s) for s in streams)
+  ids = np.concatenate([np.asarray(s[:max_tokens]) for s in streams])[:max_tokens]
+  return len(tok.decode(ids).encode('utf-8')) / len(ids)

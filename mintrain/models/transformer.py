@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +103,7 @@ def _even(value: int) -> str | None:
 class TransformerConfig:
   """The `model` section of a transformer run; configs/base.py has the defaults and their meaning."""
 
-  vocab_size: int = option(at_least=1)
+  vocab_size: int = option(at_least=0)  # 0 until `for_tokenizer` sets it.
   embed_dim: int = option(at_least=1)
   num_layers: int = option(at_least=1)
   num_heads: int = option(at_least=1)
@@ -147,6 +148,13 @@ class TransformerConfig:
   @property
   def grouped(self) -> bool:
     return self.kv_heads != self.num_heads
+
+
+def for_tokenizer(cfg: TransformerConfig, num_ids: Callable[[], int]) -> TransformerConfig:
+  """model.vocab_size=0 takes the tokenizer's ids, padded to a multiple of 128 so `vocab` splits."""
+  if cfg.vocab_size:
+    return cfg
+  return dataclasses.replace(cfg, vocab_size=tokenizer.padded_vocab_size(num_ids()))
 
 
 def check(cfg: TransformerConfig, seq_len: int) -> None:
@@ -571,6 +579,8 @@ FAMILY = Family(
     for_mesh=for_mesh,
     notes=notes,
     hf=hf_llama,
-    eval_metrics=lambda cfg, loss: {'eval_bits_per_byte': tokenizer.bits_per_byte(loss)},
+    eval_metrics=lambda cfg, loss: {'eval_bits_per_token': loss / math.log(2)},
+    vocab_size=lambda cfg: cfg.vocab_size,
+    for_tokenizer=for_tokenizer,
     check=check,
 )
