@@ -84,6 +84,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.eval_fraction = 0.05  # Held-out share: files by a stable hash of their path; a token file's tail.
   c.data.token_dtype = 'uint16'  # Element type of 'tokens' files: 'uint16' or 'uint32'.
   c.data.max_bytes = 0  # Read only the first files (in sorted order) up to about this many bytes; 0: all.
+  # Rows of file sources: 'pack' documents back to back (attention and RoPE positions restart at each),
+  # or 'pad' one document per row, truncated or padded (padding never counts in the loss).
+  c.data.packing = 'pack'
   c.data.num_threads = 1  # Grain reader threads (no worker processes).
   c.data.prefetch = 4  # Batches each process reads ahead of the train step; 0 turns prefetching off.
   c.data.device_prefetch = 1  # Train batches already on their devices when a step starts; 0: none.

@@ -86,6 +86,7 @@ class DataConfig:
   eval_fraction: float = option(at_least=0, below=1)
   token_dtype: str = option(choices=('uint16', 'uint32'))
   max_bytes: int = option(at_least=0)
+  packing: str = option(choices=('pack', 'pad'))
   num_threads: int = option(at_least=0)
   prefetch: int = option(at_least=0)
   device_prefetch: int = option(at_least=0)

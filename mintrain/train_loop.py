@@ -152,12 +152,13 @@ class Evaluate:
 
 def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
              bytes_per_token: float | None = None) -> dict[str, float]:
-  """Mean loss on the first `eval.steps` held-out batches (the same ones every time), and what follows:
-  perplexity, the family's own figures, and bits per byte where the text's bytes per token are known."""
+  """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
+  time), and what follows: perplexity, the family's own figures, and bits per byte where the text's bytes
+  per token are known."""
   steps = run.config.eval.steps
   batches.set_state(start_state)
-  losses = [run.eval_step(params, next(batches)) for _ in range(steps)]
-  loss = float(sum(to_host(losses)) / steps)
+  sums, counts = zip(*to_host([run.eval_step(params, next(batches)) for _ in range(steps)]))
+  loss = float(sum(sums) / sum(counts))
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
   if bytes_per_token:
     out['eval_bits_per_byte'] = loss / math.log(2) / bytes_per_token

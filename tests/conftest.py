@@ -96,6 +96,23 @@ def run_script(*args, timeout=300, env_extra=None) -> subprocess.CompletedProces
                         timeout=timeout)
 
 
+def short_documents(n: int, seed: int = 0) -> list[bytes]:
+  """Random-letter documents of 2 to 30 bytes: a packed row of 32 tokens holds two or three."""
+  import numpy as np
+  letters = np.frombuffer(b'abcdefghij klmnop\n', np.uint8)
+  rng = np.random.default_rng(seed)
+  return [letters[rng.integers(len(letters), size=rng.integers(2, 31))].tobytes() for _ in range(n)]
+
+
+@pytest.fixture(scope='session')
+def short_docs(tmp_path_factory) -> tuple[str, ...]:
+  """Overrides that train on 200 short text files (one document each), packed several to a row."""
+  root = tmp_path_factory.mktemp('short_docs')
+  for i, doc in enumerate(short_documents(200)):
+    (root / f'doc{i:03d}.txt').write_bytes(doc)
+  return ('data.source=text', f'data.path={root}/*.txt', 'data.eval_fraction=0.1')
+
+
 @pytest.fixture(scope='session', autouse=True)
 def _eight_devices():
   assert jax.device_count() == 8, 'tests expect 8 simulated CPU devices (see conftest.py)'

@@ -62,13 +62,15 @@ def test_sections_are_frozen_and_round_trip_through_their_saved_form():
 
 def test_a_config_saved_before_an_option_existed_is_upgraded_with_its_default():
   saved = load_config('dp4_tp2').to_dict()
-  for section, key in (('model', 'loss_chunks'), ('model', 'linear'), ('data', 'device_prefetch')):
+  for section, key in (('model', 'loss_chunks'), ('model', 'linear'), ('data', 'device_prefetch'),
+                       ('data', 'packing')):
     del saved[section][key]
   saved['train']['steps'] = 77
   with pytest.raises(ConfigError, match=r'Config key \w+\.\w+ is missing; configs/base.py has its default'):
     config_lib.validate(saved)
   upgraded = config_lib.validate(config_lib.upgrade(saved))
   assert (upgraded.model.loss_chunks, upgraded.model.linear, upgraded.data.device_prefetch) == (-1, 'auto', 1)
+  assert upgraded.data.packing == 'pack'
   assert upgraded.train.steps == 77
 
 

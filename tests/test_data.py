@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from mintrain import config as config_lib
-from mintrain.data import pipeline, sources, tokenizer
+from mintrain.data import pipeline, segments, sources, tokenizer
 from mintrain.data.sources import DataError
+
+BYTES = segments.Separators.of(tokenizer.BYTES)  # The byte tokenizer's: BOS starts a document.
 
 BASE_DATA = config_lib.validate(config_lib.defaults()).data
 
@@ -52,7 +54,7 @@ def train_iter(cfg, *, batch=8, seq_len=8, seed=0, index=0, count=1, split='trai
   share = micro // count
   return pipeline.make_iterator(cfg, split=split, seq_len=seq_len, global_batch_size=batch,
                                 micro_batch_size=micro, rows=np.arange(index * share, (index + 1) * share),
-                                seed=seed)
+                                seed=seed, separators=BYTES)
 
 
 def rows(batches: list[dict[str, np.ndarray]]) -> list[tuple[int, ...]]:
@@ -101,7 +103,7 @@ def test_windows_overlap_by_one_token_and_never_cross_streams():
 
 
 def test_targets_are_inputs_shifted_by_one():
-  batch = pipeline.split_inputs_targets(np.arange(12, dtype=np.int32).reshape(2, 6))
+  batch = segments.split_inputs_targets(np.arange(12, dtype=np.int32).reshape(2, 6), separators=BYTES)
   assert batch['inputs'].tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]
   assert batch['targets'].tolist() == [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11]]
 

@@ -14,10 +14,12 @@ from flax import nnx
 from mintrain import train_loop
 from mintrain.checkpoint import Checkpoints
 from mintrain.config import ConfigError
-from mintrain.data import pipeline
+from mintrain.data import pipeline, segments, tokenizer
 from mintrain.data.batches import batch_sharding, make_batches
 from mintrain.mesh import make_mesh
 from mintrain.partitioning import AxisRules
+
+BYTES = segments.Separators.of(tokenizer.BYTES)  # The byte tokenizer's: BOS starts a document.
 
 TINY = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4',
         'model.head_dim=8', 'train.global_batch_size=8', 'train.seq_len=16', 'train.log_every=1')
@@ -27,7 +29,7 @@ def tiny_corpus(tmp_path):
   root = tmp_path / 'corpus'
   root.mkdir()
   for i in range(40):
-    (root / f'doc{i:02d}.txt').write_text(f'document {i}: ' + 'the quick brown fox jumps. ' * (3 + i % 5))
+    (root / f'doc{i:02d}.txt').write_text(f'document {i}: ' + 'the quick brown fox jumps. ' * (i % 3))
   return str(root / '*.txt')
 
 
@@ -52,13 +54,15 @@ def test_checkpointed_iterator_state_continues_the_exact_stream(tmp_path):
     resumed.set_state(saved)
     for _ in range(2):
       a, b = next(straight), next(resumed)
-      np.testing.assert_array_equal(np.asarray(a['inputs']), np.asarray(b['inputs']))
-      np.testing.assert_array_equal(np.asarray(a['targets']), np.asarray(b['targets']))
+      assert a.keys() == b.keys() == {'inputs', 'targets', 'segment_ids', 'positions', 'target_weights'}
+      for key in a:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
 
 
-def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path):
+@pytest.mark.parametrize('packing', ['pack', 'pad'])
+def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path, packing):
   config = load_config('single', *TINY, 'data.source=text', f'data.path={tiny_corpus(tmp_path)}',
-                       'data.eval_fraction=0.3', 'eval.steps=2')
+                       'data.eval_fraction=0.3', 'eval.steps=2', f'data.packing={packing}')
   mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
   rules = AxisRules.from_config(config.partitioning)
   setup = build(config)
@@ -69,15 +73,22 @@ def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path):
                                   pipeline.bytes_per_token(config.data))
     model = nnx.merge(setup.graphdef, state.params)
     local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8,
-                                   micro_batch_size=8, rows=np.arange(8), seed=0)
-    nats = []
+                                   micro_batch_size=8, rows=np.arange(8), seed=0, separators=BYTES)
+    nats, weights, documents = [], [], []
     for _ in range(2):
       batch = next(local)
-      logits = np.asarray(model(jax.numpy.asarray(batch['inputs'])), np.float64)
+      logits = np.asarray(model(jax.numpy.asarray(batch['inputs']), segment_ids_BL=batch['segment_ids'],
+                                positions_BL=batch['positions']), np.float64)
       log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
       picked = np.take_along_axis(logits, batch['targets'][..., None], -1)[..., 0]
-      nats.append(np.mean(log_z - picked))
-  loss = float(np.mean(nats))
+      nats.append(log_z - picked)
+      weights.append(batch['target_weights'])
+      documents.append(batch['segment_ids'].max(axis=1))
+  # Packed rows hold several documents; padded rows one, and the batches count different numbers of targets.
+  assert (np.max(documents) > 1) == (packing == 'pack')
+  if packing == 'pad':
+    assert weights[0].sum() != weights[1].sum()
+  loss = float(np.sum(np.multiply(nats, weights)) / np.sum(weights))
   np.testing.assert_allclose(metrics['eval_loss'], loss, rtol=1e-5)
   np.testing.assert_allclose(metrics['eval_perplexity'], math.exp(loss), rtol=1e-5)
   np.testing.assert_allclose(metrics['eval_bits_per_token'], loss / math.log(2), rtol=1e-5)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from mintrain.data import records, sources, tokenizer
+from mintrain.data import records, segments, sources, tokenizer
 from mintrain.data.sources import DataError
 
 if TYPE_CHECKING:
@@ -146,19 +146,23 @@ class RowStream:
         self._tokens.popitem(last=False)
     return self._tokens[key]
 
+  def _find(self, window: int, doc: int) -> tuple[int, int]:
+    """The position of the first document at or after (window, doc): windows may hold none."""
+    empty_windows = 0
+    while doc >= len(docs := self._docs(window)):
+      empty_windows = empty_windows + 1 if not docs else 0
+      if empty_windows > 4 * len(self.split.blocks) + 16:
+        raise DataError(f'{self.split.name}: no documents left to read in its blocks; check the files '
+                        f'(or the skipped records).')
+      window, doc = window + 1, 0
+    return window, doc
+
   def _take(self, position: tuple[int, int, int], out: np.ndarray) -> tuple[int, int, int]:
     """Fills `out` with the tokens from `position` on; the position after them."""
     window, doc, token = position
-    filled, empty_windows = 0, 0
+    filled = 0
     while filled < len(out):
-      docs = self._docs(window)
-      if doc >= len(docs):
-        empty_windows = empty_windows + 1 if not docs else 0
-        if empty_windows > 4 * len(self.split.blocks) + 16:
-          raise DataError(f'{self.split.name}: no documents left to read in its blocks; check the files '
-                          f'(or the skipped records).')
-        window, doc, token = window + 1, 0, 0
-        continue
+      window, doc = self._find(window, doc)  # Mid-document (token > 0), it is where it was.
       ids = self._doc_tokens(window, doc)
       take = min(len(out) - filled, len(ids) - token)
       out[filled:filled + take] = ids[token:token + take]
@@ -173,6 +177,21 @@ class RowStream:
     self.position = self._take(self.position, out[:-1])
     self._take(self.position, out[-1:])
     return out
+
+  def next_document(self, separators: segments.Separators) -> np.ndarray:
+    """int32 (seq_len + 1,): the next document with a target, alone in its window (`data.packing='pad'`):
+    truncated, PAD past its end; the next document's BOS, where documents start with one, is its last
+    target, as in a packed row."""
+    window, doc, _ = self.position
+    while True:
+      window, doc = self._find(window, doc)
+      ids = self._doc_tokens(window, doc)
+      doc += 1
+      if separators.bos is not None:
+        ids = np.append(ids, separators.bos)
+      if len(ids) >= 2:
+        self.position = (window, doc, 0)
+        return segments.padded_window(ids, self.seq_len)
 
 
 def mixture_choices(weights: Sequence[float], seed: int, step: int, num_rows: int) -> np.ndarray:
@@ -198,8 +217,9 @@ class RowsIterator:
   """This process's local batches: its rows of each step, micro-batch by micro-batch."""
 
   def __init__(self, splits: list[Split], weights: list[float], rows: np.ndarray, num_rows: int,
-               seq_len: int, seed: int):
+               seq_len: int, seed: int, separators: segments.Separators, padded: bool):
     self.weights, self.rows, self.num_rows, self.seed = weights, rows, num_rows, seed
+    self.separators, self.padded = separators, padded
     self.streams = {int(g): [RowStream(s, int(g), num_rows, seq_len) for s in splits] for g in rows}
     self.step = 0
 
@@ -208,9 +228,11 @@ class RowsIterator:
 
   def __next__(self) -> dict[str, np.ndarray]:
     choice = mixture_choices(self.weights, self.seed, self.step, self.num_rows)
-    windows = np.stack([self.streams[int(g)][choice[g]].next_sequence() for g in self.rows])
+    streams = [self.streams[int(g)][choice[g]] for g in self.rows]
+    windows = np.stack([s.next_document(self.separators) if self.padded else s.next_sequence()
+                        for s in streams])
     self.step += 1
-    return {'inputs': windows[:, :-1], 'targets': windows[:, 1:]}
+    return segments.split_inputs_targets(windows, self.separators)
 
   def get_state(self) -> dict[str, Any]:
     return {'step': self.step,
@@ -289,17 +311,20 @@ class Prefetch:
 
 def make_iterator(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
                   micro_batch_size: int, rows: np.ndarray, seed: int, encode: Encoder | None = None,
+                  separators: segments.Separators | None = None,
                   vocab_size: int | None = None) -> RowsIterator | Prefetch:
   """This process's endless local batches of a streamed source or mixture (the layout of
-  `pipeline.make_dataset`), read `data.prefetch` batches ahead on a thread; text becomes ids by `encode`
-  (default: `encoder_for(data_cfg)`); token records' ids must be below `vocab_size` (default: the
-  tokenizer's)."""
+  `pipeline.make_dataset`, packed or padded as `data.packing` says), read `data.prefetch` batches ahead
+  on a thread; text becomes ids by `encode` and documents are told apart by `separators` (default: the
+  tokenizer's, `encoder_for`); token records' ids must be below `vocab_size` (default: the tokenizer's)."""
   settings = source_settings(data_cfg)
   encode = encode or encoder_for(data_cfg)
   splits = [Split(cfg, split, seed, encode, vocab_size) for cfg, _ in settings]
   accum = global_batch_size // micro_batch_size
   mine = (np.arange(accum)[:, None] * micro_batch_size + np.asarray(rows)[None, :]).reshape(-1)
-  local = RowsIterator(splits, [w for _, w in settings], mine, global_batch_size, seq_len, seed)
+  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer or 'byte'))
+  local = RowsIterator(splits, [w for _, w in settings], mine, global_batch_size, seq_len, seed, separators,
+                       padded=data_cfg.packing == 'pad')
   return Prefetch(local, data_cfg.prefetch) if data_cfg.prefetch else local
 
 

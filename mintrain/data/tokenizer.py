@@ -13,6 +13,8 @@ EOS by the tokenizer's conventions; `documents(texts)` many at once, in parallel
 `bos_id`/`eos_id`, `vocab_size` (every id is below it), `bytes_per_token` where it is fixed, and
 `save(directory)`, which writes the files that `load` and transformers' `AutoTokenizer` read back.
 `tokenizers` and `sentencepiece` are imported on first use.
+No tokenizer needs a PAD token: padded rows (`data.packing='pad'`) mark padding in their segment ids
+and target weights (`mintrain.data.segments`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,12 @@ it more ways than G divides, they are replicated instead (`for_mesh`, reported b
 sampling: it appends the keys and values of new tokens to a per-layer cache and
 attends over it, so each new token costs one step instead of a re-run of the prefix.
 
+Packed rows (`mintrain.data.pipeline`) hold several documents. Their `segment_ids_BL` (which
+document of the row each token is in; 0 is padding) and `positions_BL` (its position in that
+document) make each document's tokens attend only to earlier tokens of the same document, rotated
+for their own positions, so a document's predictions are those it would get alone; `loss` counts
+only the targets its batch's `target_weights` count. Without them a row is one sequence.
+
 Performance options (`TransformerConfig`), each computing the same function as the default:
   remat        recompute each block's activations in the backward pass instead of keeping them.
   scan_layers  parameters stacked on a leading `layers` axis and the blocks run by one `scan`,
@@ -219,21 +225,26 @@ def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
   return jnp.asarray(np.where(medium, blended, scaled), jnp.float32)
 
 
-def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_L: jax.Array | None = None) -> jax.Array:
+def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
   """Rotary position embedding on the last dimension (split-half convention, as `transformers`).
 
-  `positions_L` are the absolute positions of the L tokens (default 0..L-1): a
-  decode step passes its offset, so a token is rotated the same as in training.
+  `positions_BL` ((B or 1, L)) are the tokens' positions (default 0..L-1): a decode step passes its
+  offset, so a token is rotated the same as in training; packed rows pass each document's own.
   """
   _, seq_len, _, head_dim = x_BLHK.shape
   half = head_dim // 2
-  if positions_L is None:
-    positions_L = jnp.arange(seq_len)
-  angle_LK = positions_L.astype(jnp.float32)[:, None] * inv_freq_K[None, :]
-  sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
+  if positions_BL is None:
+    positions_BL = jnp.arange(seq_len)[None, :]
+  angle_BLK = positions_BL.astype(jnp.float32)[:, :, None] * inv_freq_K[None, None, :]
+  sin, cos = jnp.sin(angle_BLK)[:, :, None, :], jnp.cos(angle_BLK)[:, :, None, :]
   x = x_BLHK.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
+
+
+def same_segment(segment_ids_BL: jax.Array) -> jax.Array:
+  """bool (B, 1, L, L): whether query l and key m are in the same document of their row (heads broadcast)."""
+  return (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
 
 
 def kv_layout(cfg: TransformerConfig) -> tuple[str | None, ...]:
@@ -262,24 +273,28 @@ class Attention(nnx.Module):
     self.wo_HKD = param(rngs, out_init, (h, k, d), ('heads', 'kv', 'embed'), dtype, rules)
     self.cfg, self.rules = cfg, rules
 
-  def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, None)
+  def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
+               positions_BL: jax.Array | None = None) -> jax.Array:
+    """Causal attention; with `segment_ids_BL`, also only within each token's document."""
+    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, positions_BL)
     k_BMHK, v_BMHK = self._repeat_kv(k_BMGK), self._repeat_kv(v_BMGK)
+    same_B1LM = None if segment_ids_BL is None else same_segment(segment_ids_BL)
     if self.cfg.attention == 'dot_product':
+      # On cuDNN the mask becomes an additive bias, which its flash attention takes.
       implementation = attention_kernel(self.cfg.platform, q_BLHK.dtype, self.cfg.head_dim)
-      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, is_causal=True,
+      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, mask=same_B1LM, is_causal=True,
                                               scale=self.cfg.head_dim ** -0.5, implementation=implementation)
       return self._project(out_BLHK)
     seq_len = x_BLD.shape[1]
-    causal_LM = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-    return self._attend(q_BLHK, k_BMHK, v_BMHK, causal_LM)
+    visible_LM = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_LM if same_B1LM is None else visible_LM & same_B1LM)
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attention of L new tokens at positions start.. over the cache, which they are written into first."""
     rules = self.rules
     positions_L = start + jnp.arange(x_BLD.shape[1])
-    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L)
+    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L[None, :])
     keys_BSGK, values_BSGK = kv
     layout = kv_layout(self.cfg)
     keys_BSGK = rules.reshard(jax.lax.dynamic_update_slice(
@@ -291,7 +306,7 @@ class Attention(nnx.Module):
     out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS)
     return out_BLD, (keys_BSGK, values_BSGK)
 
-  def _qkv(self, x_BLD: jax.Array, positions_L: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def _qkv(self, x_BLD: jax.Array, positions_BL: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries (BLHK) and keys (BLGK) rotated for their positions, and values (BLGK)."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
     custom_vjp = cfg.linear == 'custom_vjp'
@@ -310,8 +325,8 @@ class Attention(nnx.Module):
       k_BLGK = k_BLGK + gather(self.bk_GK, rules, dtype)
       v_BLGK = v_BLGK + gather(self.bv_GK, rules, dtype)
     inv_freq_K = rope_frequencies(cfg)
-    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_L), BLHK)
-    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_L), layout)
+    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_BL), BLHK)
+    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_BL), layout)
     return q_BLHK, k_BLGK, rules.reshard(v_BLGK, layout)
 
   def _repeat_kv(self, x_BMGK: jax.Array) -> jax.Array:
@@ -326,7 +341,8 @@ class Attention(nnx.Module):
 
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
               visible_LM: jax.Array) -> jax.Array:
-    """Softmax attention of each query over the keys it may see, then the output projection."""
+    """Softmax attention of each query over the keys it may see (`visible_LM`, (L, M) or per row
+    (B, 1, L, M)), then the output projection."""
     cfg, dtype = self.cfg, q_BLHK.dtype
     scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
     scores_BHLM = scores_BHLM * cfg.head_dim ** -0.5
@@ -389,9 +405,11 @@ class Block(nnx.Module):
     self.mlp = GatedMLP(cfg, rules=rules, rngs=rngs)
     self.rules, self.dropout_rate = rules, cfg.dropout_rate
 
-  def __call__(self, x_BLD: jax.Array, key: jax.Array | None) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, key: jax.Array | None, segment_ids_BL: jax.Array | None = None,
+               positions_BL: jax.Array | None = None) -> jax.Array:
     keys = jax.random.split(key) if key is not None else (None, None)
-    x_BLD = x_BLD + dropout(self.attn(self.attn_norm(x_BLD)), self.dropout_rate, keys[0])
+    attn_BLD = self.attn(self.attn_norm(x_BLD), segment_ids_BL, positions_BL)
+    x_BLD = x_BLD + dropout(attn_BLD, self.dropout_rate, keys[0])
     x_BLD = x_BLD + dropout(self.mlp(self.mlp_norm(x_BLD)), self.dropout_rate, keys[1])
     return self.rules.reshard(x_BLD, BLD)
 
@@ -421,19 +439,32 @@ class Transformer(nnx.Module):
                               ('embed', 'vocab'), dtype, rules)
     self.cfg, self.rules = cfg, rules
 
-  def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+  def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
+               segment_ids_BL: jax.Array | None = None, positions_BL: jax.Array | None = None) -> jax.Array:
+    """Logits; with `segment_ids_BL` and `positions_BL`, of packed documents (see the module doc)."""
     table_VD, x_BLD = self._embed(tokens_BL)
-    return self._logits(self._run_blocks(x_BLD, dropout_key), table_VD)
+    return self._logits(self._run_blocks(x_BLD, dropout_key, segment_ids_BL, positions_BL), table_VD)
 
-  def loss(self, tokens_BL: jax.Array, targets_BL: jax.Array, *,
-           dropout_key: jax.Array | None = None) -> jax.Array:
-    """Mean cross-entropy of the next-token predictions against `targets_BL`."""
-    table_VD, x_BLD = self._embed(tokens_BL)
-    x_BLD = self._run_blocks(x_BLD, dropout_key)
+  def loss(self, batch: dict[str, jax.Array], *,
+           dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(mean cross-entropy of the next-token predictions over the targets that count, their count).
+
+    `batch` holds 'inputs' and 'targets' (B, L) int32 and, from packed or padded rows, 'segment_ids',
+    'positions' (B, L) int32 and 'target_weights' (B, L) float32 (`mintrain.data.pipeline`); without
+    them every target counts and a row is one sequence.
+    """
+    targets_BL = batch['targets']
+    weights_BL = batch.get('target_weights')
+    if weights_BL is None:
+      weights_BL = jnp.ones(targets_BL.shape, jnp.float32, out_sharding=jax.typeof(targets_BL).sharding)
+    table_VD, x_BLD = self._embed(batch['inputs'])
+    x_BLD = self._run_blocks(x_BLD, dropout_key, batch.get('segment_ids'), batch.get('positions'))
     if self.cfg.loss_chunks <= 0:
-      return cross_entropy(self._logits(x_BLD, table_VD), targets_BL)
-    return fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, self.rules,
-                               self.cfg.loss_chunks)
+      loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL, weights_BL)
+    else:
+      loss = fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, weights_BL,
+                                 self.rules, self.cfg.loss_chunks)
+    return loss, jnp.sum(weights_BL)
 
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
              start: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -459,13 +490,19 @@ class Transformer(nnx.Module):
     return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
             for _ in range(self.cfg.num_layers)]
 
-  def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+  def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None,
+                  segment_ids_BL: jax.Array | None = None,
+                  positions_BL: jax.Array | None = None) -> jax.Array:
     """Every block in turn: unrolled, or one `scan` over the stacked layers; rematerialised as configured."""
-    cfg = self.cfg
+    cfg, rules = self.cfg, self.rules
+    if segment_ids_BL is not None:
+      segment_ids_BL = rules.reshard(segment_ids_BL, ('batch', 'length'))
+    if positions_BL is not None:
+      positions_BL = rules.reshard(positions_BL, ('batch', 'length'))
 
     def run(make_block, params, x_BLD: jax.Array, i: jax.Array | int) -> jax.Array:
       key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None
-      return make_block(params)(x_BLD, key)
+      return make_block(params)(x_BLD, key, segment_ids_BL, positions_BL)
 
     if cfg.remat != 'none':
       # A scan already keeps XLA from merging the recomputation back into the forward pass.
