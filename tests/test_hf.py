@@ -175,8 +175,9 @@ def test_with_each_model_option_the_logits_loss_and_gradients_are_those_of_trans
     model = hf.from_pretrained(directory, base=base(*OPTIONS[option]))
     graphdef, state = nnx.split(model)
     logits = mintrain_logits(model, TOKENS)
-    loss, grads = jax.jit(jax.value_and_grad(
-        lambda state: nnx.merge(graphdef, state).loss(TOKENS, TARGETS)))(state)
+    batch = {'inputs': TOKENS, 'targets': TARGETS}  # Split over the batch axes, as the loop gives it.
+    batch = {k: jax.device_put(v, jax.P(('data', 'fsdp'))) for k, v in batch.items()}
+    loss, grads = jax.jit(jax.value_and_grad(lambda state: nnx.merge(graphdef, state).loss(batch)[0]))(state)
     hf.save_pretrained(nnx.merge(graphdef, grads), tmp_path)  # The gradients in transformers' names.
   assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
   assert abs(float(loss) - expected_loss) <= 1e-5
