@@ -123,21 +123,40 @@ def _sources(conversion: Any, cfg: Any, params: dict[str, tuple[tuple[int, ...],
 def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | None = None) -> nnx.State:
   """The checkpoint's weights as `run`'s parameters on `mesh` (default `run.mesh`): each process reads
   the slices its devices hold, each tensor once (`_load`)."""
-  conversion, cfg = run.config.family.hf, run.config.model
   mesh = mesh or run.mesh
   leaves, treedef = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
-  where = _sources(conversion, cfg, {train_state.path_str(key): _shape_and_axes(var) for key, var in leaves})
   loaded = []
   with _Tensors(path) as tensors:
-    for key, var in leaves:
-      ours, abstract = train_state.path_str(key), jax.tree.leaves(var)[0]
-      source = where[ours]
-      their_shape = tuple(conversion.their_shape(source.kind, abstract.shape[source.stacked:]))
-      files = [tensors.get(name, ours, their_shape) for name in source.names]
-      value = _load(conversion, source, files, abstract.shape, abstract.dtype,
-                    NamedSharding(mesh, abstract.sharding.spec), cfg.head_dim)
+    for var, source, files in _checked(tensors, run, leaves):
+      abstract = jax.tree.leaves(var)[0]
+      value = _load(run.config.family.hf, source, files, abstract.shape, abstract.dtype,
+                    NamedSharding(mesh, abstract.sharding.spec), run.config.model.head_dim)
       loaded.append(var.replace(value) if _is_variable(var) else value)
   return jax.tree_util.tree_unflatten(treedef, loaded)
+
+
+def check(path: str | os.PathLike, run: Run) -> None:
+  """Raises the ConfigError that `load_params` would for a missing tensor or a shape that disagrees with
+  config.json, from the files' headers alone: a run checks before it writes anything."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
+  with _Tensors(path) as tensors:
+    _checked(tensors, run, leaves)
+
+
+def _checked(tensors: _Tensors, run: Run,
+             leaves: list) -> list[tuple[Any, _Source, list[safetensors_reader.Tensor]]]:
+  """(variable, its _Source, its tensors) for each (key path, abstract variable) of `leaves`; the tensors
+  checked to exist with the shapes config.json gives."""
+  conversion = run.config.family.hf
+  where = _sources(conversion, run.config.model,
+                   {train_state.path_str(key): _shape_and_axes(var) for key, var in leaves})
+  out = []
+  for key, var in leaves:
+    ours, shape = train_state.path_str(key), jax.tree.leaves(var)[0].shape
+    source = where[ours]
+    their_shape = tuple(conversion.their_shape(source.kind, shape[source.stacked:]))
+    out.append((var, source, [tensors.get(name, ours, their_shape) for name in source.names]))
+  return out
 
 
 def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tensor], shape: tuple[int, ...],
