@@ -55,6 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.norm_plus_one = False  # Gemma: norms scale by (1 + weight).
   c.model.embed_scale = False  # Gemma: embeddings times sqrt(embed_dim).
   c.model.qkv_bias = False  # Qwen2: biases on the query, key and value projections.
+  c.model.sliding_window = 0  # Mistral's attention window (checked, not applied: longer sequences refused).
   c.model.mlp_activation = 'silu'  # Gate nonlinearity: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, Gemma).
   c.model.dropout_rate = 0.0  # Dropout on attention and MLP outputs; 0 disables it.
   c.model.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.

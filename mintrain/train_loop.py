@@ -285,6 +285,12 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
   return TrainState(**restored.state), restored.data
 
 
+def _has_saves(workdir: epath.Path | None) -> bool:
+  """Whether the workdir's checkpoint directory holds anything (a resume, which ignores init.*)."""
+  directory = None if workdir is None else workdir / ckpt_lib.CHECKPOINTS
+  return directory is not None and directory.exists() and any(directory.iterdir())
+
+
 def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[jax.Device] | None = None,
         restore_from: str | None = None, restore_params_only: bool = False, force: bool = False,
         print_fn: Say = print) -> RunResult:
@@ -321,6 +327,10 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     if text and is_main:  # A full pass over the eval split: once.
       bits = pipeline.unigram_bits_per_token(config.data)
       baseline = {'unigram_bits_per_token': bits, 'unigram_bits_per_byte': bits / bytes_per_token}
+    if config.init.hf_checkpoint and restore_from is None and not _has_saves(workdir):
+      from mintrain import hf  # safetensors only when asked for.
+
+      hf.check(config.init.hf_checkpoint, r)  # Its tensors and shapes, before the run writes anything.
     if text and workdir is not None and is_main:  # The run's copy of its tokenizer, for sampling and export.
       tokenizer.load(config.data.tokenizer).save(workdir / tokenizer.RUN_DIR)
     total = config.train.steps

@@ -40,7 +40,7 @@ def sampling_config(saved: dict, layout: ml_collections.ConfigDict, overrides: l
                     num_samples: int) -> config_lib.Config:
   """The saved config on the sampling layout; its batch is the samples, so layout checks are about them."""
   config = config_lib.upgrade(saved)
-  config.mesh = layout.mesh
+  config.mesh.update(layout.mesh.to_dict())  # The saved section's other keys (dcn_*) stay.
   if 'partitioning' in layout:
     config.partitioning = layout.partitioning
   config_lib.apply_overrides(config, overrides)

@@ -128,6 +128,9 @@ class TransformerConfig:
   norm_plus_one: bool = option()  # Gemma: norms scale by (1 + weight), weights drawn as zeros.
   embed_scale: bool = option()  # Gemma: embeddings times sqrt(embed_dim) (not the tied output layer).
   qkv_bias: bool = option()  # Qwen2: biases on the query, key and value projections.
+  # Mistral: each position attends over the last `sliding_window` only. Not applied: a longer sequence is
+  # refused (`check_window`), so attention is always the same as the checkpoint's model's; 0: no window.
+  sliding_window: int = option(at_least=0)
   mlp_activation: str = option(choices=tuple(ACTIVATIONS))
   dropout_rate: float = option(at_least=0, below=1)
   param_dtype: str = option(choices=DTYPES)
@@ -168,10 +171,19 @@ def check(cfg: TransformerConfig, seq_len: int) -> None:
     raise ConfigError(f'model.num_kv_heads={cfg.num_kv_heads} must divide model.num_heads={cfg.num_heads} '
                       '(each key/value head serves the same number of query heads), or be 0 (as many as '
                       'num_heads).')
+  check_window(cfg, seq_len, f'train.seq_len={seq_len}')
   if cfg.loss_chunks > 0 and seq_len % cfg.loss_chunks:
     raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} must be 0 (logits, then the loss), a positive '
                       f'divisor of train.seq_len={seq_len} (the fused loss over that many chunks), '
                       'or -1 (auto).')
+
+
+def check_window(cfg: TransformerConfig, length: int, what: str) -> None:
+  """A ConfigError when sequences of `length` positions (`what`) outrun the model's sliding window."""
+  if cfg.sliding_window and length > cfg.sliding_window:
+    raise ConfigError(f'{what} is longer than model.sliding_window={cfg.sliding_window}: the model attends '
+                      'over that many positions only, a window mintrain does not apply; use sequences of at '
+                      f'most {cfg.sliding_window} positions (train.seq_len <= {cfg.sliding_window}).')
 
 
 def for_mesh(cfg: TransformerConfig, platform: str, ways: Ways) -> TransformerConfig:
@@ -472,6 +484,7 @@ class Transformer(nnx.Module):
   def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
     """Zero keys and values for `max_len` positions in every layer, laid out (under a mesh) as the
     attention's keys and values (batch, length, kv heads, kv), so it is split like what fills it."""
+    check_window(self.cfg, max_len, f'a KV cache of {max_len} positions (prompt and new tokens)')
     shape = (batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
     spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(kv_layout(self.cfg))
     return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
@@ -519,6 +532,7 @@ class Transformer(nnx.Module):
   def _embed(self, tokens_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(table_VD in its compute layout, x_BLD); the table is reused by a tied output layer."""
     rules = self.rules
+    check_window(self.cfg, tokens_BL.shape[1], f'a sequence of {tokens_BL.shape[1]} tokens')
     table_VD = gather(self.embedding_VD, rules, jnp.dtype(self.cfg.compute_dtype))
     x_BLD = table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD))
     if self.cfg.embed_scale:  # Rounded to the compute dtype first, as Gemma's `normalizer`.
