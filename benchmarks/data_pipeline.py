@@ -5,7 +5,7 @@ Throughput: one process reading every row of the default run's batch (32 rows of
 JSONL corpus, with the byte tokenizer and with a BPE tokenizer (a byte-level BPE of --bpe_vocab ids trained on
 the corpus with Hugging Face `tokenizers`), and from the same corpus pre-tokenized into ArrayRecord ids by
 scripts/tokenize_corpus.py; against what the default train step consumes (its tokens per step over the
-default run's step time, --step_ms).
+default run's step time, measured by running it first (or --step_ms).
 
 Memory (--memory): the peak resident memory of scripts/train.py (configs/dp4_tp2.py, data.source=jsonl) on a
 generated 2 GB JSONL corpus and on a 20 MB one, read from the kernel's rusage of each run.
@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,6 @@ from mintrain import config as config_lib  # noqa: E402
 from mintrain.data import streaming  # noqa: E402
 
 ROWS, SEQ_LEN = 32, 64  # configs/base.py's batch: what the default train step consumes.
-DEFAULT_STEP_MS = 110.6  # The default run's step on this 2-core machine (README, BENCHMARKS.md).
 
 
 def write_corpus(root: pathlib.Path, megabytes: float, seed: int = 0, file_mb: float = 20.0) -> int:
@@ -66,27 +66,29 @@ def write_corpus(root: pathlib.Path, megabytes: float, seed: int = 0, file_mb: f
   return total
 
 
-def bpe_encoder(corpus: pathlib.Path, vocab: int) -> tuple[streaming.Encoder, float]:
-  """A byte-level BPE trained on the corpus's first file; (text -> BOS + ids, bytes per token)."""
-  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def bpe_tokenizer(corpus: pathlib.Path, vocab: int, out: pathlib.Path) -> tuple[str, float]:
+  """A byte-level BPE trained on the corpus's first file, saved as `out`/tokenizer.json (its
+  post-processor puts <bos> first, as Llama's): (the `data.tokenizer` that names it, bytes per token)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
   first = sorted(corpus.glob('*.jsonl'))[0]
   texts = [json.loads(line)['text'] for line in first.read_text().splitlines()[:2000]]
   tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=['<bos>'],
                                                      show_progress=False))
-  bos = tok.token_to_id('<bos>')
-
-  def encode(text: str) -> np.ndarray:
-    return np.array([bos, *tok.encode(text).ids], np.int32)
+  tok.post_processor = processors.TemplateProcessing(single='<bos> $A', special_tokens=[('<bos>', 0)])
+  out.mkdir(parents=True, exist_ok=True)
+  tok.save(str(out / 'tokenizer.json'))
   sample = ' '.join(texts[:200])
-  return encode, len(sample.encode()) / len(tok.encode(sample).ids)
+  return str(out / 'tokenizer.json'), len(sample.encode()) / len(tok.encode(sample).ids)
 
 
-def throughput(data_cfg: config_lib.DataConfig, seconds: float, encode: streaming.Encoder) -> float:
-  """Tokens per second of one process reading all ROWS of each batch (prefetch on, as in training)."""
+def throughput(data_cfg: config_lib.DataConfig, seconds: float) -> float:
+  """Tokens per second of one process reading all ROWS of each batch with the run's tokenizer
+  (`data.tokenizer`; prefetch on, as in training)."""
   it = streaming.make_iterator(data_cfg, split='train', seq_len=SEQ_LEN, global_batch_size=ROWS,
-                               micro_batch_size=ROWS, rows=np.arange(ROWS), seed=0, encode=encode)
+                               micro_batch_size=ROWS, rows=np.arange(ROWS), seed=0)
   next(it)  # The first batch opens the first windows of every row.
   start, batches = time.perf_counter(), 0
   while time.perf_counter() - start < seconds:
@@ -107,12 +109,22 @@ def peak_rss_mb(args: list[str]) -> tuple[float, float]:
   return usage.ru_maxrss / 1024, time.perf_counter() - start
 
 
+def default_step_ms(steps: int) -> float:
+  """The mean step of the default run (configs/dp4_tp2.py on its default data), from its summary line."""
+  with tempfile.TemporaryDirectory(prefix='mintrain_step_') as workdir:
+    out = subprocess.run([sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir',
+                          workdir, f'--config.train.steps={steps}', '--config.eval.steps=0'],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+  return float(re.search(r'mean step ([0-9.]+) ms', out).group(1))
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--corpus_mb', type=float, default=100.0, help='size of the throughput corpus')
   parser.add_argument('--seconds', type=float, default=10.0, help='timed reading per mode')
   parser.add_argument('--bpe_vocab', type=int, default=8192)
-  parser.add_argument('--step_ms', type=float, default=DEFAULT_STEP_MS, help='the default train step')
+  parser.add_argument('--step_ms', type=float, default=0.0,
+                      help='the default train step (default: measured, a 100-step default run)')
   parser.add_argument('--memory', action='store_true', help='also the 2 GB / 20 MB peak-memory runs')
   parser.add_argument('--memory_steps', type=int, default=60, help='train steps of each memory run')
   parser.add_argument('--tmp', default=tempfile.gettempdir(), help='where the corpora are generated')
@@ -122,6 +134,7 @@ def main() -> int:
     args.corpus_mb, args.seconds, args.bpe_vocab, args.memory = 2.0, 1.0, 512, False
 
   base = config_lib.validate(config_lib.defaults()).data
+  args.step_ms = args.step_ms or default_step_ms(20 if args.smoke else 100)
   consumed = ROWS * SEQ_LEN / (args.step_ms / 1e3)
   print(f'the default train step consumes {ROWS} x {SEQ_LEN} tokens per {args.step_ms} ms: '
         f'{consumed:,.0f} tokens/s', flush=True)
@@ -129,7 +142,7 @@ def main() -> int:
     root = pathlib.Path(tmp)
     size = write_corpus(root / 'jsonl', args.corpus_mb)
     jsonl = dataclasses.replace(base, source='jsonl', path=str(root / 'jsonl' / '*.jsonl'))
-    encode, bytes_per_token = bpe_encoder(root / 'jsonl', args.bpe_vocab)
+    bpe, bytes_per_token = bpe_tokenizer(root / 'jsonl', args.bpe_vocab, root / 'bpe')
     tokenized = subprocess.run(
         [sys.executable, 'scripts/tokenize_corpus.py', '--config.data.source=jsonl',
          f'--config.data.path={jsonl.path}', '--out', str(root / 'ids'), '--workers', '2'],
@@ -140,10 +153,10 @@ def main() -> int:
                               path=str(root / 'ids' / '*.arrayrecord'))
     print(f'corpus: {size / 1e6:.0f} MB of JSONL; BPE of {args.bpe_vocab} ids, {bytes_per_token:.2f} bytes '
           f'per token', flush=True)
-    for name, cfg, enc in (('JSONL, byte tokenizer', jsonl, streaming.byte_encoder),
-                           ('JSONL, BPE tokenizer', jsonl, encode),
-                           ('ArrayRecord ids', ids, streaming.byte_encoder)):
-      rate = throughput(cfg, args.seconds, enc)
+    for name, cfg in (('JSONL, byte tokenizer', jsonl),
+                      ('JSONL, BPE tokenizer', dataclasses.replace(jsonl, tokenizer=bpe)),
+                      ('ArrayRecord ids', ids)):
+      rate = throughput(cfg, args.seconds)
       print(f'{name:24s} {rate:>12,.0f} tokens/s per process  ({rate / consumed:5.1f}x the train step)',
             flush=True)
 
