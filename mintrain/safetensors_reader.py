@@ -3,7 +3,7 @@
 safetensors' own `get_slice` reads through a memory map, and every page it touches stays in the
 process's resident memory until the file is closed; a device's column slice of a matrix touches every
 page of it. Here a slice is read in blocks of whole rows of at most `BLOCK_BYTES` into one buffer
-(`Tensor.blocks`), so a reader holds the slice it builds plus one block.
+(`Tensor.row_blocks`), so a reader holds the slice it builds plus one block.
 
 The format: 8 bytes (the header's length, little-endian), a JSON header {name: {dtype, shape,
 data_offsets}}, then the tensors' bytes, row-major, little-endian.
@@ -41,11 +41,11 @@ class Tensor:
     """The slice `index` (unit-step slices, one per leading dimension) as a new array."""
     bounds = self._bounds(index if isinstance(index, tuple) else (index,))
     out = np.empty(tuple(b - a for a, b in bounds), self.dtype)
-    for offset, rows in self.blocks(index):
+    for offset, rows in self.row_blocks(index):
       out[offset:offset + len(rows)] = rows
     return out
 
-  def blocks(self, index: slice | tuple[slice, ...],
+  def row_blocks(self, index: slice | tuple[slice, ...],
              rows_multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:
     """(offset, rows) covering the slice `index` in order: `rows` are its rows offset, offset+1, ..., a
     multiple of `rows_multiple` of them but the last, read into one buffer (of at most `BLOCK_BYTES`, or

@@ -48,7 +48,7 @@ def test_blocks_hold_whole_multiples_of_rows_and_cover_the_slice_in_order(tensor
     # Each block is overwritten by the next: keep copies.
     tensor = file.tensors['f32']
     index = (slice(2, 37), slice(3, 9))
-    blocks = [(offset, rows.copy()) for offset, rows in tensor.blocks(index, rows_multiple=4)]
+    blocks = [(offset, rows.copy()) for offset, rows in tensor.row_blocks(index, rows_multiple=4)]
   assert [(offset, len(rows)) for offset, rows in blocks] == [(0, 4), (4, 4), (8, 4), (12, 4), (16, 4),
                                                                (20, 4), (24, 4), (28, 4), (32, 3)]
   np.testing.assert_array_equal(np.concatenate([rows for _, rows in blocks]), arrays['f32'][2:37, 3:9])

@@ -206,7 +206,7 @@ def read(kind: Kind, tensor: Any, targets: Sequence[tuple[tuple[slice, ...], np.
     columns = (slice(min(w[0][1].start for w in wanted), max(w[0][1].stop for w in wanted)),)
   multiple = head_dim if kind in (Kind.IN_HEADS, Kind.HEADS) else 1
   for rows in _merged(sorted(w[0][0] for w in wanted)):
-    for start, block in tensor.blocks((rows, *columns), rows_multiple=multiple):
+    for start, block in tensor.row_blocks((rows, *columns), rows_multiple=multiple):
       start += rows.start
       for (their_rows, *their_columns), index, out in wanted:
         first, last = max(their_rows.start, start), min(their_rows.stop, start + len(block))
