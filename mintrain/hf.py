@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from mintrain import config as config_lib
+from mintrain import mesh as mesh_lib
 from mintrain import train_state
 from mintrain.build import Run, build
 from mintrain.fields import ConfigError
@@ -111,7 +112,7 @@ def from_pretrained(path: str | os.PathLike, *, base: ml_collections.ConfigDict 
   laid out by `base`'s rules (default configs/base.py); `model(tokens_BL)` gives the logits."""
   mesh = jax.sharding.get_mesh()
   if mesh.empty:
-    sizes, devices = {'data': 1, 'fsdp': 1, 'model': 1}, jax.devices()[:1]
+    sizes, devices = dict.fromkeys(mesh_lib.AXES, 1), jax.devices()[:1]
   else:
     sizes, devices = dict(mesh.shape), list(mesh.devices.flat)
   run = build(make_config(path, base, sizes), devices)

@@ -53,6 +53,10 @@ def _check(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, temper
   if shape[1] + max_new_tokens > MAX_POSITIONS:
     raise ValueError(f'prompt length {shape[1]} + max_new_tokens {max_new_tokens} exceeds '
                      f'{MAX_POSITIONS} positions, beyond which float32 RoPE angles are inexact.')
+  ways = model.cfg.length_ways
+  if shape[1] % ways:
+    raise ValueError(f'prompt length {shape[1]} must be a multiple of {ways}: the prefill splits it over '
+                     f'the {ways} ways of `length` (mesh.context). Pad the prompt, or use mesh.context=1.')
   if temperature < 0:
     raise ValueError(f'temperature={temperature} must be >= 0 (0 means greedy).')
   if not 0 <= top_k <= model.cfg.vocab_size:
@@ -64,10 +68,17 @@ def _replicated(prompt_BP: jax.Array) -> jax.Array:
   return jax.sharding.reshard(jnp.asarray(prompt_BP, jnp.int32), jax.P())
 
 
-def _next_token(logits_BLV: jax.Array, key: jax.Array, i: jax.Array | int, temperature: float,
+def _at(logits_BLV: jax.Array, position: jax.Array | int) -> jax.Array:
+  """The logits (BV) of one position, as a masked sum over the length: that may be split over devices
+  (`mesh.context`), where a slice of one position has no layout."""
+  hit_L = jnp.arange(logits_BLV.shape[1]) == position
+  return jnp.sum(jnp.where(hit_L[None, :, None], logits_BLV, 0.0), axis=1)
+
+
+def _next_token(logits_BV: jax.Array, key: jax.Array, i: jax.Array | int, temperature: float,
                 top_k: int) -> jax.Array:
-  """Token i from the logits of the last position, replicated so every mesh draws the same."""
-  logits_BV = jax.sharding.reshard(logits_BLV[:, -1], jax.P())
+  """Token i from the logits of the position before it, replicated so every mesh draws the same."""
+  logits_BV = jax.sharding.reshard(logits_BV, jax.P())
   return sample_token(logits_BV, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k)
 
 
@@ -93,12 +104,12 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
   batch, prompt_len = prompt_BP.shape
   cache = model.init_cache(batch, prompt_len + max_new_tokens, jnp.dtype(model.cfg.compute_dtype))
   logits_BPV, cache = model.decode(prompt_BP, cache, 0)
-  first_B = _next_token(logits_BPV, key, 0, temperature, top_k)
+  first_B = _next_token(_at(logits_BPV, prompt_len - 1), key, 0, temperature, top_k)
 
   def step(carry: tuple[jax.Array, KVCache], i: jax.Array) -> tuple[tuple[jax.Array, KVCache], jax.Array]:
     token_B, cache = carry  # Token i - 1, at position prompt_len + i - 1.
     logits_B1V, cache = model.decode(token_B[:, None], cache, prompt_len + i - 1)
-    next_B = _next_token(logits_B1V, key, i, temperature, top_k)
+    next_B = _next_token(logits_B1V[:, 0], key, i, temperature, top_k)
     return (next_B, cache), next_B
 
   _, rest_NB = jax.lax.scan(step, (first_B, cache), jnp.arange(1, max_new_tokens))
@@ -128,8 +139,7 @@ def _generate_without_cache(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP
 
   def step(tokens_BS: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
     logits_BSV = model(tokens_BS)
-    last_B1V = jax.lax.dynamic_slice_in_dim(logits_BSV, prompt_len + i - 1, 1, axis=1)
-    next_B = _next_token(last_B1V, key, i, temperature, top_k)
+    next_B = _next_token(_at(logits_BSV, prompt_len + i - 1), key, i, temperature, top_k)
     return jax.lax.dynamic_update_slice(tokens_BS, next_B[:, None], (0, prompt_len + i)), next_B
 
   _, tokens_NB = jax.lax.scan(step, tokens_BS, jnp.arange(max_new_tokens))

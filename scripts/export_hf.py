@@ -17,6 +17,7 @@ import sys
 import _bootstrap
 
 from mintrain import config as config_lib
+from mintrain import mesh as mesh_lib
 
 
 def main() -> int:
@@ -28,7 +29,7 @@ def main() -> int:
                       help="the tensors' dtype (default: the model's parameter dtype)")
   parser.add_argument('--max_shard_size', type=int, default=2**30, help='bytes per safetensors file')
   args = parser.parse_args()
-  one_device = {'mesh': {'data': 1, 'fsdp': 1, 'model': 1}}
+  one_device = {'mesh': dict.fromkeys(mesh_lib.AXES, 1)}
   devices = _bootstrap.devices_for(config_lib.validate(config_lib.upgrade(one_device)).mesh)
 
   import jax
@@ -47,7 +48,7 @@ def main() -> int:
                                      f'{", ".join(map(str, steps)) or "none"}).')
     saved = config_lib.upgrade(checkpoints.metadata(step)['config'])
     saved.init.hf_checkpoint = ''  # The saved model section is complete; the source may be gone.
-    saved.mesh.data, saved.mesh.fsdp, saved.mesh.model = 1, 1, 1
+    saved.mesh.update(dict.fromkeys(mesh_lib.AXES, 1))
     saved.train.global_batch_size, saved.train.grad_accum_steps = 1, 1
     run = build(config_lib.validate(saved), devices[:1])
     params = checkpoints.restore(step, run.abstract_state, params_only=True).state['params']

@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 
 from mintrain import config as config_lib
+from mintrain import mesh as mesh_lib
 
 
 def layout_config(config_file: str | None, overrides: list[str]) -> ml_collections.ConfigDict:
@@ -31,7 +32,7 @@ def layout_config(config_file: str | None, overrides: list[str]) -> ml_collectio
     given = config_lib.load(config_file)
     layout = ml_collections.ConfigDict({'mesh': given.mesh, 'partitioning': given.partitioning})
   else:
-    layout = ml_collections.ConfigDict({'mesh': {'data': 1, 'fsdp': 1, 'model': 1}})
+    layout = ml_collections.ConfigDict({'mesh': dict.fromkeys(mesh_lib.AXES, 1)})
   config_lib.apply_overrides(layout, [o for o in overrides if o.startswith('mesh.')])
   return layout
 
@@ -77,7 +78,6 @@ def main() -> int:
   import jax
 
   from mintrain import checkpoint as ckpt_lib
-  from mintrain import mesh as mesh_lib
   from mintrain import sampling
   from mintrain.build import build
   from mintrain.data import tokenizer
