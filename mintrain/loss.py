@@ -55,15 +55,19 @@ def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, rules:
 
 def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, rules: AxisRules, chunks: int,
              grads: bool):
-  """Runs `_loss_chunk` over `chunks` equal slices of the sequence; (mean loss, dx_BLD, dw_DV)."""
+  """Runs `_loss_chunk` over `chunks` equal parts of the sequence; (mean loss, dx_BLD, dw_DV).
+
+  Chunk n holds every `chunks`-th token from n on: a sum over tokens may take them in any order, and so
+  a length split over devices (`mesh.context`) stays split within each chunk (while its C tokens divide),
+  each device scanning its own tokens."""
   b, length, d = x_BLD.shape
   scale = 1.0 / (b * length)
   if chunks == 1:
     loss, dx, dw = _loss_chunk(x_BLD, w_DV, targets_BL, rules, grads, scale)
     return loss * scale, dx, dw
   c = length // chunks
-  x_NBCD = jnp.moveaxis(x_BLD.reshape(b, chunks, c, d), 1, 0)
-  targets_NBC = jnp.moveaxis(targets_BL.reshape(b, chunks, c), 1, 0)
+  x_NBCD = jnp.moveaxis(x_BLD.reshape(b, c, chunks, d), 2, 0)
+  targets_NBC = jnp.moveaxis(targets_BL.reshape(b, c, chunks), 2, 0)
 
   def body(carry, xs):
     loss_sum, dw_sum = carry
@@ -75,7 +79,7 @@ def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, rules: Ax
   (loss, dw), dx_NBCD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zero_dw), (x_NBCD, targets_NBC))
   if not grads:
     return loss * scale, None, None
-  dx_BLD = jnp.moveaxis(dx_NBCD, 0, 1).reshape(b, length, d)
+  dx_BLD = jnp.moveaxis(dx_NBCD, 0, 2).reshape(b, length, d)
   return loss * scale, rules.reshard(dx_BLD, ('batch', 'length', 'embed')), dw
 
 

@@ -82,12 +82,14 @@ def assert_same(got, want, *, rtol, atol):
   np.testing.assert_allclose(logits, want[2], rtol=rtol, atol=10 * atol)
 
 
-@pytest.mark.parametrize('name,attention', [
-    ('cp2_dp2_tp2', 'all_gather'), ('cp2_dp2_tp2', 'ring'), ('cp8', 'all_gather'), ('cp8', 'ring'),
+@pytest.mark.parametrize('name,attention,chunks', [
+    ('cp2_dp2_tp2', 'all_gather', 1), ('cp2_dp2_tp2', 'ring', 4),  # Fused loss in 4 chunks of 8 tokens.
+    ('cp8', 'all_gather', 2), ('cp8', 'ring', 1),
 ])
 def test_a_context_mesh_gives_the_loss_gradients_and_logits_of_one_device(host_params, reference, name,
-                                                                         attention):
-  got = loss_and_grads(host_params, name, f'model.context_attention={attention}')
+                                                                         attention, chunks):
+  got = loss_and_grads(host_params, name, f'model.context_attention={attention}',
+                       f'model.loss_chunks={chunks}')
   assert_same(got, reference, rtol=1e-5, atol=1e-6)
 
 
@@ -199,4 +201,6 @@ def test_a_sequence_the_context_split_does_not_divide_is_a_one_line_error():
     build(small('cp8', 'train.seq_len=30'))
   with pytest.raises(ConfigError, match=r'model.context_attention=ring splits train.seq_len=36 into 2 x 4 '):
     build(small('cp4_tp2', 'train.seq_len=36', 'model.context_attention=ring'))
+  with pytest.raises(ConfigError, match=r'model.loss_chunks=16 leaves chunks of 2 tokens, which the 8-way'):
+    build(small('cp8', 'model.loss_chunks=16'))
 

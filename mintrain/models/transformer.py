@@ -172,6 +172,10 @@ def check(cfg: TransformerConfig, seq_len: int) -> None:
     raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} must be 0 (logits, then the loss), a positive '
                       f'divisor of train.seq_len={seq_len} (the fused loss over that many chunks), '
                       'or -1 (auto).')
+  chunk = seq_len // cfg.loss_chunks if cfg.loss_chunks > 0 else ways
+  if chunk % ways:
+    raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} leaves chunks of {chunk} tokens, which the '
+                      f'{ways}-way `length` split (mesh.context) does not divide; use fewer chunks.')
 
 
 def for_mesh(cfg: TransformerConfig, platform: str, ways: Ways) -> TransformerConfig:
