@@ -53,10 +53,6 @@ def _check(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, temper
   if shape[1] + max_new_tokens > MAX_POSITIONS:
     raise ValueError(f'prompt length {shape[1]} + max_new_tokens {max_new_tokens} exceeds '
                      f'{MAX_POSITIONS} positions, beyond which float32 RoPE angles are inexact.')
-  ways = model.cfg.length_ways
-  if shape[1] % ways:
-    raise ValueError(f'prompt length {shape[1]} must be a multiple of {ways}: the prefill splits it over '
-                     f'the {ways} ways of `length` (mesh.context). Pad the prompt, or use mesh.context=1.')
   if temperature < 0:
     raise ValueError(f'temperature={temperature} must be >= 0 (0 means greedy).')
   if not 0 <= top_k <= model.cfg.vocab_size:
@@ -103,8 +99,16 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_BP.shape
   cache = model.init_cache(batch, prompt_len + max_new_tokens, jnp.dtype(model.cfg.compute_dtype))
-  logits_BPV, cache = model.decode(prompt_BP, cache, 0)
-  first_B = _next_token(_at(logits_BPV, prompt_len - 1), key, 0, temperature, top_k)
+  # The prefill splits the prompt over `context` (mesh.context); the tokens beyond the split's last
+  # multiple follow one at a time, as decode steps.
+  split = prompt_len - prompt_len % model.cfg.length_ways
+  if split:
+    logits_BPV, cache = model.decode(prompt_BP[:, :split], cache, 0)
+    last_BV = _at(logits_BPV, split - 1)
+  for position in range(split, prompt_len):
+    logits_B1V, cache = model.decode(prompt_BP[:, position:position + 1], cache, position)
+    last_BV = logits_B1V[:, 0]
+  first_B = _next_token(last_BV, key, 0, temperature, top_k)
 
   def step(carry: tuple[jax.Array, KVCache], i: jax.Array) -> tuple[tuple[jax.Array, KVCache], jax.Array]:
     token_B, cache = carry  # Token i - 1, at position prompt_len + i - 1.

@@ -82,14 +82,15 @@ def assert_same(got, want, *, rtol, atol):
   np.testing.assert_allclose(logits, want[2], rtol=rtol, atol=10 * atol)
 
 
-@pytest.mark.parametrize('name,attention,chunks', [
-    ('cp2_dp2_tp2', 'all_gather', 1), ('cp2_dp2_tp2', 'ring', 4),  # Fused loss in 4 chunks of 8 tokens.
-    ('cp8', 'all_gather', 2), ('cp8', 'ring', 1),
+@pytest.mark.parametrize('name,attention,overrides', [
+    ('cp2_dp2_tp2', 'all_gather', ()),
+    ('cp2_dp2_tp2', 'ring', ('model.loss_chunks=4',)),  # The fused loss in 4 chunks of 8 tokens.
+    ('cp8', 'all_gather', ('model.attention=dot_product', 'model.loss_chunks=2')),
+    ('cp8', 'ring', ()),
 ])
 def test_a_context_mesh_gives_the_loss_gradients_and_logits_of_one_device(host_params, reference, name,
-                                                                         attention, chunks):
-  got = loss_and_grads(host_params, name, f'model.context_attention={attention}',
-                       f'model.loss_chunks={chunks}')
+                                                                         attention, overrides):
+  got = loss_and_grads(host_params, name, f'model.context_attention={attention}', *overrides)
   assert_same(got, reference, rtol=1e-5, atol=1e-6)
 
 
@@ -170,10 +171,9 @@ def test_cached_sampling_on_a_context_mesh_equals_recomputation_and_training_log
     replicated = jax.sharding.reshard(tokens_BL, jax.P())
     cached, cache = cached_logits(params, replicated)
     forward = jax.jit(lambda p, t: nnx.merge(run.graphdef, p)(t))(params, replicated[:, :8])
-    generated = np.asarray(sampling.generate(model, tokens_BL[:, :4], 12))
-    recomputed = np.asarray(sampling.generate_without_cache(model, tokens_BL[:, :4], 12))
-    with pytest.raises(ValueError, match='prompt length 5 must be a multiple of 2'):
-      sampling.generate(model, tokens_BL[:, :5], 3)
+    # A prompt of 5: 4 tokens prefilled over `context`, the fifth as a decode step.
+    generated = np.asarray(sampling.generate(model, tokens_BL[:, :5], 11))
+    recomputed = np.asarray(sampling.generate_without_cache(model, tokens_BL[:, :5], 11))
   assert cache[0][0].shape[1] == 10 and cache[0][0].sharding.spec[1] == 'context'
   np.testing.assert_allclose(np.asarray(cached), np.asarray(forward), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(generated, recomputed)
