@@ -48,6 +48,7 @@ def main() -> int:
                                      f'{", ".join(map(str, steps)) or "none"}).')
     saved = config_lib.upgrade(checkpoints.metadata(step)['config'])
     saved.init.hf_checkpoint = ''  # The saved model section is complete; the source may be gone.
+    saved.mesh = config_lib.defaults().mesh  # One device, within one slice.
     saved.mesh.update(dict.fromkeys(mesh_lib.AXES, 1))
     saved.train.global_batch_size, saved.train.grad_accum_steps = 1, 1
     run = build(config_lib.validate(saved), devices[:1])

@@ -32,7 +32,8 @@ def layout_config(config_file: str | None, overrides: list[str]) -> ml_collectio
     given = config_lib.load(config_file)
     layout = ml_collections.ConfigDict({'mesh': given.mesh, 'partitioning': given.partitioning})
   else:
-    layout = ml_collections.ConfigDict({'mesh': dict.fromkeys(mesh_lib.AXES, 1)})
+    one_device = {**config_lib.defaults().mesh.to_dict(), **dict.fromkeys(mesh_lib.AXES, 1)}  # Every key.
+    layout = ml_collections.ConfigDict({'mesh': one_device})
   config_lib.apply_overrides(layout, [o for o in overrides if o.startswith('mesh.')])
   return layout
 

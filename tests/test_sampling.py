@@ -137,6 +137,16 @@ def test_sample_script_samples_on_the_mesh_of_a_given_config(trained_run):
   assert samples[0].removeprefix('--- sample 1 ---\n') == samples[1]  # Greedy: the same twice.
 
 
+def test_sample_script_on_a_context_mesh_continues_as_on_one_device(trained_run):
+  args = ('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'def ', '--max_new_tokens', '12',
+          '--temperature', '0')
+  one = run_script(*args)
+  context = run_script(*args, '--config', 'configs/cp2_dp2_tp2.py')
+  assert one.returncode == 0 and context.returncode == 0, one.stderr + context.stderr
+  assert 'data=2 x fsdp=1 x context=2 x model=2' in context.stderr
+  assert context.stdout == one.stdout  # BOS and 4 bytes: 4 prefilled over `context`, then 1 decode step.
+
+
 def test_sample_script_without_a_checkpoint_is_a_one_line_error(tmp_path):
   proc = run_script('scripts/sample.py', '--workdir', str(tmp_path))
   assert proc.returncode == 2

@@ -499,14 +499,14 @@ class Transformer(nnx.Module):
   def _positions(self, seq_len: int, order_L: np.ndarray | None) -> jax.Array:
     return jnp.arange(seq_len) if order_L is None else jnp.asarray(order_L)
 
-  def _stored(self, x_BL: jax.Array, order_L: np.ndarray | None) -> jax.Array:
-    """`x_BL` (tokens, targets or hidden states) with its length taken in `order_L`, in its own layout."""
+  def _stored(self, x: jax.Array, order_L: np.ndarray | None) -> jax.Array:
+    """Tokens or targets (BL), or hidden states (BLD), with the length taken in `order_L`."""
     if order_L is None:
-      return x_BL
-    rules, axes = self.rules, ('batch', None, 'embed')[:x_BL.ndim]
-    whole = rules.reshard(x_BL, axes)  # A gather along a split length has no layout of its own.
+      return x
+    rules, axes = self.rules, ('batch', None, 'embed')[:x.ndim]
+    whole = rules.reshard(x, axes)  # A gather along a split length has no layout of its own.
     stored = whole.at[:, order_L].get(out_sharding=rules.activation_spec(axes, whole.shape))
-    return rules.reshard(stored, ('batch', 'length', 'embed')[:x_BL.ndim])
+    return rules.reshard(stored, ('batch', 'length', 'embed')[:x.ndim])
 
   def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None, positions_L: jax.Array) -> jax.Array:
     """Every block in turn: unrolled, or one `scan` over the stacked layers; rematerialised as configured.
