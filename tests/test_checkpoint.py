@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import json
+import shutil
 import signal
 import threading
 
@@ -146,6 +147,23 @@ def test_restore_onto_another_mesh_gives_saved_state_and_same_losses(sources, so
 @pytest.mark.parametrize('source_name,target_name', ALL_PAIRS)
 def test_restore_between_every_pair_of_meshes(sources, source_name, target_name):
   check_restore_onto(sources, source_name, target_name)
+
+
+def test_a_checkpoint_from_before_the_context_axis_restores_onto_a_context_mesh(sources, tmp_path):
+  """Its metadata and config name three mesh axes and keep `length` whole (('length', None))."""
+  source = sources('dp4_tp2')
+  old = tmp_path / 'checkpoints' / str(N)
+  shutil.copytree(source.checkpoint_n, old)
+  meta_file = old / 'metadata' / 'metadata'
+  meta = json.loads(meta_file.read_text())
+  for sizes in (meta['mesh'], meta['config']['mesh']):
+    del sizes['context']
+  partitioning = meta['config']['partitioning']
+  partitioning['rules'] = [[name, None if name == 'length' else axes] for name, axes in partitioning['rules']]
+  meta_file.write_text(json.dumps(meta))
+  state, _ = restore_on(_target('cp2_dp2_tp2', f'train.steps={2 * N}'), old)
+  assert_bitwise_equal(state.params, source.state_at_n.params)
+  assert_bitwise_equal(state.opt_state, source.state_at_n.opt_state)
 
 
 def test_params_only_restore_starts_fresh_optimizer_and_step(sources):
