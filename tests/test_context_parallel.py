@@ -94,6 +94,7 @@ def test_a_context_mesh_gives_the_loss_gradients_and_logits_of_one_device(host_p
   assert_same(got, reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # The default set has context with data and model; this adds fsdp, scan and remat.
 def test_context_with_fsdp_scanned_rematerialised_layers_gives_the_one_device_result(host_params, reference):
   got = loss_and_grads(host_params, 'fsdp2_cp2_tp2', 'model.context_attention=ring', 'model.scan_layers=True',
                        'model.remat=full')

@@ -91,6 +91,7 @@ def test_analytic_count_is_within_10_percent_of_xla():
   assert abs(xla / analytic - 1) < 0.10, (xla, analytic)
 
 
+@pytest.mark.slow  # One more compile of the matmul-heavy model, on 4 devices.
 def test_on_a_context_mesh_each_device_counts_its_share_of_the_work():
   """MFU divides the analytic count by the devices: with the length split 4 ways, each device's compiled
   step does a quarter of it (the gathered path scores each of its queries against every key)."""

@@ -137,6 +137,7 @@ def test_sample_script_samples_on_the_mesh_of_a_given_config(trained_run):
   assert samples[0].removeprefix('--- sample 1 ---\n') == samples[1]  # Greedy: the same twice.
 
 
+@pytest.mark.slow  # Two script runs; test_context_parallel.py checks the sampler itself on this mesh.
 def test_sample_script_on_a_context_mesh_continues_as_on_one_device(trained_run):
   args = ('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'def ', '--max_new_tokens', '12',
           '--temperature', '0')
