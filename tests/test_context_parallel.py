@@ -2,6 +2,8 @@
 logits and sampling are those of one device, with keys and values gathered (`all_gather`) or passed round
 a ring (`ring`); the ring equals the gathered path; a length the split does not divide is a config error."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,14 +106,21 @@ def test_context_with_fsdp_scanned_rematerialised_layers_gives_the_one_device_re
 def test_the_ring_equals_the_gathered_path_in_values_and_gradients_with_grouped_heads():
   gqa = ('model.num_kv_heads=2',)  # Two key/value heads, split over `model` with the query heads.
   host_gqa = None
-  results = {}
+  results, traced = {}, {}
   for attention in ('all_gather', 'ring'):
     run = build(small('cp4_tp2', *gqa, f'model.context_attention={attention}'))
-    if host_gqa is None:
-      with jax.set_mesh(run.mesh):
+    with jax.set_mesh(run.mesh):
+      if host_gqa is None:
         host_gqa = host(run.init().params)
+      batch = jax.tree.map(lambda x: x[0], next(make_batches(run.config, run.mesh, run.rules)))
+      loss = functools.partial(loss_fn, graphdef=run.graphdef, dropout_key=None)
+      traced[attention] = str(jax.make_jaxpr(loss)(run.abstract_state.params, batch=batch))
     results[attention] = loss_and_grads(host_gqa, 'cp4_tp2', *gqa, f'model.context_attention={attention}')
   assert_same(results['ring'], results['all_gather'], rtol=1e-5, atol=1e-6)
+  # The ring passes keys and values with ppermutes inside shard_map (3 hops of k, v and positions per
+  # layer); the gathered path has neither.
+  assert traced['ring'].count('ppermute') == 2 * 3 * 3 and 'shard_map' in traced['ring']
+  assert 'ppermute' not in traced['all_gather'] and 'shard_map' not in traced['all_gather']
 
 
 def test_the_ring_over_packed_documents_is_masked_attention_by_position_and_document():
