@@ -18,8 +18,8 @@ from mintrain.mesh import make_mesh
 from mintrain.models.context_attention import ring_attention, visible, zigzag_order
 from mintrain.train_step import loss_fn
 
-SMALL = ('model.vocab_size=128', 'model.embed_dim=64', 'model.mlp_dim=128', 'data.source=synthetic',
-         'train.global_batch_size=8', 'train.seq_len=32')
+SMALL = ('model.vocab_size=128', 'model.embed_dim=64', 'model.mlp_dim=128', 'model.num_layers=1',
+         'data.source=synthetic', 'train.global_batch_size=8', 'train.seq_len=32')
 MESHES = {  # Meshes with `context`, beside the config file's data 2 x context 2 x model 2.
     'cp2_dp2_tp2': ('cp2_dp2_tp2',),
     'cp8': ('single', 'mesh.context=8'),
@@ -117,9 +117,9 @@ def test_the_ring_equals_the_gathered_path_in_values_and_gradients_with_grouped_
       traced[attention] = str(jax.make_jaxpr(loss)(run.abstract_state.params, batch=batch))
     results[attention] = loss_and_grads(host_gqa, 'cp4_tp2', *gqa, f'model.context_attention={attention}')
   assert_same(results['ring'], results['all_gather'], rtol=1e-5, atol=1e-6)
-  # The ring passes keys and values with ppermutes inside shard_map (3 hops of k, v and positions per
-  # layer); the gathered path has neither.
-  assert traced['ring'].count('ppermute') == 2 * 3 * 3 and 'shard_map' in traced['ring']
+  # The ring passes keys and values with ppermutes inside shard_map (3 hops of k, v and positions in
+  # the one layer); the gathered path has neither.
+  assert traced['ring'].count('ppermute') == 3 * 3 and 'shard_map' in traced['ring']
   assert 'ppermute' not in traced['all_gather'] and 'shard_map' not in traced['all_gather']
 
 
@@ -201,8 +201,8 @@ def test_the_memory_plan_keeps_a_share_of_the_tokens_per_context_device():
   one = build(small('single', 'train.seq_len=256')).plan.activations
   four = build(small('cp8', 'mesh.context=4', 'mesh.data=2', 'train.seq_len=256')).plan.activations
   # Data 2 halves the rows and context 4 quarters their tokens; each device also keeps the keys and values
-  # it gathered: 2 x float32 x 8 heads x 16 x 4 rows x 256 tokens in each of 2 layers.
-  assert four == one // 8 + 2 * (2 * 4 * 8 * 16 * 4 * 256)
+  # it gathered: 2 x float32 x 8 heads x 16 x 4 rows x 256 tokens (one layer).
+  assert four == one // 8 + 2 * 4 * 8 * 16 * 4 * 256
 
 
 def test_a_sequence_the_context_split_does_not_divide_is_a_one_line_error():
