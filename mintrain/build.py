@@ -40,7 +40,7 @@ class Run:
   init: Callable[[], TrainState]  # Jitted; call under the mesh.
   from_params: Callable[[nnx.State], TrainState]  # Jitted: fresh optimizer state and step 0 around params.
   train_step: Callable  # Jitted, state donated: (state, batch) -> (state, metrics).
-  eval_step: Callable  # Jitted: (params, batch) -> mean loss.
+  eval_step: Callable  # Jitted: (params, batch) -> (summed loss, count) over its counted targets.
   plan: memory.MemoryPlan
 
   def batches(self, split: str = 'train') -> GlobalBatches:

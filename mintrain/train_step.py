@@ -1,7 +1,10 @@
 """The train step: one pure function (state, batch) -> (state, metrics).
 
-The batch is (grad_accum_steps, micro_batch, ...); gradients are averaged over
-the micro-batches with a scan, which equals one step on the whole batch.
+The batch is (grad_accum_steps, micro_batch, ...), a dict of arrays the model family reads
+(`loss(batch)`: 'inputs', 'targets', and whatever else its data gives). The family's loss is a mean
+over the targets that count, with their count; micro-batches are weighted by their counts, so the
+step's loss and gradients are the mean over every counted target of the whole batch (padded rows
+count fewer), which equals one step on the whole batch.
 Dropout keys are folded from the state's key, the step and the micro-batch
 index, so they do not depend on the mesh.
 """
@@ -21,9 +24,10 @@ Batch = dict[str, jax.Array]
 
 
 def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch,
-            dropout_key: jax.Array | None) -> jax.Array:
-  model = nnx.merge(graphdef, params)
-  return model.loss(batch['inputs'], batch['targets'], dropout_key=dropout_key)
+            dropout_key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """(mean loss over the batch's counted targets, their count), as the model family computes them."""
+  loss, count = nnx.merge(graphdef, params).loss(batch, dropout_key=dropout_key)
+  return loss, jnp.asarray(count, jnp.float32)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
@@ -32,21 +36,23 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro_step(carry, xs):
-      loss_sum, grad_sum = carry
+      loss_sum, count_sum, grad_sum = carry
       index, micro_batch = xs
       key = jax.random.fold_in(step_key, index) if use_dropout else None
-      loss, grads = grad_fn(state.params, graphdef, micro_batch, key)
-      return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+      (loss, count), grads = grad_fn(state.params, graphdef, micro_batch, key)
+      grad_sum = jax.tree.map(lambda total, g: total + g * count, grad_sum, grads)
+      return (loss_sum + loss * count, count_sum + count, grad_sum), None
 
     accum = jax.tree.leaves(batch)[0].shape[0]
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    (loss_sum, grad_sum), _ = jax.lax.scan(
-        micro_step, (jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), batch))
-    loss = loss_sum / accum
-    grads = jax.tree.map(lambda g: g / accum, grad_sum)
+    scalar = jnp.zeros((), jnp.float32)
+    (loss_sum, count, grad_sum), _ = jax.lax.scan(
+        micro_step, (scalar, scalar, zeros), (jnp.arange(accum), batch))
+    loss = loss_sum / count
+    grads = jax.tree.map(lambda g: g / count, grad_sum)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads), 'param_norm': optax.tree.norm(params),
@@ -57,9 +63,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   return jax.jit(step_fn, donate_argnums=0)
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, Batch], jax.Array]:
-  """Jitted mean loss of params on one (accum, micro, ...) batch; no gradients, no dropout."""
-  def eval_fn(params: nnx.State, batch: Batch) -> jax.Array:
-    losses = jax.lax.map(lambda micro: loss_fn(params, graphdef, micro, None), batch)
-    return jnp.mean(losses)
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, Batch], tuple[jax.Array, jax.Array]]:
+  """Jitted (summed loss, count) of params over the counted targets of one (accum, micro, ...) batch;
+  no gradients, no dropout. Summed, so that batches with fewer counted targets weigh less."""
+  def eval_fn(params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    losses, counts = jax.lax.map(lambda micro: loss_fn(params, graphdef, micro, None), batch)
+    return jnp.sum(losses * counts), jnp.sum(counts)
   return jax.jit(eval_fn)

@@ -23,7 +23,6 @@ import ml_collections
 import numpy as np
 
 from mintrain import config as config_lib
-from mintrain import mesh as mesh_lib
 
 
 def layout_config(config_file: str | None, overrides: list[str]) -> ml_collections.ConfigDict:
@@ -32,8 +31,7 @@ def layout_config(config_file: str | None, overrides: list[str]) -> ml_collectio
     given = config_lib.load(config_file)
     layout = ml_collections.ConfigDict({'mesh': given.mesh, 'partitioning': given.partitioning})
   else:
-    one_device = {**config_lib.defaults().mesh.to_dict(), **dict.fromkeys(mesh_lib.AXES, 1)}  # Every key.
-    layout = ml_collections.ConfigDict({'mesh': one_device})
+    layout = ml_collections.ConfigDict({'mesh': config_lib.one_device_mesh()})
   config_lib.apply_overrides(layout, [o for o in overrides if o.startswith('mesh.')])
   return layout
 
@@ -42,7 +40,7 @@ def sampling_config(saved: dict, layout: ml_collections.ConfigDict, overrides: l
                     num_samples: int) -> config_lib.Config:
   """The saved config on the sampling layout; its batch is the samples, so layout checks are about them."""
   config = config_lib.upgrade(saved)
-  config.mesh = layout.mesh
+  config.mesh.update(layout.mesh.to_dict())  # The saved section's other keys (dcn_*) stay.
   if 'partitioning' in layout:
     config.partitioning = layout.partitioning
   config_lib.apply_overrides(config, overrides)
@@ -53,8 +51,8 @@ def sampling_config(saved: dict, layout: ml_collections.ConfigDict, overrides: l
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--workdir', required=True, help='a run directory, its checkpoints/, or one step in it')
-  parser.add_argument('--prompt', default='', help='text to continue; a BOS token goes before it')
-  parser.add_argument('--max_new_tokens', type=int, default=200, help='tokens (bytes) to generate')
+  parser.add_argument('--prompt', default='', help="text to continue; the tokenizer's BOS goes before it")
+  parser.add_argument('--max_new_tokens', type=int, default=200, help='tokens to generate')
   parser.add_argument('--temperature', type=float, default=0.8, help='softmax temperature; 0 is greedy')
   parser.add_argument('--top_k', type=int, default=40, help='sample among the k most likely tokens; 0: all')
   parser.add_argument('--seed', type=int, default=0, help='PRNG seed of the draws')
@@ -79,6 +77,7 @@ def main() -> int:
   import jax
 
   from mintrain import checkpoint as ckpt_lib
+  from mintrain import mesh as mesh_lib
   from mintrain import sampling
   from mintrain.build import build
   from mintrain.data import tokenizer
@@ -102,6 +101,7 @@ def main() -> int:
     run = build(config, devices)
     params = checkpoints.restore(step, run.abstract_state, params_only=True).state['params']
     checkpoints.close()
+    tok = tokenizer.for_run(directory.parent, config.data.tokenizer)  # The one it trained with.
   except (ckpt_lib.CheckpointError, config_lib.ConfigError, mesh_lib.MeshError, PartitioningError) as e:
     _bootstrap.fail(str(e))
   mesh = run.mesh
@@ -115,12 +115,12 @@ def main() -> int:
   vocab_size = model.cfg.vocab_size
   if args.top_k > vocab_size:
     parser.error(f'--top_k {args.top_k} exceeds the vocabulary ({vocab_size} tokens)')
-  with_bos = vocab_size > tokenizer.BOS
-  if not with_bos:
-    note(f'note: the model has {vocab_size} tokens, so no BOS (id {tokenizer.BOS}); the prompt starts alone.')
-  prompt_P = tokenizer.encode(args.prompt, bos=with_bos)
+  bos = [tok.bos_id] if tok.bos_id is not None and tok.bos_id < vocab_size else []
+  if tok.bos_id is not None and not bos:
+    note(f'note: the model has {vocab_size} tokens, so no BOS (id {tok.bos_id}); the prompt starts alone.')
+  prompt_P = np.concatenate([np.array(bos, np.int32), tok.encode(args.prompt)])
   if not len(prompt_P):
-    parser.error('--prompt is empty and the model has no BOS token to start from')
+    parser.error('--prompt is empty and the tokenizer has no BOS token to start from')
   total = len(prompt_P) + args.max_new_tokens
   if total > config.train.seq_len:
     note(f'warning: prompt + new tokens = {total} positions, more than the {config.train.seq_len} the model '
@@ -137,7 +137,7 @@ def main() -> int:
   for i, new_N in enumerate(np.asarray(tokens_BN)):
     if args.num_samples > 1:
       print(f'--- sample {i + 1} ---')
-    print(tokenizer.decode(np.concatenate([prompt_P, new_N])))
+    print(tok.decode(np.concatenate([prompt_P, new_N])))
   return 0
 
 

@@ -1,6 +1,7 @@
 """Context parallelism (`mesh.context`): with the sequence split over devices, the loss, the gradients, the
 logits and sampling are those of one device, with keys and values gathered (`all_gather`) or passed round
-a ring (`ring`); the ring equals the gathered path; a length the split does not divide is a config error."""
+a ring (`ring`), also on packed rows of several documents; the ring equals the gathered path; a length the
+split does not divide is a config error."""
 
 import functools
 
@@ -13,6 +14,7 @@ from flax import nnx
 
 from mintrain import report, sampling, train_state
 from mintrain.config import ConfigError
+from mintrain.data import segments
 from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.models.context_attention import ring_attention, visible, zigzag_order
@@ -55,24 +57,56 @@ def on_mesh(host_params, name, *overrides):
   return run, params
 
 
-def loss_and_grads(host_params, name, *overrides):
-  """(loss, host gradients by unrolled path, logits) of the first synthetic batch on `name`'s mesh."""
+def packed_rows(batch):
+  """The rows cut into documents by the data pipeline's own segment layout: a BOS (id 1, taken out of the
+  progressions elsewhere) at two places of each row but the first; odd rows end in 5 tokens of padding."""
+  windows_BL = np.concatenate([batch['inputs'], batch['targets'][:, -1:]], axis=1)
+  windows_BL[windows_BL == 1] = 2
+  rows = np.arange(1, len(windows_BL))
+  windows_BL[rows, rows + 2] = windows_BL[rows, 2 * rows + 12] = 1
+  windows_BL[1::2, -5:] = segments.PAD
+  packed = segments.split_inputs_targets(windows_BL, segments.Separators(bos=1, eos=None))
+  assert packed['segment_ids'][1:].max(axis=1).min() == 3 and packed['target_weights'].min() == 0
+  return packed
+
+
+def first_batch(run, packed: bool):
+  """The first synthetic micro-batch, as packed rows if `packed`, in `run`'s layout."""
+  batch = jax.tree.map(lambda x: np.asarray(x)[0], jax.device_get(next(make_batches(run.config, run.mesh,
+                                                                                   run.rules))))
+  if packed:
+    batch = packed_rows(batch)
+  layout = run.rules.activation_spec(('batch', 'length'))
+  return {k: jax.device_put(v, layout) for k, v in batch.items()}
+
+
+def loss_and_grads(host_params, name, *overrides, packed=False):
+  """(loss, host gradients by unrolled path, logits of the counted targets) of the first synthetic batch
+  on `name`'s mesh."""
   run, params = on_mesh(host_params, name, *overrides)
 
   @jax.jit
   def step(params, batch):
-    micro = jax.tree.map(lambda x: x[0], batch)
-    loss, grads = jax.value_and_grad(loss_fn)(params, run.graphdef, micro, None)
-    return loss, grads, nnx.merge(run.graphdef, params)(micro['inputs'])
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, run.graphdef, batch, None)
+    logits = nnx.merge(run.graphdef, params)(batch['inputs'], segment_ids_BL=batch.get('segment_ids'),
+                                             positions_BL=batch.get('positions'))
+    return loss, grads, logits
 
   with jax.set_mesh(run.mesh):
-    loss, grads, logits = step(params, next(make_batches(run.config, run.mesh, run.rules)))
-  return float(loss), host(grads), np.asarray(logits)
+    batch = first_batch(run, packed)
+    loss, grads, logits = step(params, batch)
+  counted = np.asarray(batch.get('target_weights', np.ones(batch['inputs'].shape)))[..., None] > 0
+  return float(loss), host(grads), np.where(counted, np.asarray(logits), 0)
 
 
 @pytest.fixture(scope='module')
 def reference(host_params):
   return loss_and_grads(host_params, 'single')
+
+
+@pytest.fixture(scope='module')
+def packed_reference(host_params):
+  return loss_and_grads(host_params, 'single', packed=True)
 
 
 def assert_same(got, want, *, rtol, atol):
@@ -85,8 +119,6 @@ def assert_same(got, want, *, rtol, atol):
 
 
 @pytest.mark.parametrize('name,attention,overrides', [
-    ('cp2_dp2_tp2', 'all_gather', ()),
-    ('cp2_dp2_tp2', 'ring', ('model.loss_chunks=4',)),  # The fused loss in 4 chunks of 8 tokens.
     ('cp8', 'all_gather', ('model.attention=dot_product', 'model.loss_chunks=2')),
     ('cp8', 'ring', ()),
 ])
@@ -96,14 +128,26 @@ def test_a_context_mesh_gives_the_loss_gradients_and_logits_of_one_device(host_p
   assert_same(got, reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('attention,overrides', [
+    ('all_gather', ()),
+    ('ring', ('model.loss_chunks=4',)),  # The fused loss in 4 chunks of 8 tokens.
+])
+def test_packed_documents_on_data_context_and_model_give_the_one_device_result(host_params, packed_reference,
+                                                                              attention, overrides):
+  got = loss_and_grads(host_params, 'cp2_dp2_tp2', f'model.context_attention={attention}', *overrides,
+                       packed=True)
+  assert_same(got, packed_reference, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # The default set has context with data and model; this adds fsdp, scan and remat.
-def test_context_with_fsdp_scanned_rematerialised_layers_gives_the_one_device_result(host_params, reference):
+def test_context_with_fsdp_scanned_rematerialised_layers_gives_the_one_device_result(host_params,
+                                                                                    packed_reference):
   got = loss_and_grads(host_params, 'fsdp2_cp2_tp2', 'model.context_attention=ring', 'model.scan_layers=True',
-                       'model.remat=full')
-  assert_same(got, reference, rtol=1e-5, atol=1e-6)
+                       'model.remat=full', packed=True)
+  assert_same(got, packed_reference, rtol=1e-5, atol=1e-6)
 
 
-def test_the_ring_equals_the_gathered_path_in_values_and_gradients_with_grouped_heads():
+def test_the_ring_equals_the_gathered_path_in_values_and_gradients_with_grouped_heads_and_documents():
   gqa = ('model.num_kv_heads=2',)  # Two key/value heads, split over `model` with the query heads.
   host_gqa = None
   results, traced = {}, {}
@@ -112,14 +156,14 @@ def test_the_ring_equals_the_gathered_path_in_values_and_gradients_with_grouped_
     with jax.set_mesh(run.mesh):
       if host_gqa is None:
         host_gqa = host(run.init().params)
-      batch = jax.tree.map(lambda x: x[0], next(make_batches(run.config, run.mesh, run.rules)))
       loss = functools.partial(loss_fn, graphdef=run.graphdef, dropout_key=None)
-      traced[attention] = str(jax.make_jaxpr(loss)(run.abstract_state.params, batch=batch))
-    results[attention] = loss_and_grads(host_gqa, 'cp4_tp2', *gqa, f'model.context_attention={attention}')
+      traced[attention] = str(jax.make_jaxpr(loss)(run.abstract_state.params, batch=first_batch(run, True)))
+    results[attention] = loss_and_grads(host_gqa, 'cp4_tp2', *gqa, f'model.context_attention={attention}',
+                                        packed=True)
   assert_same(results['ring'], results['all_gather'], rtol=1e-5, atol=1e-6)
-  # The ring passes keys and values with ppermutes inside shard_map (3 hops of k, v and positions in
-  # the one layer); the gathered path has neither.
-  assert traced['ring'].count('ppermute') == 3 * 3 and 'shard_map' in traced['ring']
+  # The ring passes keys and values with ppermutes inside shard_map (3 hops of k, v, their positions and
+  # segment ids in the one layer); the gathered path has neither.
+  assert traced['ring'].count('ppermute') == 3 * 4 and 'shard_map' in traced['ring']
   assert 'ppermute' not in traced['all_gather'] and 'shard_map' not in traced['all_gather']
 
 

@@ -77,9 +77,6 @@ def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   return jax.lax.slice_in_dim(x, 0, half, axis=axis), jax.lax.slice_in_dim(x, half, None, axis=axis)
 
 
-def _length_axis(x: jax.Array) -> int:
-  """Where the length is: dim 1 of q, k, v (BCHK), the last of positions (C or BC) and segments (BC)."""
-  return 1 if x.ndim == 4 else x.ndim - 1
 
 
 def _mask(q_pos: jax.Array, k_pos: jax.Array, q_seg: jax.Array | None, k_seg: jax.Array | None,
@@ -103,11 +100,11 @@ def _ring(q_BCHK: jax.Array, k_BCHK: jax.Array, v_BCHK: jax.Array, q_pos: jax.Ar
   ring = [(j, (j + 1) % n) for j in range(n)]  # After s hops, a device holds the keys of device me - s.
   kv = (k_BCHK, v_BCHK, k_pos, *((k_seg_BC,) if segs else ()))
   q_seg_halves = _halves(q_seg_BC, 1) if segs else (None, None)
-  q_halves, q_pos_halves = _halves(q_BCHK, 1), _halves(q_pos, _length_axis(q_pos))
+  q_halves, q_pos_halves = _halves(q_BCHK, 1), _halves(q_pos, 1)
 
   def earlier(acc, kv):
     """Keys of a device before this one: all queries see their first chunk only."""
-    k, v, pos, *seg = (_halves(x, _length_axis(x))[0] for x in kv)
+    k, v, pos, *seg = (_halves(x, 1)[0] for x in kv)
     return _update(acc, q_BCHK, k, v, _mask(q_pos, pos, q_seg_BC, seg[0] if seg else None, b), scale)
 
   def later(acc, kv):
@@ -132,14 +129,15 @@ def ring_attention(q_BLHK: jax.Array, k_BLHK: jax.Array, v_BLHK: jax.Array, posi
   split over the ring of mesh axes `spec[1]` and stored in `zigzag_order`.
 
   `spec` is the layout of q, k and v (batch, length, heads, head dim), k and v already with as many
-  heads as q. The output has that layout too. `positions` are (L,), or (B, L) where they differ by
-  row (packed documents, each from 0), and `segments_BL` the documents' ids, or None for one per row.
+  heads as q. The output has that layout too. `positions` are (1, L) when every row has the same, or
+  (B, L) where they differ by row (packed documents, each from 0), and `segments_BL` the documents'
+  ids, or None for one per row; both in the same (zigzag) order as the tokens.
   """
   axes = (spec[1],) if isinstance(spec[1], str) else tuple(spec[1])
   mesh = jax.sharding.get_abstract_mesh()
   n = int(np.prod([mesh.shape[a] for a in axes]))
   seg_spec = P(spec[0], spec[1])
-  pos_spec = P(spec[1]) if positions.ndim == 1 else seg_spec
+  pos_spec = seg_spec if positions.shape[0] > 1 else P(None, spec[1])
   segs = () if segments_BL is None else (segments_BL, segments_BL)
 
   def body(q, k, v, q_pos, k_pos, *seg):

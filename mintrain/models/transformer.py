@@ -15,6 +15,15 @@ it more ways than G divides, they are replicated instead (`for_mesh`, reported b
 sampling: it appends the keys and values of new tokens to a per-layer cache and
 attends over it, so each new token costs one step instead of a re-run of the prefix.
 
+Packed rows (`mintrain.data.pipeline`) hold several documents. Their `segment_ids_BL` (which
+document of the row each token is in; 0 is padding) and `positions_BL` (its position in that
+document) make each document's tokens attend only to earlier tokens of the same document, rotated
+for their own positions, so a document's predictions are those it would get alone; `loss` counts
+only the targets its batch's `target_weights` count. Without them a row is one sequence. What a
+query sees is a function of positions and segment ids (`context_attention.visible`), not of where
+tokens are stored, so packed rows split over `context` too: gathered keys bring their positions and
+segment ids along, and the ring's zigzag reorders them with the tokens and passes them with the keys.
+
 Performance options (`TransformerConfig`), each computing the same function as the default:
   remat        recompute each block's activations in the backward pass instead of keeping them.
   scan_layers  parameters stacked on a leading `layers` axis and the blocks run by one `scan`,
@@ -41,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +119,7 @@ def _even(value: int) -> str | None:
 class TransformerConfig:
   """The `model` section of a transformer run; configs/base.py has the defaults and their meaning."""
 
-  vocab_size: int = option(at_least=1)
+  vocab_size: int = option(at_least=0)  # 0 until `for_tokenizer` sets it.
   embed_dim: int = option(at_least=1)
   num_layers: int = option(at_least=1)
   num_heads: int = option(at_least=1)
@@ -128,6 +138,9 @@ class TransformerConfig:
   norm_plus_one: bool = option()  # Gemma: norms scale by (1 + weight), weights drawn as zeros.
   embed_scale: bool = option()  # Gemma: embeddings times sqrt(embed_dim) (not the tied output layer).
   qkv_bias: bool = option()  # Qwen2: biases on the query, key and value projections.
+  # Mistral: each position attends over the last `sliding_window` only. Not applied: a longer sequence is
+  # refused (`check_window`), so attention is always the same as the checkpoint's model's; 0: no window.
+  sliding_window: int = option(at_least=0)
   mlp_activation: str = option(choices=tuple(ACTIVATIONS))
   dropout_rate: float = option(at_least=0, below=1)
   param_dtype: str = option(choices=DTYPES)
@@ -155,6 +168,13 @@ class TransformerConfig:
     return self.kv_heads != self.num_heads
 
 
+def for_tokenizer(cfg: TransformerConfig, num_ids: Callable[[], int]) -> TransformerConfig:
+  """model.vocab_size=0 takes the tokenizer's ids, padded to a multiple of 128 so `vocab` splits."""
+  if cfg.vocab_size:
+    return cfg
+  return dataclasses.replace(cfg, vocab_size=tokenizer.padded_vocab_size(num_ids()))
+
+
 def check(cfg: TransformerConfig, seq_len: int) -> None:
   if cfg.rope_scaling == 'llama3' and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
     raise ConfigError(f'model.rope_high_freq_factor={cfg.rope_high_freq_factor} must be above '
@@ -163,6 +183,7 @@ def check(cfg: TransformerConfig, seq_len: int) -> None:
     raise ConfigError(f'model.num_kv_heads={cfg.num_kv_heads} must divide model.num_heads={cfg.num_heads} '
                       '(each key/value head serves the same number of query heads), or be 0 (as many as '
                       'num_heads).')
+  check_window(cfg, seq_len, f'train.seq_len={seq_len}')
   ways = cfg.length_ways
   if cfg.context_attention == 'ring' and ways > 1 and seq_len % (2 * ways):
     raise ConfigError(f'model.context_attention=ring splits train.seq_len={seq_len} into 2 x {ways} chunks '
@@ -176,6 +197,14 @@ def check(cfg: TransformerConfig, seq_len: int) -> None:
   if chunk % ways:
     raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} leaves chunks of {chunk} tokens, which the '
                       f'{ways}-way `length` split (mesh.context) does not divide; use fewer chunks.')
+
+
+def check_window(cfg: TransformerConfig, length: int, what: str) -> None:
+  """A ConfigError when sequences of `length` positions (`what`) outrun the model's sliding window."""
+  if cfg.sliding_window and length > cfg.sliding_window:
+    raise ConfigError(f'{what} is longer than model.sliding_window={cfg.sliding_window}: the model attends '
+                      'over that many positions only, a window mintrain does not apply; use sequences of at '
+                      f'most {cfg.sliding_window} positions (train.seq_len <= {cfg.sliding_window}).')
 
 
 def for_mesh(cfg: TransformerConfig, platform: str, ways: Ways) -> TransformerConfig:
@@ -217,21 +246,26 @@ def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
   return jnp.asarray(np.where(medium, blended, scaled), jnp.float32)
 
 
-def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_L: jax.Array | None = None) -> jax.Array:
+def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
   """Rotary position embedding on the last dimension (split-half convention, as `transformers`).
 
-  `positions_L` are the absolute positions of the L tokens (default 0..L-1): a
-  decode step passes its offset, so a token is rotated the same as in training.
+  `positions_BL` ((B or 1, L)) are the tokens' positions (default 0..L-1): a decode step passes its
+  offset, so a token is rotated the same as in training; packed rows pass each document's own.
   """
   _, seq_len, _, head_dim = x_BLHK.shape
   half = head_dim // 2
-  if positions_L is None:
-    positions_L = jnp.arange(seq_len)
-  angle_LK = positions_L.astype(jnp.float32)[:, None] * inv_freq_K[None, :]
-  sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
+  if positions_BL is None:
+    positions_BL = jnp.arange(seq_len)[None, :]
+  angle_BLK = positions_BL.astype(jnp.float32)[:, :, None] * inv_freq_K[None, None, :]
+  sin, cos = jnp.sin(angle_BLK)[:, :, None, :], jnp.cos(angle_BLK)[:, :, None, :]
   x = x_BLHK.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
+
+
+def same_segment(segment_ids_BL: jax.Array, k_segment_ids_BM: jax.Array) -> jax.Array:
+  """bool (B, 1, L, M): whether query l and key m are in the same document of their row (heads broadcast)."""
+  return (segment_ids_BL[:, :, None] == k_segment_ids_BM[:, None, :])[:, None]
 
 
 def kv_layout(cfg: TransformerConfig) -> tuple[str | None, ...]:
@@ -260,30 +294,37 @@ class Attention(nnx.Module):
     self.wo_HKD = param(rngs, out_init, (h, k, d), ('heads', 'kv', 'embed'), dtype, rules)
     self.cfg, self.rules = cfg, rules
 
-  def __call__(self, x_BLD: jax.Array, positions_L: jax.Array) -> jax.Array:
-    """Attention of the sequence over itself; `positions_L` say where each stored token sits (in order,
-    except for the ring's zigzag), and so what it may see."""
+  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array,
+               segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """Causal attention by the tokens' positions (`positions_BL`, (B or 1, L): where each stored token
+    sits, in order except for the ring's zigzag); with `segment_ids_BL`, only within each token's document."""
     cfg = self.cfg
-    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, positions_L)
+    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, positions_BL)
     k_BMHK, v_BMHK = self._repeat_kv(k_BMGK), self._repeat_kv(v_BMGK)
     if cfg.context_attention == 'ring' and cfg.length_ways > 1:
-      return self._project(ring_attention(q_BLHK, k_BMHK, v_BMHK, positions_L, None,
+      return self._project(ring_attention(q_BLHK, k_BMHK, v_BMHK, positions_BL, segment_ids_BL,
                                          spec=self.rules.activation_spec(BLHK, q_BLHK.shape),
                                          scale=cfg.head_dim ** -0.5))
+    # The keys' positions and segments, whole like the keys themselves (`_gather_length`).
+    k_positions_BM = self._gather_length(q_BLHK, positions_BL)
+    k_segment_ids_BM = None if segment_ids_BL is None else self._gather_length(q_BLHK, segment_ids_BL)
     if cfg.attention == 'dot_product':  # Only ever in natural order (the ring takes the zigzag).
       k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
+      same_B1LM = None if segment_ids_BL is None else same_segment(segment_ids_BL, k_segment_ids_BM)
+      # On cuDNN the mask becomes an additive bias, which its flash attention takes.
       implementation = attention_kernel(cfg.platform, q_BLHK.dtype, cfg.head_dim)
-      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, is_causal=True,
+      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, mask=same_B1LM, is_causal=True,
                                               scale=cfg.head_dim ** -0.5, implementation=implementation)
       return self._project(out_BLHK)
-    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible(positions_L, positions_L))
+    visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM)
+    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None])
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attention of L new tokens at positions start.. over the cache, which they are written into first."""
     rules = self.rules
     positions_L = start + jnp.arange(x_BLD.shape[1])
-    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L)
+    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L[None, :])
     keys_BSGK, values_BSGK = (rules.reshard(self._write(cache, new, start), kv_layout(self.cfg))
                               for cache, new in zip(kv, (k_BLGK, v_BLGK)))
     # Causal over absolute positions; the unwritten (zero) slots beyond are never visible.
@@ -301,15 +342,15 @@ class Attention(nnx.Module):
     new_BLGK = jax.sharding.reshard(new_BLGK, jax.typeof(cache_BSGK).sharding.spec)
     return jax.lax.dynamic_update_slice(cache_BSGK, new_BLGK, (0, start, 0, 0))
 
-  def _gather_length(self, q_BLHK: jax.Array, x_BMHK: jax.Array) -> jax.Array:
-    """Keys or values whole along their length (an all-gather over `context`) when the queries' length is
-    split: each device's queries may see any key. Otherwise (one decode token) they stay split, and
-    attention reduces over their split instead."""
+  def _gather_length(self, q_BLHK: jax.Array, x_BM: jax.Array) -> jax.Array:
+    """Keys or values (BMHK), or their positions or segment ids (BM), whole along their length (an
+    all-gather over `context`) when the queries' length is split: each device's queries may see any key.
+    Otherwise (one decode token) they stay split, and attention reduces over their split instead."""
     if self.rules.activation_spec(('batch', 'length'), q_BLHK.shape[:2])[1] is None:
-      return x_BMHK
-    return self.rules.reshard(x_BMHK, ('batch', None, 'heads', 'kv'))
+      return x_BM
+    return self.rules.reshard(x_BM, ('batch', None, 'heads', 'kv')[:x_BM.ndim])
 
-  def _qkv(self, x_BLD: jax.Array, positions_L: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def _qkv(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries (BLHK) and keys (BLGK) rotated for their positions, and values (BLGK)."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
     custom_vjp = cfg.linear == 'custom_vjp'
@@ -328,8 +369,8 @@ class Attention(nnx.Module):
       k_BLGK = k_BLGK + gather(self.bk_GK, rules, dtype)
       v_BLGK = v_BLGK + gather(self.bv_GK, rules, dtype)
     inv_freq_K = rope_frequencies(cfg)
-    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_L), BLHK)
-    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_L), layout)
+    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_BL), BLHK)
+    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_BL), layout)
     return q_BLHK, k_BLGK, rules.reshard(v_BLGK, layout)
 
   def _repeat_kv(self, x_BMGK: jax.Array) -> jax.Array:
@@ -344,7 +385,8 @@ class Attention(nnx.Module):
 
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
               visible_LM: jax.Array) -> jax.Array:
-    """Softmax attention of each query over the keys it may see, then the output projection."""
+    """Softmax attention of each query over the keys it may see (`visible_LM`, (L, M) or per row
+    (B, 1, L, M)), then the output projection."""
     cfg, dtype = self.cfg, q_BLHK.dtype
     k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
     scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
@@ -411,9 +453,11 @@ class Block(nnx.Module):
     self.mlp = GatedMLP(cfg, rules=rules, rngs=rngs)
     self.rules, self.dropout_rate = rules, cfg.dropout_rate
 
-  def __call__(self, x_BLD: jax.Array, key: jax.Array | None, positions_L: jax.Array) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, key: jax.Array | None, positions_BL: jax.Array,
+               segment_ids_BL: jax.Array | None = None) -> jax.Array:
     keys = jax.random.split(key) if key is not None else (None, None)
-    x_BLD = x_BLD + dropout(self.attn(self.attn_norm(x_BLD), positions_L), self.dropout_rate, keys[0])
+    attn_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
+    x_BLD = x_BLD + dropout(attn_BLD, self.dropout_rate, keys[0])
     x_BLD = x_BLD + dropout(self.mlp(self.mlp_norm(x_BLD)), self.dropout_rate, keys[1])
     return self.rules.reshard(x_BLD, BLD)
 
@@ -443,26 +487,43 @@ class Transformer(nnx.Module):
                               ('embed', 'vocab'), dtype, rules)
     self.cfg, self.rules = cfg, rules
 
-  def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+  def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
+               segment_ids_BL: jax.Array | None = None, positions_BL: jax.Array | None = None) -> jax.Array:
+    """Logits; with `segment_ids_BL` and `positions_BL`, of packed documents (see the module doc)."""
     order_L = self._order(tokens_BL.shape[1])
-    table_VD, x_BLD = self._embed(self._stored(tokens_BL, order_L))
-    x_BLD = self._run_blocks(x_BLD, dropout_key, self._positions(tokens_BL.shape[1], order_L))
+    positions_BL = self._positions(positions_BL, tokens_BL.shape[1], order_L)
+    tokens_BL, segment_ids_BL = self._stored(tokens_BL, order_L), self._stored(segment_ids_BL, order_L)
+    table_VD, x_BLD = self._embed(tokens_BL)
+    x_BLD = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
     if order_L is not None:  # Back to the natural order, through a gather of the whole length.
       x_BLD = self._stored(x_BLD, np.argsort(order_L).astype(np.int32))
     return self._logits(x_BLD, table_VD)
 
-  def loss(self, tokens_BL: jax.Array, targets_BL: jax.Array, *,
-           dropout_key: jax.Array | None = None) -> jax.Array:
-    """Mean cross-entropy of the next-token predictions against `targets_BL`: a mean over tokens, so the
-    order they are stored in (the ring's zigzag) does not matter."""
-    order_L = self._order(tokens_BL.shape[1])
-    tokens_BL, targets_BL = self._stored(tokens_BL, order_L), self._stored(targets_BL, order_L)
+  def loss(self, batch: dict[str, jax.Array], *,
+           dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(mean cross-entropy of the next-token predictions over the targets that count, their count).
+
+    `batch` holds 'inputs' and 'targets' (B, L) int32 and, from packed or padded rows, 'segment_ids',
+    'positions' (B, L) int32 and 'target_weights' (B, L) float32 (`mintrain.data.pipeline`); without
+    them every target counts and a row is one sequence. A mean over tokens: the order they are stored
+    in (the ring's zigzag) does not matter.
+    """
+    order_L = self._order(batch['inputs'].shape[1])
+    positions_BL = self._positions(batch.get('positions'), batch['inputs'].shape[1], order_L)
+    keys = ('inputs', 'targets', 'target_weights', 'segment_ids')
+    tokens_BL, targets_BL, weights_BL, segment_ids_BL = (self._stored(batch.get(k), order_L) for k in keys)
+    targets_BL = self.rules.reshard(targets_BL, ('batch', 'length'))  # Split as the hidden states are.
+    if weights_BL is None:
+      weights_BL = jnp.ones(targets_BL.shape, jnp.float32, out_sharding=jax.typeof(targets_BL).sharding)
+    weights_BL = self.rules.reshard(weights_BL, ('batch', 'length'))
     table_VD, x_BLD = self._embed(tokens_BL)
-    x_BLD = self._run_blocks(x_BLD, dropout_key, self._positions(tokens_BL.shape[1], order_L))
+    x_BLD = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
     if self.cfg.loss_chunks <= 0:
-      return cross_entropy(self._logits(x_BLD, table_VD), targets_BL)
-    return fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, self.rules,
-                               self.cfg.loss_chunks)
+      loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL, weights_BL)
+    else:
+      loss = fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, weights_BL,
+                                 self.rules, self.cfg.loss_chunks)
+    return loss, jnp.sum(weights_BL)
 
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
              start: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -483,6 +544,7 @@ class Transformer(nnx.Module):
     """Zero keys and values for `max_len` positions in every layer, laid out (under a mesh) as the
     attention's keys and values (batch, length, kv heads, kv), so it is split like what fills it. Its
     length is rounded up to split evenly over `context`; the slots beyond are never visible."""
+    check_window(self.cfg, max_len, f'a KV cache of {max_len} positions (prompt and new tokens)')
     max_len = -(-max_len // self.cfg.length_ways) * self.cfg.length_ways
     shape = (batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
     spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(kv_layout(self.cfg))
@@ -496,26 +558,35 @@ class Transformer(nnx.Module):
       return zigzag_order(seq_len, self.cfg.length_ways)
     return None
 
-  def _positions(self, seq_len: int, order_L: np.ndarray | None) -> jax.Array:
-    return jnp.arange(seq_len) if order_L is None else jnp.asarray(order_L)
+  def _positions(self, positions_BL: jax.Array | None, seq_len: int, order_L: np.ndarray | None) -> jax.Array:
+    """(B or 1, L) positions in storage order: packed rows' own (B, L), else 0..L-1 for every row."""
+    if positions_BL is not None:
+      return self._stored(positions_BL, order_L)
+    return jnp.asarray(np.arange(seq_len, dtype=np.int32) if order_L is None else order_L)[None, :]
 
-  def _stored(self, x: jax.Array, order_L: np.ndarray | None) -> jax.Array:
-    """Tokens or targets (BL), or hidden states (BLD), with the length taken in `order_L`."""
-    if order_L is None:
+  def _stored(self, x: jax.Array | None, order_L: np.ndarray | None) -> jax.Array | None:
+    """Tokens, targets, weights, positions or segment ids (BL), or hidden states (BLD), with the length
+    taken in `order_L`."""
+    if x is None or order_L is None:
       return x
     rules, axes = self.rules, ('batch', None, 'embed')[:x.ndim]
     whole = rules.reshard(x, axes)  # A gather along a split length has no layout of its own.
     stored = whole.at[:, order_L].get(out_sharding=rules.activation_spec(axes, whole.shape))
     return rules.reshard(stored, ('batch', 'length', 'embed')[:x.ndim])
 
-  def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None, positions_L: jax.Array) -> jax.Array:
+  def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None, positions_BL: jax.Array,
+                  segment_ids_BL: jax.Array | None) -> jax.Array:
     """Every block in turn: unrolled, or one `scan` over the stacked layers; rematerialised as configured.
     With the ring, dropout masks are drawn for the stored (zigzag) order: as random, not the same draws."""
-    cfg = self.cfg
+    cfg, rules = self.cfg, self.rules
+    positions_BL = rules.reshard(positions_BL, ('batch', 'length'))
+    if segment_ids_BL is not None:
+      segment_ids_BL = rules.reshard(segment_ids_BL, ('batch', 'length'))
 
-    def run(make_block, params, x_BLD: jax.Array, i: jax.Array | int, positions_L: jax.Array) -> jax.Array:
+    def run(make_block, params, x_BLD: jax.Array, i: jax.Array | int, positions_BL: jax.Array,
+            segment_ids_BL: jax.Array | None) -> jax.Array:
       key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None
-      return make_block(params)(x_BLD, key, positions_L)
+      return make_block(params)(x_BLD, key, positions_BL, segment_ids_BL)
 
     if cfg.remat != 'none':
       # A scan already keeps XLA from merging the recomputation back into the forward pass.
@@ -524,13 +595,13 @@ class Transformer(nnx.Module):
     if not cfg.scan_layers:
       for i, block in enumerate(self.blocks):
         graphdef, params = nnx.split(block)
-        x_BLD = run(functools.partial(nnx.merge, graphdef), params, x_BLD, i, positions_L)
+        x_BLD = run(functools.partial(nnx.merge, graphdef), params, x_BLD, i, positions_BL, segment_ids_BL)
       return x_BLD
     make_layer, params_N = split_layers(self.blocks)
 
     def body(x_BLD: jax.Array, layer: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, None]:
       params, i = layer
-      return run(make_layer, params, x_BLD, i, positions_L), None
+      return run(make_layer, params, x_BLD, i, positions_BL, segment_ids_BL), None
 
     x_BLD, _ = jax.lax.scan(body, x_BLD, (params_N, jnp.arange(cfg.num_layers)))
     return x_BLD
@@ -545,6 +616,7 @@ class Transformer(nnx.Module):
   def _embed(self, tokens_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(table_VD in its compute layout, x_BLD); the table is reused by a tied output layer."""
     rules = self.rules
+    check_window(self.cfg, tokens_BL.shape[1], f'a sequence of {tokens_BL.shape[1]} tokens')
     table_VD = gather(self.embedding_VD, rules, jnp.dtype(self.cfg.compute_dtype))
     x_BLD = table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD, tokens_BL.shape))
     if self.cfg.embed_scale:  # Rounded to the compute dtype first, as Gemma's `normalizer`.
@@ -633,6 +705,8 @@ FAMILY = Family(
     for_mesh=for_mesh,
     notes=notes,
     hf=hf_llama,
-    eval_metrics=lambda cfg, loss: {'eval_bits_per_byte': tokenizer.bits_per_byte(loss)},
+    eval_metrics=lambda cfg, loss: {'eval_bits_per_token': loss / math.log(2)},
+    vocab_size=lambda cfg: cfg.vocab_size,
+    for_tokenizer=for_tokenizer,
     check=check,
 )
