@@ -386,7 +386,7 @@ class Attention(nnx.Module):
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
               visible_LM: jax.Array) -> jax.Array:
     """Softmax attention of each query over the keys it may see (`visible_LM`, (L, M) or per row
-    (B, 1, L, M)), then the output projection."""
+    (B or 1, 1, L, M)), then the output projection."""
     cfg, dtype = self.cfg, q_BLHK.dtype
     k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
     scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
