@@ -10,6 +10,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 4  # Data-parallel ways (batch split, params replicated). -1: all remaining devices.
   c.mesh.fsdp = 1  # Fully-sharded data-parallel ways (batch split, params split on `embed`).
+  c.mesh.context = 1  # Context-parallel ways (the sequence's `length` split; attention gathers keys).
   c.mesh.model = 2  # Tensor-parallel ways (heads, mlp and vocab split).
   # Multi-slice: how many of the data (fsdp) ways go across slices or hosts over the data-centre network;
   # the rest stay within each slice. 1: one slice. The product is the number of slices (or processes).
@@ -22,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   # no rule is an error.
   c.partitioning.rules = [
       ('batch', ('data', 'fsdp')),
-      ('length', None),
+      ('length', 'context'),  # Never a parameter's axis; a dimension of size 1 (a decode step) stays whole.
       ('embed', None),
       ('mlp', 'model'),
       ('heads', 'model'),
@@ -63,6 +64,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.remat = 'none'  # Recompute each block's activations in backward: 'none', 'full', 'save_matmuls'.
   c.model.scan_layers = False  # Stack layer params on a leading `layers` axis and run the blocks in a scan.
   c.model.attention = 'einsum'  # 'einsum' (reference) or 'dot_product' (jax.nn.dot_product_attention).
+  # With `length` split (mesh.context): 'all_gather' gathers keys and values before attention; 'ring'
+  # passes them round a ring of devices, overlapped with blockwise attention, the sequence in zigzag order.
+  c.model.context_attention = 'all_gather'
   c.model.mlp_overlap = False  # Overlap the MLP's tensor-parallel collectives with chunked matmuls (a ring).
   # Output layer and loss fused, never keeping the (tokens x vocab) logits, over N sequence chunks
   # (more chunks, less memory); 0: logits, then cross-entropy (the reference); -1: 1 on CPU, where it was

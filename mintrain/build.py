@@ -61,6 +61,8 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   config = config.replace(model=family.for_mesh(config.model, mesh.devices.flat[0].platform,
                                                 lambda name: rules.ways(name, mesh.shape)))
   _check_batch_split(config, rules, mesh)
+  _check_length_split(config, rules, mesh)
+  family.check(config.model, config.train.seq_len)  # Again, with what depends on the mesh set.
   abstract = train_state.abstract_model(family, config.model, rules, config.seed)
   layout = train_state.param_layout(abstract, rules, mesh)
   graphdef, _ = nnx.split(abstract, nnx.Param)
@@ -98,3 +100,12 @@ def _check_batch_split(config: Config, rules: AxisRules, mesh: Mesh) -> None:
         f'/ train.grad_accum_steps {train.grad_accum_steps}) is split over {named} '
         f'= {ways} devices; {train.micro_batch_size} % {ways} != 0. Use a global batch that is a '
         f'multiple of {ways * train.grad_accum_steps}.')
+
+
+def _check_length_split(config: Config, rules: AxisRules, mesh: Mesh) -> None:
+  """The sequence must split evenly over the mesh axes that `length` maps to (context parallelism)."""
+  seq_len, ways = config.train.seq_len, rules.ways('length', mesh.shape)
+  if seq_len % ways:
+    axes = ' x '.join(f'`{a}`' for a in partitioning.spec_axes(rules.activation_spec(('length',))[0]))
+    raise ConfigError(f'`length` (train.seq_len={seq_len}) is split over {axes} = {ways} devices; '
+                      f'{seq_len} % {ways} != 0. Use a train.seq_len that is a multiple of {ways}.')

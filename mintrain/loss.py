@@ -62,15 +62,19 @@ def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, weight
 
 def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, weights_BL: jax.Array,
              rules: AxisRules, chunks: int, grads: bool):
-  """Runs `_loss_chunk` over `chunks` equal slices of the sequence; (mean loss, dx_BLD, dw_DV)."""
+  """Runs `_loss_chunk` over `chunks` equal parts of the sequence; (mean loss, dx_BLD, dw_DV).
+
+  Chunk n holds every `chunks`-th token from n on: a sum over tokens may take them in any order, and so
+  a length split over devices (`mesh.context`) stays split within each chunk (while its C tokens divide),
+  each device scanning its own tokens."""
   b, length, d = x_BLD.shape
   scale = 1.0 / jnp.sum(weights_BL)
   if chunks == 1:
     loss, dx, dw = _loss_chunk(x_BLD, w_DV, targets_BL, weights_BL, rules, grads, scale)
     return loss * scale, dx, dw
   c = length // chunks
-  x_NBCD = jnp.moveaxis(x_BLD.reshape(b, chunks, c, d), 1, 0)
-  targets_NBC, weights_NBC = (jnp.moveaxis(t.reshape(b, chunks, c), 1, 0) for t in (targets_BL, weights_BL))
+  x_NBCD = jnp.moveaxis(x_BLD.reshape(b, c, chunks, d), 2, 0)
+  targets_NBC, weights_NBC = (jnp.moveaxis(t.reshape(b, c, chunks), 2, 0) for t in (targets_BL, weights_BL))
 
   def body(carry, xs):
     loss_sum, dw_sum = carry
@@ -83,7 +87,7 @@ def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, weights_B
                                      (x_NBCD, targets_NBC, weights_NBC))
   if not grads:
     return loss * scale, None, None
-  dx_BLD = jnp.moveaxis(dx_NBCD, 0, 1).reshape(b, length, d)
+  dx_BLD = jnp.moveaxis(dx_NBCD, 0, 2).reshape(b, length, d)
   return loss * scale, rules.reshard(dx_BLD, ('batch', 'length', 'embed')), dw
 
 

@@ -1,8 +1,10 @@
-"""The device mesh: axes `data`, `fsdp`, `model`, all of explicit axis type.
+"""The device mesh: axes `data`, `fsdp`, `context`, `model`, all of explicit axis type.
 
 With Explicit axes, shardings are part of array types and propagate through
 jitted code; a mismatch is a trace-time error rather than a silent relayout.
-The last axis (`model`) is the innermost, so it stays within a host.
+The last axis (`model`) is the innermost, so it stays within a host; `context` (the sequence split
+over devices, context parallelism) is next to it, as its attention passes keys and values every layer.
+A mapping of sizes may leave an axis out: it has size 1 (meshes saved before an axis existed).
 
 Multi-slice (MaxText's `dcn_*`): a mesh may span several slices (TPU slices; elsewhere, processes
 stand for hosts) joined by the slower data-centre network (DCN). `slices` says how many ways of each
@@ -24,7 +26,7 @@ from jax.sharding import AxisType, Mesh
 
 from mintrain import host_allocator
 
-AXES = ('data', 'fsdp', 'model')
+AXES = ('data', 'fsdp', 'context', 'model')
 SPANS_SLICES = ('data', 'fsdp')  # Axes whose ways may go across slices (`slices` of make_mesh).
 _XLA_CPU_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
@@ -35,7 +37,7 @@ class MeshError(ValueError):
 
 def mesh_shape(sizes: Mapping[str, int], num_devices: int, platform: str = '') -> tuple[int, ...]:
   """Sizes in AXES order, with one -1 filled by the remaining devices."""
-  shape = [int(sizes[a]) for a in AXES]
+  shape = [int(sizes.get(a, 1)) for a in AXES]
   described = ', '.join(f'{a}={s}' for a, s in zip(AXES, shape))
   where = f'{num_devices} {platform} devices'.replace('  ', ' ')
   if -1 in shape:
@@ -46,14 +48,20 @@ def mesh_shape(sizes: Mapping[str, int], num_devices: int, platform: str = '') -
   if math.prod(shape) != num_devices:
     raise MeshError(
         f'Mesh ({described}) needs {math.prod(shape)} devices but there are {where}. '
-        f'Make the product of mesh.data, mesh.fsdp and mesh.model equal {num_devices}, '
+        f'Make the product of {_sizes_named()} equal {num_devices}, '
         'or set one of them to -1.')
   return tuple(shape)
 
 
+def _sizes_named() -> str:
+  """`mesh.data, mesh.fsdp, ... and mesh.model`: the config keys of the mesh sizes."""
+  keys = [f'mesh.{a}' for a in AXES]
+  return ', '.join(keys[:-1]) + ' and ' + keys[-1]
+
+
 def devices_needed(sizes: Mapping[str, int], default: int = 8) -> int:
   """How many devices a mesh asks for; `default` when one size is -1."""
-  shape = [int(sizes[a]) for a in AXES]
+  shape = [int(sizes.get(a, 1)) for a in AXES]
   return default if -1 in shape else math.prod(shape)
 
 
@@ -91,7 +99,7 @@ def pick_devices(count: int | None, devices: Sequence[jax.Device] | None = None
            f'{count // processes} per process, or unset it' if platform == 'cpu'
            else f'set JAX_PLATFORMS=cpu to simulate {count} CPU devices instead')
     raise MeshError(f'The mesh needs {count} devices but this run has {where}. Make the product of '
-                    f'mesh.data, mesh.fsdp and mesh.model {len(devices)}, set one of them to -1 to use them '
+                    f'{_sizes_named()} {len(devices)}, set one of them to -1 to use them '
                     f'all, or {fix}.')
   devices = devices if count is None else devices[:count]
   if platform != 'cpu' or (len(devices) == 1 and processes == 1):

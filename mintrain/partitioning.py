@@ -122,8 +122,20 @@ class AxisRules:
     """From the `partitioning` section (`config.PartitioningConfig`)."""
     return cls(normalize_rules(partitioning.rules), normalize_rules(partitioning.param_rules))
 
-  def activation_spec(self, logical_axes: Sequence[str | None], what: str = 'activation') -> P:
-    return resolve(logical_axes, self.rules, what=what)
+  def activation_spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
+                      what: str = 'activation') -> P:
+    """Layout of an activation. Given its `shape` (or its leading dimensions), a dimension of size 1
+    stays whole where the current mesh would split it (one decode token over `context`); any other size
+    must divide, which `check_divisible` and the type check of `reshard` enforce."""
+    spec = resolve(logical_axes, self.rules, what=what)
+    mesh = jax.sharding.get_abstract_mesh()
+    if shape is None or mesh.empty:
+      return spec
+
+    def split(entry: MeshAxes) -> bool:
+      return math.prod(mesh.shape[a] for a in _as_tuple(entry)) > 1
+    return P(*(None if dim < len(shape) and shape[dim] == 1 and split(entry) else entry
+               for dim, entry in enumerate(spec)))
 
   def param_spec(self, logical_axes: Sequence[str | None], what: str = 'parameter') -> P:
     """Storage layout of a parameter."""
@@ -135,7 +147,7 @@ class AxisRules:
 
   def reshard(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Move `x` to the layout of its logical axes (a no-op when already there)."""
-    return jax.sharding.reshard(x, self.activation_spec(logical_axes))
+    return jax.sharding.reshard(x, self.activation_spec(logical_axes, x.shape))
 
   def check_mesh_axes(self, mesh_axis_names: Sequence[str]) -> None:
     for name, axes in self.param_rules + self.rules:

@@ -28,9 +28,23 @@ def format_plan(p: MemoryPlan) -> str:
           f'total ~{fmt_bytes(p.total)} of {limit}')
 
 
+def format_activations(rules: partitioning.AxisRules, mesh: Mesh) -> str:
+  """`activations split: batch over data (4 ways); mlp, heads over model (2 ways)`: the logical axes of
+  activations that this mesh splits, grouped by their mesh axes; '' when none is."""
+  groups: dict[tuple[str, ...], list[str]] = {}
+  for name in dict.fromkeys(name for name, _ in rules.rules):
+    axes = partitioning.spec_axes(rules.activation_spec((name,))[0])
+    if rules.ways(name, mesh.shape) > 1:
+      groups.setdefault(axes, []).append(name)
+  parts = [f'{", ".join(names)} over {" x ".join(axes)} ({math.prod(mesh.shape[a] for a in axes)} ways)'
+           for axes, names in groups.items()]
+  return 'activations split: ' + '; '.join(parts) if parts else ''
+
+
 def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mesh,
-                  plan: MemoryPlan | None = None) -> str:
-  """One row per parameter, then per-device totals and, given one, the memory plan."""
+                  plan: MemoryPlan | None = None, rules: partitioning.AxisRules | None = None) -> str:
+  """One row per parameter, then per-device totals, and, given them, how activations are split and the
+  memory plan."""
   header = ('parameter', 'global shape', 'logical axes', 'PartitionSpec', 'per-device shape', 'bytes/device')
   rows = [header] + [
       (p.path, str(p.shape), str(p.logical_axes), partitioning.format_spec(p.spec),
@@ -43,7 +57,7 @@ def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mes
   opt_bytes = state_bytes_per_device(abstract_state.opt_state)
   lines += ['',
             f'mesh {mesh_lib.describe(mesh.shape)} ({mesh.size} devices), {n_params:,} parameters',
-            *filter(None, [mesh_lib.describe_levels(mesh)]),
+            *filter(None, [mesh_lib.describe_levels(mesh), rules and format_activations(rules, mesh)]),
             f'per device: parameters {fmt_bytes(param_bytes)}, optimizer state {fmt_bytes(opt_bytes)}, '
             f'total {fmt_bytes(param_bytes + opt_bytes)}']
   if plan is not None:

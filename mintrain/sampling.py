@@ -64,10 +64,17 @@ def _replicated(prompt_BP: jax.Array) -> jax.Array:
   return jax.sharding.reshard(jnp.asarray(prompt_BP, jnp.int32), jax.P())
 
 
-def _next_token(logits_BLV: jax.Array, key: jax.Array, i: jax.Array | int, temperature: float,
+def _at(logits_BLV: jax.Array, position: jax.Array | int) -> jax.Array:
+  """The logits (BV) of one position, as a masked sum over the length: that may be split over devices
+  (`mesh.context`), where a slice of one position has no layout."""
+  hit_L = jnp.arange(logits_BLV.shape[1]) == position
+  return jnp.sum(jnp.where(hit_L[None, :, None], logits_BLV, 0.0), axis=1)
+
+
+def _next_token(logits_BV: jax.Array, key: jax.Array, i: jax.Array | int, temperature: float,
                 top_k: int) -> jax.Array:
-  """Token i from the logits of the last position, replicated so every mesh draws the same."""
-  logits_BV = jax.sharding.reshard(logits_BLV[:, -1], jax.P())
+  """Token i from the logits of the position before it, replicated so every mesh draws the same."""
+  logits_BV = jax.sharding.reshard(logits_BV, jax.P())
   return sample_token(logits_BV, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k)
 
 
@@ -92,13 +99,21 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_BP.shape
   cache = model.init_cache(batch, prompt_len + max_new_tokens, jnp.dtype(model.cfg.compute_dtype))
-  logits_BPV, cache = model.decode(prompt_BP, cache, 0)
-  first_B = _next_token(logits_BPV, key, 0, temperature, top_k)
+  # The prefill splits the prompt over `context` (mesh.context); the tokens beyond the split's last
+  # multiple follow one at a time, as decode steps.
+  split = prompt_len - prompt_len % model.cfg.length_ways
+  if split:
+    logits_BPV, cache = model.decode(prompt_BP[:, :split], cache, 0)
+    last_BV = _at(logits_BPV, split - 1)
+  for position in range(split, prompt_len):
+    logits_B1V, cache = model.decode(prompt_BP[:, position:position + 1], cache, position)
+    last_BV = logits_B1V[:, 0]
+  first_B = _next_token(last_BV, key, 0, temperature, top_k)
 
   def step(carry: tuple[jax.Array, KVCache], i: jax.Array) -> tuple[tuple[jax.Array, KVCache], jax.Array]:
     token_B, cache = carry  # Token i - 1, at position prompt_len + i - 1.
     logits_B1V, cache = model.decode(token_B[:, None], cache, prompt_len + i - 1)
-    next_B = _next_token(logits_B1V, key, i, temperature, top_k)
+    next_B = _next_token(logits_B1V[:, 0], key, i, temperature, top_k)
     return (next_B, cache), next_B
 
   _, rest_NB = jax.lax.scan(step, (first_B, cache), jnp.arange(1, max_new_tokens))
@@ -128,8 +143,7 @@ def _generate_without_cache(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP
 
   def step(tokens_BS: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
     logits_BSV = model(tokens_BS)
-    last_B1V = jax.lax.dynamic_slice_in_dim(logits_BSV, prompt_len + i - 1, 1, axis=1)
-    next_B = _next_token(last_B1V, key, i, temperature, top_k)
+    next_B = _next_token(_at(logits_BSV, prompt_len + i - 1), key, i, temperature, top_k)
     return jax.lax.dynamic_update_slice(tokens_BS, next_B[:, None], (0, prompt_len + i)), next_B
 
   _, tokens_NB = jax.lax.scan(step, tokens_BS, jnp.arange(max_new_tokens))

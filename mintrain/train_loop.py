@@ -312,7 +312,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       stack.enter_context(RunLock(workdir, force=force, warn=say))
     r = build(config, devices)
     config = r.config
-    say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan))
+    say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan, r.rules))
     for note in config.family.notes(config.model):
       say(f'note: {note}')
     memory.check(r.plan)

@@ -27,7 +27,7 @@ def main() -> int:
     run = build(config, devices)
   except (MeshError, PartitioningError, ConfigError) as e:
     _bootstrap.fail(str(e))
-  print(report.format_report(run.layout, run.abstract_state, run.mesh, run.plan))
+  print(report.format_report(run.layout, run.abstract_state, run.mesh, run.plan, run.rules))
   return 0
 
 

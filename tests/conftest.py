@@ -39,7 +39,7 @@ import pytest  # noqa: E402
 from mintrain import config as config_lib  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-MESH_CONFIGS = ('single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2')
+MESH_CONFIGS = ('single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2', 'cp2_dp2_tp2')
 
 
 # What every test run leaves out unless it says otherwise: a matmul calibration per run for MFU

@@ -200,6 +200,10 @@ ROWS = {
         '--config.model.name=gpt', '--workdir', '{tmp}/run', says="model.name='gpt'; choose one of"),
     'batch the mesh does not divide': row(
         '--config.train.global_batch_size=30', '--workdir', '{tmp}/run', says='30 % 4 != 0'),
+    'sequence the context split does not divide': row(
+        '--config.mesh.data=2', '--config.mesh.context=2', '--config.train.seq_len=33',
+        '--workdir', '{tmp}/run',
+        says='`length` (train.seq_len=33) is split over `context` = 2 devices; 33 % 2 != 0.'),
     'memory plan beyond the host memory': row(
         '--config.train.global_batch_size=1048576', '--workdir', '{tmp}/run',
         says=('memory plan', 'train.global_batch_size')),

@@ -88,6 +88,17 @@ def test_breakdown_benchmark_smoke_attributes_op_time_to_model_code():
   assert abs(sum(float(row[4].rstrip('%')) for row in body) - 100) < 1
 
 
+def test_context_benchmark_smoke_reports_memory_per_device_and_step_time_of_both_paths():
+  stdout, header, body = smoke('context.py')
+  assert header == ['run', 'mesh', 'compile_s', 'step_ms', 'xla_temp_MiB', 'xla_argument_MiB', 'act_plan_MiB']
+  assert [row[0] for row in body] == ['context1', 'context4 all_gather', 'context4 ring']
+  assert all(n > 0 for row in body for n in numbers(row[2:]))
+  for path in ('all_gather', 'ring'):  # Splitting the length saves memory even on the smoke's tiny model.
+    ratio = float(stdout.split(f'xla_temp per device context4 {path} / context1 = ')[1].split()[0])
+    assert 0 < ratio < 1
+  assert 'step time ratio: ring / all_gather on context4 = ' in stdout
+
+
 def test_data_pipeline_benchmark_smoke_reads_each_source_faster_than_nothing():
   proc = run_script('benchmarks/data_pipeline.py', '--smoke')
   assert proc.returncode == 0, proc.stderr

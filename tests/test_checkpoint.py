@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import json
+import shutil
 import signal
 import threading
 
@@ -101,7 +102,7 @@ def test_checkpoint_holds_state_data_position_and_metadata(sources):
   checkpoints = ckpt_lib.Checkpoints(source.workdir / 'checkpoints', read_only=True)
   assert checkpoints.steps() == [N, 2 * N]
   meta = checkpoints.metadata(N)
-  assert meta['mesh'] == {'data': 4, 'fsdp': 1, 'model': 2}
+  assert meta['mesh'] == {'data': 4, 'fsdp': 1, 'context': 1, 'model': 2}
   assert meta['config']['model']['embed_dim'] == 64 and meta['config']['train']['steps'] == 2 * N
   assert set(meta['versions']) >= {'mintrain', 'jax', 'flax', 'optax', 'orbax-checkpoint'}
   data_file = checkpoints.step_dir(N) / 'data' / 'metadata'
@@ -112,8 +113,10 @@ def test_checkpoint_holds_state_data_position_and_metadata(sources):
   assert {'step', 'rng', 'opt_state.1.0.count'} <= set(arrays)
 
 
-# Into fsdp, onto a mesh no config file names, and from a mixed mesh; the slow set has every other pair.
-REPRESENTATIVE = [('dp4_tp2', 'fsdp8'), ('dp4_tp2', '2x4'), ('fsdp4_tp2', 'dp8')]
+# Into fsdp, onto a mesh no config file names, from a mixed mesh, and onto and from a mesh with `context`;
+# the slow set has every other pair.
+REPRESENTATIVE = [('dp4_tp2', 'fsdp8'), ('dp4_tp2', '2x4'), ('fsdp4_tp2', 'dp8'), ('dp4_tp2', 'cp2_dp2_tp2'),
+                  ('cp2_dp2_tp2', 'dp4_tp2')]
 ALL_PAIRS = [pair for pair in itertools.permutations(MESH_CONFIGS + ('2x4',), 2)
              if pair[0] != '2x4' and pair not in REPRESENTATIVE]
 
@@ -144,6 +147,23 @@ def test_restore_onto_another_mesh_gives_saved_state_and_same_losses(sources, so
 @pytest.mark.parametrize('source_name,target_name', ALL_PAIRS)
 def test_restore_between_every_pair_of_meshes(sources, source_name, target_name):
   check_restore_onto(sources, source_name, target_name)
+
+
+def test_a_checkpoint_from_before_the_context_axis_restores_onto_a_context_mesh(sources, tmp_path):
+  """Its metadata and config name three mesh axes and keep `length` whole (('length', None))."""
+  source = sources('dp4_tp2')
+  old = tmp_path / 'checkpoints' / str(N)
+  shutil.copytree(source.checkpoint_n, old)
+  meta_file = old / 'metadata' / 'metadata'
+  meta = json.loads(meta_file.read_text())
+  for sizes in (meta['mesh'], meta['config']['mesh']):
+    del sizes['context']
+  partitioning = meta['config']['partitioning']
+  partitioning['rules'] = [[name, None if name == 'length' else axes] for name, axes in partitioning['rules']]
+  meta_file.write_text(json.dumps(meta))
+  state, _ = restore_on(_target('cp2_dp2_tp2', f'train.steps={2 * N}'), old)
+  assert_bitwise_equal(state.params, source.state_at_n.params)
+  assert_bitwise_equal(state.opt_state, source.state_at_n.opt_state)
 
 
 def test_params_only_restore_starts_fresh_optimizer_and_step(sources):

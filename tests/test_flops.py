@@ -4,7 +4,7 @@ import math
 
 import jax
 import pytest
-from conftest import build, load_config
+from conftest import build, load_config, mesh_devices
 
 from mintrain import flops
 from mintrain.data.batches import make_batches
@@ -65,8 +65,8 @@ def test_param_count_equals_the_models_parameters(name, overrides):
 
 
 def xla_train_step_flops(config) -> float:
-  """XLA's FLOP count of the compiled train step on one device (cost_analysis is per device)."""
-  mesh = make_mesh(config.mesh.sizes, jax.devices()[:1])
+  """XLA's FLOP count of the compiled train step per device (cost_analysis is per device)."""
+  mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
   rules = AxisRules.from_config(config.partitioning)
   setup = build(config)
   with jax.set_mesh(mesh):
@@ -90,3 +90,13 @@ def test_analytic_count_is_within_10_percent_of_xla():
   xla = xla_train_step_flops(config)
   analytic = flops.train_flops_per_step(config, causal_half=False)
   assert abs(xla / analytic - 1) < 0.10, (xla, analytic)
+
+
+@pytest.mark.slow  # One more compile of the matmul-heavy model, on 4 devices.
+def test_on_a_context_mesh_each_device_counts_its_share_of_the_work():
+  """MFU divides the analytic count by the devices: with the length split 4 ways, each device's compiled
+  step does a quarter of it (the gathered path scores each of its queries against every key)."""
+  config = load_config('single', *MATMUL_HEAVY, 'mesh.context=4')
+  per_device = xla_train_step_flops(config)
+  analytic = flops.train_flops_per_step(config, causal_half=False)
+  assert abs(4 * per_device / analytic - 1) < 0.10, (per_device, analytic)

@@ -13,18 +13,23 @@ from mintrain.fields import ConfigError
 from mintrain.mesh import MeshError, describe_levels, device_grid, make_mesh, mesh_shape, slice_shape
 
 
-def test_sizes_are_taken_in_data_fsdp_model_order():
+def test_sizes_are_taken_in_data_fsdp_context_model_order():
+  mesh = make_mesh({'data': 2, 'fsdp': 1, 'context': 2, 'model': 2})
+  assert dict(mesh.shape) == {'data': 2, 'fsdp': 1, 'context': 2, 'model': 2}
+
+
+def test_an_axis_left_out_has_size_one():  # As in the mesh a checkpoint saved before `context` existed.
   mesh = make_mesh({'data': 2, 'fsdp': 2, 'model': 2})
-  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'model': 2}
+  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'context': 1, 'model': 2}
 
 
 def test_all_axes_are_explicit():
   mesh = make_mesh({'data': 4, 'fsdp': 1, 'model': 2})
-  assert mesh.axis_types == (AxisType.Explicit,) * 3
+  assert mesh.axis_types == (AxisType.Explicit,) * 4
 
 
 def test_minus_one_takes_the_remaining_devices():
-  assert mesh_shape({'data': -1, 'fsdp': 1, 'model': 2}, 8) == (4, 1, 2)
+  assert mesh_shape({'data': -1, 'fsdp': 1, 'model': 2}, 8) == (4, 1, 1, 2)
   assert dict(make_mesh({'data': 1, 'fsdp': -1, 'model': 1}).shape)['fsdp'] == 8
 
 
@@ -34,7 +39,7 @@ def test_a_subset_of_devices_gives_a_smaller_mesh():
 
 
 def test_wrong_product_names_mesh_device_count_and_platform():
-  with pytest.raises(MeshError, match=r'data=4, fsdp=1, model=4.*needs 16 devices.*8 cpu devices'):
+  with pytest.raises(MeshError, match=r'data=4, fsdp=1, context=1, model=4.*needs 16 devices.*8 cpu devices'):
     make_mesh({'data': 4, 'fsdp': 1, 'model': 4})
 
 
@@ -50,10 +55,10 @@ def fake_slices(num_slices: int, per_slice: int) -> list:
                                 platform='cpu', device_kind='cpu') for i in range(num_slices * per_slice)]
 
 
-@pytest.mark.parametrize('dcn', [(2, 1, 1), (1, 2, 1), (2, 2, 1)])
+@pytest.mark.parametrize('dcn', [(2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1)])
 def test_a_multi_slice_grid_keeps_each_slice_whole_and_makes_it_the_outer_factor_of_its_axes(dcn):
   devices = fake_slices(math.prod(dcn), 8)
-  shape = tuple(2 * n for n in dcn)  # 2 x 2 x 2 devices within each slice.
+  shape = tuple(k * n for k, n in zip((2, 2, 1, 2), dcn))  # 2 x 2 x 1 x 2 devices within each slice.
   grid = device_grid(shape, dcn, devices)
   assert grid.shape == shape
   slice_of = np.vectorize(lambda d: d.slice_index)(grid)
@@ -69,14 +74,16 @@ def test_a_multi_slice_grid_keeps_each_slice_whole_and_makes_it_the_outer_factor
 
 def test_a_mesh_that_asks_for_more_slices_than_the_devices_have_names_both_counts():
   with pytest.raises(MeshError, match=r'across 4 slices .*mesh.dcn_data=4.* are in 2 slices'):
-    device_grid((4, 1, 2), (4, 1, 1), fake_slices(2, 4))
+    device_grid((4, 1, 1, 2), (4, 1, 1, 1), fake_slices(2, 4))
 
 
 def test_only_data_and_fsdp_may_span_slices():
   with pytest.raises(MeshError, match='not model'):
-    slice_shape((4, 1, 2), {'model': 2})
+    slice_shape((4, 1, 1, 2), {'model': 2})
+  with pytest.raises(MeshError, match='not context'):
+    slice_shape((4, 1, 2, 1), {'context': 2})
   with pytest.raises(MeshError, match=r'mesh.data=6 cannot go 4 ways.*mesh.dcn_data=4'):
-    slice_shape((6, 1, 1), {'data': 4})
+    slice_shape((6, 1, 1, 1), {'data': 4})
 
 
 def test_a_single_process_run_with_one_slice_is_todays_mesh():

@@ -122,7 +122,7 @@ def test_sample_script_continues_the_prompt_from_the_newest_checkpoint(trained_r
                     '--max_new_tokens', '40')
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith('def ') and len(proc.stdout) > len('def \n')
-  assert 'Sampling step 2 of' in proc.stderr and 'data=1 x fsdp=1 x model=1' in proc.stderr
+  assert 'Sampling step 2 of' in proc.stderr and 'data=1 x fsdp=1 x context=1 x model=1' in proc.stderr
   assert 'more than the 32 the model was trained on' in proc.stderr
 
 
@@ -131,10 +131,21 @@ def test_sample_script_samples_on_the_mesh_of_a_given_config(trained_run):
                     '--max_new_tokens', '8', '--temperature', '0', '--num_samples', '2',
                     '--config', 'configs/dp4_tp2.py')
   assert proc.returncode == 0, proc.stderr
-  assert 'data=4 x fsdp=1 x model=2' in proc.stderr
+  assert 'data=4 x fsdp=1 x context=1 x model=2' in proc.stderr
   assert 'replicating the batch' in proc.stderr  # 2 samples do not split 4 ways.
   samples = proc.stdout.split('--- sample 2 ---\n')
   assert samples[0].removeprefix('--- sample 1 ---\n') == samples[1]  # Greedy: the same twice.
+
+
+@pytest.mark.slow  # Two script runs; test_context_parallel.py checks the sampler itself on this mesh.
+def test_sample_script_on_a_context_mesh_continues_as_on_one_device(trained_run):
+  args = ('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'def ', '--max_new_tokens', '12',
+          '--temperature', '0')
+  one = run_script(*args)
+  context = run_script(*args, '--config', 'configs/cp2_dp2_tp2.py')
+  assert one.returncode == 0 and context.returncode == 0, one.stderr + context.stderr
+  assert 'data=2 x fsdp=1 x context=2 x model=2' in context.stderr
+  assert context.stdout == one.stdout  # BOS and 4 bytes: 4 prefilled over `context`, then 1 decode step.
 
 
 def test_sample_script_without_a_checkpoint_is_a_one_line_error(tmp_path):

@@ -90,9 +90,11 @@ def gated_mlp(x_BLD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down
   batch, length, embed = rules.activation_spec(('batch', 'length', 'embed'))
   seq_len = x_BLD.shape[1]
   ring = ' x '.join(f'`{a}`' for a in axes)
-  if length is not None or embed is not None:
-    raise ValueError('model.mlp_overlap needs `length` and `embed` replicated in partitioning.rules '
-                     f'(they map to {length} and {embed}); map them to None or set model.mlp_overlap=False.')
+  mesh_shape = jax.sharding.get_abstract_mesh().shape
+  if rules.ways('length', mesh_shape) > 1 or rules.ways('embed', mesh_shape) > 1:
+    raise ValueError('model.mlp_overlap needs `length` and `embed` whole on every device (they map to '
+                     f'{length} and {embed}); set mesh.context=1 and map `embed` to None, or set '
+                     'model.mlp_overlap=False.')
   if set(spec_axes(batch)) & set(axes):
     raise ValueError(f'model.mlp_overlap runs its ring over {ring}, which `batch` is split over too; '
                      'map `batch` and `mlp` to different mesh axes or set model.mlp_overlap=False.')

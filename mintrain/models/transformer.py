@@ -19,7 +19,10 @@ Packed rows (`mintrain.data.pipeline`) hold several documents. Their `segment_id
 document of the row each token is in; 0 is padding) and `positions_BL` (its position in that
 document) make each document's tokens attend only to earlier tokens of the same document, rotated
 for their own positions, so a document's predictions are those it would get alone; `loss` counts
-only the targets its batch's `target_weights` count. Without them a row is one sequence.
+only the targets its batch's `target_weights` count. Without them a row is one sequence. What a
+query sees is a function of positions and segment ids (`context_attention.visible`), not of where
+tokens are stored, so packed rows split over `context` too: gathered keys bring their positions and
+segment ids along, and the ring's zigzag reorders them with the tokens and passes them with the keys.
 
 Performance options (`TransformerConfig`), each computing the same function as the default:
   remat        recompute each block's activations in the backward pass instead of keeping them.
@@ -29,6 +32,11 @@ Performance options (`TransformerConfig`), each computing the same function as t
                on an NVIDIA GPU in bfloat16/float16, XLA elsewhere: `attention_kernel`).
   mlp_overlap  the MLP's tensor-parallel communication overlapped with its matmuls
                (`collective_matmul`).
+  context_attention
+               with `length` split over devices (`mesh.context`): 'all_gather' gathers keys and values
+               before attention; 'ring' passes them round the devices overlapped with blockwise
+               attention, the sequence stored in zigzag order (`context_attention`). The ring computes
+               attention itself, whatever `attention` says.
   loss_chunks  the output layer and the loss fused (`mintrain.loss.fused_cross_entropy`), over that
                many sequence chunks; 0 computes the logits, then the loss; -1 (auto) fuses on CPU only.
   linear       'custom_vjp' forms weight gradients with the smaller operand transposed (`layers.linear`);
@@ -53,6 +61,7 @@ from mintrain.data import synthetic, tokenizer
 from mintrain.fields import ConfigError, option
 from mintrain.loss import cross_entropy, fused_cross_entropy
 from mintrain.models import collective_matmul, hf_llama
+from mintrain.models.context_attention import ring_attention, visible, zigzag_order
 from mintrain.models.family import Family, Ways
 from mintrain.models.layers import (
   LINEAR_OPTIONS,
@@ -87,6 +96,7 @@ REMAT_POLICIES = {
 }
 REMAT_OPTIONS = ('none', *REMAT_POLICIES)
 ATTENTION_OPTIONS = ('einsum', 'dot_product')
+CONTEXT_ATTENTION_OPTIONS = ('all_gather', 'ring')
 DTYPES = ('float32', 'bfloat16')
 # The gate's nonlinearity: SwiGLU (Llama, Mistral, Qwen2) or GeGLU with tanh-approximated GELU (Gemma).
 ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True)}
@@ -138,6 +148,7 @@ class TransformerConfig:
   remat: str = option(choices=REMAT_OPTIONS)
   scan_layers: bool = option()
   attention: str = option(choices=ATTENTION_OPTIONS)
+  context_attention: str = option(choices=CONTEXT_ATTENTION_OPTIONS)
   mlp_overlap: bool = option()
   loss_chunks: int = option(at_least=-1)  # -1: auto; 0: logits, then loss; N: fused over N chunks.
   linear: str = option(choices=LINEAR_OPTIONS)  # How weight matmuls form their gradient.
@@ -146,6 +157,7 @@ class TransformerConfig:
   # `kv_heads` when grouped, None when grouped but too few for the mesh's split (replicated).
   kv_heads_axis: str | None = option(derived=True, default='heads')
   kv_heads_ways: int = option(derived=True, default=1)  # How many ways the rules would split them.
+  length_ways: int = option(derived=True, default=1)  # How many ways the rules split `length` (context).
 
   @property
   def kv_heads(self) -> int:
@@ -172,10 +184,19 @@ def check(cfg: TransformerConfig, seq_len: int) -> None:
                       '(each key/value head serves the same number of query heads), or be 0 (as many as '
                       'num_heads).')
   check_window(cfg, seq_len, f'train.seq_len={seq_len}')
+  ways = cfg.length_ways
+  if cfg.context_attention == 'ring' and ways > 1 and seq_len % (2 * ways):
+    raise ConfigError(f'model.context_attention=ring splits train.seq_len={seq_len} into 2 x {ways} chunks '
+                      f'(two per device of the {ways}-way `length` split, for causal balance); use a '
+                      f'multiple of {2 * ways}, or model.context_attention=all_gather.')
   if cfg.loss_chunks > 0 and seq_len % cfg.loss_chunks:
     raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} must be 0 (logits, then the loss), a positive '
                       f'divisor of train.seq_len={seq_len} (the fused loss over that many chunks), '
                       'or -1 (auto).')
+  chunk = seq_len // cfg.loss_chunks if cfg.loss_chunks > 0 else ways
+  if chunk % ways:
+    raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} leaves chunks of {chunk} tokens, which the '
+                      f'{ways}-way `length` split (mesh.context) does not divide; use fewer chunks.')
 
 
 def check_window(cfg: TransformerConfig, length: int, what: str) -> None:
@@ -197,7 +218,7 @@ def for_mesh(cfg: TransformerConfig, platform: str, ways: Ways) -> TransformerCo
     kv_axis = 'kv_heads' if cfg.kv_heads % kv_ways == 0 else None
   return dataclasses.replace(cfg, platform=platform, loss_chunks=chunks,
                              linear=linear_for_platform(cfg.linear, platform), kv_heads_axis=kv_axis,
-                             kv_heads_ways=kv_ways)
+                             kv_heads_ways=kv_ways, length_ways=ways('length'))
 
 
 def notes(cfg: TransformerConfig) -> list[str]:
@@ -242,9 +263,9 @@ def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_BL: jax.Array | Non
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
 
 
-def same_segment(segment_ids_BL: jax.Array) -> jax.Array:
-  """bool (B, 1, L, L): whether query l and key m are in the same document of their row (heads broadcast)."""
-  return (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
+def same_segment(segment_ids_BL: jax.Array, k_segment_ids_BM: jax.Array) -> jax.Array:
+  """bool (B, 1, L, M): whether query l and key m are in the same document of their row (heads broadcast)."""
+  return (segment_ids_BL[:, :, None] == k_segment_ids_BM[:, None, :])[:, None]
 
 
 def kv_layout(cfg: TransformerConfig) -> tuple[str | None, ...]:
@@ -273,21 +294,30 @@ class Attention(nnx.Module):
     self.wo_HKD = param(rngs, out_init, (h, k, d), ('heads', 'kv', 'embed'), dtype, rules)
     self.cfg, self.rules = cfg, rules
 
-  def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
-               positions_BL: jax.Array | None = None) -> jax.Array:
-    """Causal attention; with `segment_ids_BL`, also only within each token's document."""
+  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array,
+               segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """Causal attention by the tokens' positions (`positions_BL`, (B or 1, L): where each stored token
+    sits, in order except for the ring's zigzag); with `segment_ids_BL`, only within each token's document."""
+    cfg = self.cfg
     q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, positions_BL)
     k_BMHK, v_BMHK = self._repeat_kv(k_BMGK), self._repeat_kv(v_BMGK)
-    same_B1LM = None if segment_ids_BL is None else same_segment(segment_ids_BL)
-    if self.cfg.attention == 'dot_product':
+    if cfg.context_attention == 'ring' and cfg.length_ways > 1:
+      return self._project(ring_attention(q_BLHK, k_BMHK, v_BMHK, positions_BL, segment_ids_BL,
+                                         spec=self.rules.activation_spec(BLHK, q_BLHK.shape),
+                                         scale=cfg.head_dim ** -0.5))
+    # The keys' positions and segments, whole like the keys themselves (`_gather_length`).
+    k_positions_BM = self._gather_length(q_BLHK, positions_BL)
+    k_segment_ids_BM = None if segment_ids_BL is None else self._gather_length(q_BLHK, segment_ids_BL)
+    if cfg.attention == 'dot_product':  # Only ever in natural order (the ring takes the zigzag).
+      k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
+      same_B1LM = None if segment_ids_BL is None else same_segment(segment_ids_BL, k_segment_ids_BM)
       # On cuDNN the mask becomes an additive bias, which its flash attention takes.
-      implementation = attention_kernel(self.cfg.platform, q_BLHK.dtype, self.cfg.head_dim)
+      implementation = attention_kernel(cfg.platform, q_BLHK.dtype, cfg.head_dim)
       out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, mask=same_B1LM, is_causal=True,
-                                              scale=self.cfg.head_dim ** -0.5, implementation=implementation)
+                                              scale=cfg.head_dim ** -0.5, implementation=implementation)
       return self._project(out_BLHK)
-    seq_len = x_BLD.shape[1]
-    visible_LM = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_LM if same_B1LM is None else visible_LM & same_B1LM)
+    visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM)
+    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None])
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -295,18 +325,32 @@ class Attention(nnx.Module):
     rules = self.rules
     positions_L = start + jnp.arange(x_BLD.shape[1])
     q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L[None, :])
-    keys_BSGK, values_BSGK = kv
-    layout = kv_layout(self.cfg)
-    keys_BSGK = rules.reshard(jax.lax.dynamic_update_slice(
-        keys_BSGK, k_BLGK.astype(keys_BSGK.dtype), (0, start, 0, 0)), layout)
-    values_BSGK = rules.reshard(jax.lax.dynamic_update_slice(
-        values_BSGK, v_BLGK.astype(values_BSGK.dtype), (0, start, 0, 0)), layout)
+    keys_BSGK, values_BSGK = (rules.reshard(self._write(cache, new, start), kv_layout(self.cfg))
+                              for cache, new in zip(kv, (k_BLGK, v_BLGK)))
     # Causal over absolute positions; the unwritten (zero) slots beyond are never visible.
-    visible_LS = jnp.arange(keys_BSGK.shape[1])[None, :] <= positions_L[:, None]
+    visible_LS = visible(positions_L, jnp.arange(keys_BSGK.shape[1]))
     out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS)
     return out_BLD, (keys_BSGK, values_BSGK)
 
-  def _qkv(self, x_BLD: jax.Array, positions_BL: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def _write(self, cache_BSGK: jax.Array, new_BLGK: jax.Array, start: jax.Array | int) -> jax.Array:
+    """The cache with the new keys (or values) at slots start..start+L-1. A single token cannot split
+    like a cache whose length is split (`mesh.context`): it is written by a select over the slots."""
+    new_BLGK = new_BLGK.astype(cache_BSGK.dtype)
+    if new_BLGK.shape[1] == 1 and self.cfg.length_ways > 1:
+      slot_S = jnp.arange(cache_BSGK.shape[1]) == start
+      return jnp.where(slot_S[None, :, None, None], new_BLGK, cache_BSGK)
+    new_BLGK = jax.sharding.reshard(new_BLGK, jax.typeof(cache_BSGK).sharding.spec)
+    return jax.lax.dynamic_update_slice(cache_BSGK, new_BLGK, (0, start, 0, 0))
+
+  def _gather_length(self, q_BLHK: jax.Array, x_BM: jax.Array) -> jax.Array:
+    """Keys or values (BMHK), or their positions or segment ids (BM), whole along their length (an
+    all-gather over `context`) when the queries' length is split: each device's queries may see any key.
+    Otherwise (one decode token) they stay split, and attention reduces over their split instead."""
+    if self.rules.activation_spec(('batch', 'length'), q_BLHK.shape[:2])[1] is None:
+      return x_BM
+    return self.rules.reshard(x_BM, ('batch', None, 'heads', 'kv')[:x_BM.ndim])
+
+  def _qkv(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries (BLHK) and keys (BLGK) rotated for their positions, and values (BLGK)."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
     custom_vjp = cfg.linear == 'custom_vjp'
@@ -342,21 +386,24 @@ class Attention(nnx.Module):
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
               visible_LM: jax.Array) -> jax.Array:
     """Softmax attention of each query over the keys it may see (`visible_LM`, (L, M) or per row
-    (B, 1, L, M)), then the output projection."""
+    (B or 1, 1, L, M)), then the output projection."""
     cfg, dtype = self.cfg, q_BLHK.dtype
+    k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
     scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
     scores_BHLM = scores_BHLM * cfg.head_dim ** -0.5
     scores_BHLM = jnp.where(visible_LM, scores_BHLM, jnp.finfo(jnp.float32).min)
     probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(dtype)
-    return self._project(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK))
+    # Stated, as a decode step's keys may be split: then this contraction sums over `context`.
+    out_spec = self.rules.activation_spec(BLHK, q_BLHK.shape)
+    return self._project(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK, out_sharding=out_spec))
 
   def _project(self, out_BLHK: jax.Array) -> jax.Array:
     """The output projection of the heads' outputs back to the residual stream."""
     rules, dtype = self.rules, out_BLHK.dtype
     out_BLHK = rules.reshard(out_BLHK, BLHK)
     # Contracting the sharded heads needs an explicit output layout (a reduce over `model`).
-    return linear('BLHK,HKD->BLD', out_BLHK, gather(self.wo_HKD, rules, dtype), rules.activation_spec(BLD),
-                  custom_vjp=self.cfg.linear == 'custom_vjp')
+    return linear('BLHK,HKD->BLD', out_BLHK, gather(self.wo_HKD, rules, dtype),
+                  rules.activation_spec(BLD, out_BLHK.shape[:2]), custom_vjp=self.cfg.linear == 'custom_vjp')
 
 
 class GatedMLP(nnx.Module):
@@ -389,7 +436,8 @@ class GatedMLP(nnx.Module):
     gate_up_BLGF = linear('BLD,DGF->BLGF', x_BLD, w_DGF, custom_vjp=self.custom_vjp)
     gate_BLF, up_BLF = gate_up_BLGF[:, :, 0], gate_up_BLGF[:, :, 1]
     h_BLF = rules.reshard(self.activation(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    return linear('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD), custom_vjp=self.custom_vjp)
+    return linear('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD, h_BLF.shape[:2]),
+                  custom_vjp=self.custom_vjp)
 
 
 def norm(cfg: TransformerConfig, rules: AxisRules, rngs: nnx.Rngs) -> RMSNorm:
@@ -405,10 +453,10 @@ class Block(nnx.Module):
     self.mlp = GatedMLP(cfg, rules=rules, rngs=rngs)
     self.rules, self.dropout_rate = rules, cfg.dropout_rate
 
-  def __call__(self, x_BLD: jax.Array, key: jax.Array | None, segment_ids_BL: jax.Array | None = None,
-               positions_BL: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, key: jax.Array | None, positions_BL: jax.Array,
+               segment_ids_BL: jax.Array | None = None) -> jax.Array:
     keys = jax.random.split(key) if key is not None else (None, None)
-    attn_BLD = self.attn(self.attn_norm(x_BLD), segment_ids_BL, positions_BL)
+    attn_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
     x_BLD = x_BLD + dropout(attn_BLD, self.dropout_rate, keys[0])
     x_BLD = x_BLD + dropout(self.mlp(self.mlp_norm(x_BLD)), self.dropout_rate, keys[1])
     return self.rules.reshard(x_BLD, BLD)
@@ -442,8 +490,14 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, positions_BL: jax.Array | None = None) -> jax.Array:
     """Logits; with `segment_ids_BL` and `positions_BL`, of packed documents (see the module doc)."""
+    order_L = self._order(tokens_BL.shape[1])
+    positions_BL = self._positions(positions_BL, tokens_BL.shape[1], order_L)
+    tokens_BL, segment_ids_BL = self._stored(tokens_BL, order_L), self._stored(segment_ids_BL, order_L)
     table_VD, x_BLD = self._embed(tokens_BL)
-    return self._logits(self._run_blocks(x_BLD, dropout_key, segment_ids_BL, positions_BL), table_VD)
+    x_BLD = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
+    if order_L is not None:  # Back to the natural order, through a gather of the whole length.
+      x_BLD = self._stored(x_BLD, np.argsort(order_L).astype(np.int32))
+    return self._logits(x_BLD, table_VD)
 
   def loss(self, batch: dict[str, jax.Array], *,
            dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -451,14 +505,19 @@ class Transformer(nnx.Module):
 
     `batch` holds 'inputs' and 'targets' (B, L) int32 and, from packed or padded rows, 'segment_ids',
     'positions' (B, L) int32 and 'target_weights' (B, L) float32 (`mintrain.data.pipeline`); without
-    them every target counts and a row is one sequence.
+    them every target counts and a row is one sequence. A mean over tokens: the order they are stored
+    in (the ring's zigzag) does not matter.
     """
-    targets_BL = batch['targets']
-    weights_BL = batch.get('target_weights')
+    order_L = self._order(batch['inputs'].shape[1])
+    positions_BL = self._positions(batch.get('positions'), batch['inputs'].shape[1], order_L)
+    keys = ('inputs', 'targets', 'target_weights', 'segment_ids')
+    tokens_BL, targets_BL, weights_BL, segment_ids_BL = (self._stored(batch.get(k), order_L) for k in keys)
+    targets_BL = self.rules.reshard(targets_BL, ('batch', 'length'))  # Split as the hidden states are.
     if weights_BL is None:
       weights_BL = jnp.ones(targets_BL.shape, jnp.float32, out_sharding=jax.typeof(targets_BL).sharding)
-    table_VD, x_BLD = self._embed(batch['inputs'])
-    x_BLD = self._run_blocks(x_BLD, dropout_key, batch.get('segment_ids'), batch.get('positions'))
+    weights_BL = self.rules.reshard(weights_BL, ('batch', 'length'))
+    table_VD, x_BLD = self._embed(tokens_BL)
+    x_BLD = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
     if self.cfg.loss_chunks <= 0:
       loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL, weights_BL)
     else:
@@ -483,26 +542,51 @@ class Transformer(nnx.Module):
 
   def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
     """Zero keys and values for `max_len` positions in every layer, laid out (under a mesh) as the
-    attention's keys and values (batch, length, kv heads, kv), so it is split like what fills it."""
+    attention's keys and values (batch, length, kv heads, kv), so it is split like what fills it. Its
+    length is rounded up to split evenly over `context`; the slots beyond are never visible."""
     check_window(self.cfg, max_len, f'a KV cache of {max_len} positions (prompt and new tokens)')
+    max_len = -(-max_len // self.cfg.length_ways) * self.cfg.length_ways
     shape = (batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
     spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(kv_layout(self.cfg))
     return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
             for _ in range(self.cfg.num_layers)]
 
-  def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None,
-                  segment_ids_BL: jax.Array | None = None,
-                  positions_BL: jax.Array | None = None) -> jax.Array:
-    """Every block in turn: unrolled, or one `scan` over the stacked layers; rematerialised as configured."""
+  def _order(self, seq_len: int) -> np.ndarray | None:
+    """The positions in the order the sequence is stored: the zigzag for the ring attention over a split
+    `length` (causal load balance, `context_attention`); None for the natural order."""
+    if self.cfg.context_attention == 'ring' and self.cfg.length_ways > 1:
+      return zigzag_order(seq_len, self.cfg.length_ways)
+    return None
+
+  def _positions(self, positions_BL: jax.Array | None, seq_len: int, order_L: np.ndarray | None) -> jax.Array:
+    """(B or 1, L) positions in storage order: packed rows' own (B, L), else 0..L-1 for every row."""
+    if positions_BL is not None:
+      return self._stored(positions_BL, order_L)
+    return jnp.asarray(np.arange(seq_len, dtype=np.int32) if order_L is None else order_L)[None, :]
+
+  def _stored(self, x: jax.Array | None, order_L: np.ndarray | None) -> jax.Array | None:
+    """Tokens, targets, weights, positions or segment ids (BL), or hidden states (BLD), with the length
+    taken in `order_L`."""
+    if x is None or order_L is None:
+      return x
+    rules, axes = self.rules, ('batch', None, 'embed')[:x.ndim]
+    whole = rules.reshard(x, axes)  # A gather along a split length has no layout of its own.
+    stored = whole.at[:, order_L].get(out_sharding=rules.activation_spec(axes, whole.shape))
+    return rules.reshard(stored, ('batch', 'length', 'embed')[:x.ndim])
+
+  def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None, positions_BL: jax.Array,
+                  segment_ids_BL: jax.Array | None) -> jax.Array:
+    """Every block in turn: unrolled, or one `scan` over the stacked layers; rematerialised as configured.
+    With the ring, dropout masks are drawn for the stored (zigzag) order: as random, not the same draws."""
     cfg, rules = self.cfg, self.rules
+    positions_BL = rules.reshard(positions_BL, ('batch', 'length'))
     if segment_ids_BL is not None:
       segment_ids_BL = rules.reshard(segment_ids_BL, ('batch', 'length'))
-    if positions_BL is not None:
-      positions_BL = rules.reshard(positions_BL, ('batch', 'length'))
 
-    def run(make_block, params, x_BLD: jax.Array, i: jax.Array | int) -> jax.Array:
+    def run(make_block, params, x_BLD: jax.Array, i: jax.Array | int, positions_BL: jax.Array,
+            segment_ids_BL: jax.Array | None) -> jax.Array:
       key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None
-      return make_block(params)(x_BLD, key, segment_ids_BL, positions_BL)
+      return make_block(params)(x_BLD, key, positions_BL, segment_ids_BL)
 
     if cfg.remat != 'none':
       # A scan already keeps XLA from merging the recomputation back into the forward pass.
@@ -511,13 +595,13 @@ class Transformer(nnx.Module):
     if not cfg.scan_layers:
       for i, block in enumerate(self.blocks):
         graphdef, params = nnx.split(block)
-        x_BLD = run(functools.partial(nnx.merge, graphdef), params, x_BLD, i)
+        x_BLD = run(functools.partial(nnx.merge, graphdef), params, x_BLD, i, positions_BL, segment_ids_BL)
       return x_BLD
     make_layer, params_N = split_layers(self.blocks)
 
     def body(x_BLD: jax.Array, layer: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, None]:
       params, i = layer
-      return run(make_layer, params, x_BLD, i), None
+      return run(make_layer, params, x_BLD, i, positions_BL, segment_ids_BL), None
 
     x_BLD, _ = jax.lax.scan(body, x_BLD, (params_N, jnp.arange(cfg.num_layers)))
     return x_BLD
@@ -534,7 +618,7 @@ class Transformer(nnx.Module):
     rules = self.rules
     check_window(self.cfg, tokens_BL.shape[1], f'a sequence of {tokens_BL.shape[1]} tokens')
     table_VD = gather(self.embedding_VD, rules, jnp.dtype(self.cfg.compute_dtype))
-    x_BLD = table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD))
+    x_BLD = table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD, tokens_BL.shape))
     if self.cfg.embed_scale:  # Rounded to the compute dtype first, as Gemma's `normalizer`.
       x_BLD = x_BLD * jnp.asarray(self.cfg.embed_dim ** 0.5, x_BLD.dtype)
     return table_VD, x_BLD
@@ -585,22 +669,27 @@ def activation_bytes(cfg: TransformerConfig, rows: int, seq_len: int, ways: Ways
   the float32 logits and their softmax (with the fused loss, one chunk's at a time, and the hidden
   states' gradient that it keeps instead). With remat, a layer keeps only its input ('full') or its
   input and its matmul outputs ('save_matmuls'), and one layer's full activations are live again
-  while its backward pass recomputes them.
+  while its backward pass recomputes them. With `length` split (`mesh.context`) a device keeps its
+  share of the tokens, each still scoring every key, and the keys and values it gathered.
   """
   c, d = np.dtype(cfg.compute_dtype).itemsize, cfg.embed_dim
   heads, mlp = cfg.num_heads / ways('heads'), cfg.mlp_dim / ways('mlp')
+  tokens = rows * seq_len / ways('length')  # This device's queries.
   per_token_layer = (c * (4 * d + 4 * heads * cfg.head_dim + 3 * mlp)  # Norms, q/k/v/out, gate/up/product.
                      + heads * seq_len * (4 + c))  # Attention scores (float32) and probabilities.
+  # Keys and values of the whole sequence, gathered (all_gather; the ring keeps as much, block by block).
+  gathered = 2 * c * heads * cfg.head_dim * rows * seq_len if ways('length') > 1 else 0
+  full_layer = tokens * per_token_layer + gathered
   if cfg.remat == 'none':
-    layers = cfg.num_layers * per_token_layer
+    layers = cfg.num_layers * full_layer
   else:
     # Input; plus, when saving matmuls, q/k/v, the attention projection, gate, up and down outputs.
     kept = c * d if cfg.remat == 'full' else c * (3 * d + 3 * heads * cfg.head_dim + 2 * mlp)
-    layers = cfg.num_layers * kept + per_token_layer  # One layer's activations, recomputed for its backward.
+    layers = cfg.num_layers * tokens * kept + full_layer  # One layer's, recomputed for its backward.
   chunks = cfg.loss_chunks
   logits = 2 * 4 * cfg.vocab_size / ways('vocab') / max(chunks, 1)  # Float32, and softmax.
   loss_grad = c * d if chunks > 0 else 0  # The fused loss keeps d loss / d hidden states from its forward.
-  return int(rows * seq_len * (layers + logits + loss_grad + c * d))
+  return int(layers + tokens * (logits + loss_grad + c * d))
 
 
 FAMILY = Family(
