@@ -12,6 +12,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 4  # Data-parallel ways (batch split, params replicated). -1: all remaining devices.
   c.mesh.fsdp = 1  # Fully-sharded data-parallel ways (batch split, params split on `embed`).
+  c.mesh.expert = 1  # Expert-parallel ways: MoE layers' experts split, the batch split everywhere else.
   c.mesh.model = 2  # Tensor-parallel ways (heads, mlp and vocab split).
 
   c.partitioning = ml_collections.ConfigDict()
@@ -19,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   # order, as t5x and MaxText (flax.linen.logical_to_mesh_axes). None means replicated; a name with
   # no rule is an error.
   c.partitioning.rules = [
-      ('batch', ('data', 'fsdp')),
+      ('batch', ('data', 'fsdp', 'expert')),  # `expert` too: its devices hold other rows outside MoE layers.
       ('length', None),
       ('embed', None),
       ('mlp', 'model'),
@@ -27,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
       ('kv_heads', 'model'),  # Grouped key/value heads (model.num_kv_heads); replicated if too few.
       ('kv', None),
       ('vocab', 'model'),
+      ('expert', 'expert'),  # The experts of a mixture-of-experts layer (model.num_experts).
       ('classes', None),
       ('layers', None),
   ]

@@ -38,6 +38,7 @@ def _mesh_size(value: int) -> str | None:
 class MeshConfig:
   data: int = option(check=_mesh_size)
   fsdp: int = option(check=_mesh_size)
+  expert: int = option(check=_mesh_size)
   model: int = option(check=_mesh_size)
 
   def __post_init__(self):

@@ -111,7 +111,7 @@ def from_pretrained(path: str | os.PathLike, *, base: ml_collections.ConfigDict 
   laid out by `base`'s rules (default configs/base.py); `model(tokens_BL)` gives the logits."""
   mesh = jax.sharding.get_mesh()
   if mesh.empty:
-    sizes, devices = {'data': 1, 'fsdp': 1, 'model': 1}, jax.devices()[:1]
+    sizes, devices = {'data': 1, 'fsdp': 1, 'expert': 1, 'model': 1}, jax.devices()[:1]
   else:
     sizes, devices = dict(mesh.shape), list(mesh.devices.flat)
   run = build(make_config(path, base, sizes), devices)

@@ -1,8 +1,11 @@
-"""The device mesh: axes `data`, `fsdp`, `model`, all of explicit axis type.
+"""The device mesh: axes `data`, `fsdp`, `expert`, `model`, all of explicit axis type.
 
 With Explicit axes, shardings are part of array types and propagate through
 jitted code; a mismatch is a trace-time error rather than a silent relayout.
-The last axis (`model`) is the innermost, so it stays within a host.
+The last axis (`model`) is the innermost, so it stays within a host; `expert`
+(mixture-of-experts layers' experts, and data elsewhere) sits next to it, so the
+all-to-alls of expert parallelism stay as close as the mesh allows. A mesh without
+an `expert` size (an older config or checkpoint) has `expert=1`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from jax.sharding import AxisType, Mesh
 
 from mintrain import host_allocator
 
-AXES = ('data', 'fsdp', 'model')
+AXES = ('data', 'fsdp', 'expert', 'model')
 _XLA_CPU_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
 
@@ -25,9 +28,9 @@ class MeshError(ValueError):
 
 
 def mesh_shape(sizes: Mapping[str, int], num_devices: int, platform: str = '') -> tuple[int, ...]:
-  """Sizes in AXES order, with one -1 filled by the remaining devices."""
-  shape = [int(sizes[a]) for a in AXES]
-  described = ', '.join(f'{a}={s}' for a, s in zip(AXES, shape))
+  """Sizes in AXES order (a missing `expert` is 1), with one -1 filled by the remaining devices."""
+  shape = [int(sizes.get(a, 1)) for a in AXES]
+  described = describe(dict(zip(AXES, shape))).replace(' x ', ', ')
   where = f'{num_devices} {platform} devices'.replace('  ', ' ')
   if -1 in shape:
     fixed = math.prod(s for s in shape if s != -1)
@@ -37,14 +40,14 @@ def mesh_shape(sizes: Mapping[str, int], num_devices: int, platform: str = '') -
   if math.prod(shape) != num_devices:
     raise MeshError(
         f'Mesh ({described}) needs {math.prod(shape)} devices but there are {where}. '
-        f'Make the product of mesh.data, mesh.fsdp and mesh.model equal {num_devices}, '
+        f'Make the product of mesh.data, mesh.fsdp, mesh.expert and mesh.model equal {num_devices}, '
         'or set one of them to -1.')
   return tuple(shape)
 
 
 def devices_needed(sizes: Mapping[str, int], default: int = 8) -> int:
   """How many devices a mesh asks for; `default` when one size is -1."""
-  shape = [int(sizes[a]) for a in AXES]
+  shape = [int(sizes.get(a, 1)) for a in AXES]
   return default if -1 in shape else math.prod(shape)
 
 
@@ -82,8 +85,8 @@ def pick_devices(count: int | None, devices: Sequence[jax.Device] | None = None
            f'{count // processes} per process, or unset it' if platform == 'cpu'
            else f'set JAX_PLATFORMS=cpu to simulate {count} CPU devices instead')
     raise MeshError(f'The mesh needs {count} devices but this run has {where}. Make the product of '
-                    f'mesh.data, mesh.fsdp and mesh.model {len(devices)}, set one of them to -1 to use them '
-                    f'all, or {fix}.')
+                    f'mesh.data, mesh.fsdp, mesh.expert and mesh.model {len(devices)}, set one of them to -1 '
+                    f'to use them all, or {fix}.')
   devices = devices if count is None else devices[:count]
   if platform != 'cpu' or (len(devices) == 1 and processes == 1):
     return devices, None
@@ -109,5 +112,6 @@ def make_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = N
 
 
 def describe(shape: Mapping[str, int]) -> str:
-  """`data=4 x fsdp=1 x model=2` for a mesh's `shape`, or the sizes a checkpoint saved."""
-  return ' x '.join(f'{name}={size}' for name, size in shape.items())
+  """`data=4 x fsdp=1 x model=2` for a mesh's `shape`, or the sizes a checkpoint saved; `expert` is named
+  only when it splits (`data=2 x fsdp=1 x expert=4 x model=1`), so meshes without it read as before."""
+  return ' x '.join(f'{name}={size}' for name, size in shape.items() if name != 'expert' or size != 1)

@@ -28,7 +28,7 @@ def main() -> int:
                       help="the tensors' dtype (default: the model's parameter dtype)")
   parser.add_argument('--max_shard_size', type=int, default=2**30, help='bytes per safetensors file')
   args = parser.parse_args()
-  one_device = {'mesh': {'data': 1, 'fsdp': 1, 'model': 1}}
+  one_device = {'mesh': {'data': 1, 'fsdp': 1, 'expert': 1, 'model': 1}}
   devices = _bootstrap.devices_for(config_lib.validate(config_lib.upgrade(one_device)).mesh)
 
   import jax

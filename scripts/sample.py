@@ -31,7 +31,7 @@ def layout_config(config_file: str | None, overrides: list[str]) -> ml_collectio
     given = config_lib.load(config_file)
     layout = ml_collections.ConfigDict({'mesh': given.mesh, 'partitioning': given.partitioning})
   else:
-    layout = ml_collections.ConfigDict({'mesh': {'data': 1, 'fsdp': 1, 'model': 1}})
+    layout = ml_collections.ConfigDict({'mesh': {'data': 1, 'fsdp': 1, 'expert': 1, 'model': 1}})
   config_lib.apply_overrides(layout, [o for o in overrides if o.startswith('mesh.')])
   return layout
 

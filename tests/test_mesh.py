@@ -4,21 +4,29 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from mintrain.mesh import MeshError, make_mesh, mesh_shape
+from mintrain.mesh import MeshError, describe, make_mesh, mesh_shape
 
 
-def test_sizes_are_taken_in_data_fsdp_model_order():
+def test_sizes_are_taken_in_data_fsdp_expert_model_order():
   mesh = make_mesh({'data': 2, 'fsdp': 2, 'model': 2})
-  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'model': 2}
+  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'expert': 1, 'model': 2}
+  mesh = make_mesh({'data': 1, 'fsdp': 2, 'expert': 2, 'model': 2})
+  assert mesh.axis_names == ('data', 'fsdp', 'expert', 'model')
+  assert [d.id for d in mesh.devices.flat] == list(range(8))
+
+
+def test_a_mesh_without_expert_reads_as_before():
+  assert describe({'data': 4, 'fsdp': 1, 'expert': 1, 'model': 2}) == 'data=4 x fsdp=1 x model=2'
+  assert describe({'data': 2, 'fsdp': 1, 'expert': 4, 'model': 1}) == 'data=2 x fsdp=1 x expert=4 x model=1'
 
 
 def test_all_axes_are_explicit():
   mesh = make_mesh({'data': 4, 'fsdp': 1, 'model': 2})
-  assert mesh.axis_types == (AxisType.Explicit,) * 3
+  assert mesh.axis_types == (AxisType.Explicit,) * 4
 
 
 def test_minus_one_takes_the_remaining_devices():
-  assert mesh_shape({'data': -1, 'fsdp': 1, 'model': 2}, 8) == (4, 1, 2)
+  assert mesh_shape({'data': -1, 'fsdp': 1, 'model': 2}, 8) == (4, 1, 1, 2)
   assert dict(make_mesh({'data': 1, 'fsdp': -1, 'model': 1}).shape)['fsdp'] == 8
 
 
