@@ -70,6 +70,17 @@ def get_config() -> ml_collections.ConfigDict:
   # Weight matmuls' gradients: 'custom_vjp' transposes the smaller operand (measured faster on CPU),
   # 'einsum' leaves it to autodiff; 'auto': custom_vjp on CPU, einsum elsewhere.
   c.model.linear = 'auto'
+  # Mixture of experts (mintrain/models/moe.py): every moe_every-th block's MLP becomes num_experts gated MLPs
+  # of width expert_mlp_dim, experts split over mesh.expert, each token routed to experts_per_token of them.
+  c.model.num_experts = 0  # Experts per MoE layer (E); 0: every MLP dense.
+  c.model.experts_per_token = 2  # Top-k experts each token goes to.
+  c.model.moe_every = 1  # Every N-th block is MoE (1: all; 2: blocks 1, 3, ...), the others dense.
+  c.model.expert_mlp_dim = 0  # Hidden width of each expert; 0: mlp_dim.
+  c.model.shared_expert_dim = 0  # Width of a sigmoid-gated expert every token takes (Qwen2-MoE); 0: none.
+  c.model.capacity_factor = 0.0  # Slots per expert: factor * seq_len * k / E (the rest dropped); 0: dropless.
+  c.model.router_norm_topk = True  # Top-k router weights renormalised to sum 1 (Mixtral; Qwen2-MoE: False).
+  c.model.router_z_loss_weight = 1e-3  # Weight of the router z-loss, mean(logsumexp(logits)^2), in the loss.
+  c.model.load_balance_loss_weight = 1e-2  # Weight of the balancing loss E * sum_e f_e * p_e (1: balanced).
 
   c.data = ml_collections.ConfigDict()
   # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of

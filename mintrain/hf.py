@@ -86,15 +86,22 @@ def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | Non
                           'scan_layers off).')
       name, kind = names[ours]
       abstract = jax.tree.leaves(var)[0]
-      tensor = tensors.slice(name, path)
-      expected = tuple(conversion.their_shape(kind, abstract.shape))
-      if tuple(tensor.get_shape()) != expected:
-        raise ConfigError(f'{path}: tensor {name} has shape {tuple(tensor.get_shape())}, but config.json '
-                          f'makes it {expected}.')
+      # A tuple of names: one tensor per index of the parameter's first axis (a mixture's experts).
+      stacked = isinstance(name, tuple)
+      parts = list(zip(name, [abstract.shape[1:]] * len(name))) if stacked else [(name, abstract.shape)]
+      for part, shape in parts:
+        expected = tuple(conversion.their_shape(kind, shape))
+        found = tuple(tensors.slice(part, path).get_shape())
+        if found != expected:
+          raise ConfigError(f'{path}: tensor {part} has shape {found}, but config.json makes it {expected}.')
 
-      def callback(index, kind=kind, tensor=tensor, shape=abstract.shape, dtype=abstract.dtype):
+      def callback(index, kind=kind, name=name, stacked=stacked, shape=abstract.shape, dtype=abstract.dtype):
         bounds = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
-        return conversion.read(kind, tensor, bounds, run.config.model.head_dim).astype(dtype)
+        head_dim = run.config.model.head_dim
+        if not stacked:
+          return conversion.read(kind, tensors.slice(name, path), bounds, head_dim).astype(dtype)
+        return np.stack([conversion.read(kind, tensors.slice(name[i], path), bounds[1:], head_dim)
+                         for i in range(bounds[0].start, bounds[0].stop)]).astype(dtype)
 
       sharding = NamedSharding(mesh, abstract.sharding.spec)
       value = jax.make_array_from_callback(abstract.shape, sharding, callback)
@@ -159,11 +166,12 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
     host = _host(value)  # Every process takes part in the gather; process 0 keeps the tensor.
     if not is_main:
       continue
-    tensor = family.hf.write(kind, host).astype(out_dtype)
-    if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_size:
-      flush()
-    shard[name] = tensor
-    total += tensor.nbytes
+    for part, value_part in zip(name, host) if isinstance(name, tuple) else [(name, host)]:
+      tensor = family.hf.write(kind, value_part).astype(out_dtype)
+      if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_size:
+        flush()
+      shard[part] = tensor
+      total += tensor.nbytes
   if not is_main:
     return []
   flush()

@@ -29,21 +29,38 @@ FAMILIES = {
     'mistral': ('MistralConfig', {'num_key_value_heads': 4, 'head_dim': 8, 'sliding_window': 4096}),
     'qwen2': ('Qwen2Config', {'num_key_value_heads': 2, 'tie_word_embeddings': True}),
     'gemma': ('GemmaConfig', {'num_key_value_heads': 1, 'head_dim': 16}),  # Multi-query, as Gemma 2B.
+    # Mixtures of experts: 4 experts, 2 per token, in every block; Qwen2-MoE's every second block, with a
+    # dense MLP between, a shared expert and top-k weights not renormalised.
+    'mixtral': ('MixtralConfig', {'num_key_value_heads': 2, 'num_local_experts': 4,
+                                  'num_experts_per_tok': 2}),
+    'qwen2_moe': ('Qwen2MoeConfig', {'num_key_value_heads': 2, 'num_experts': 4, 'num_experts_per_tok': 2,
+                                     'moe_intermediate_size': 48, 'shared_expert_intermediate_size': 80,
+                                     'decoder_sparse_step': 2, 'norm_topk_prob': False}),
 }
+MOE = ('mixtral', 'qwen2_moe')
 
 
 @pytest.fixture(scope='module', params=list(FAMILIES))
 def reference(request, tmp_path_factory):
   """(directory, tokens, transformers' float32 logits) of one tiny random model."""
-  name, options = FAMILIES[request.param]
+  return make_reference(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope='module', params=MOE)
+def moe_reference(request, tmp_path_factory):
+  return make_reference(request.param, tmp_path_factory)
+
+
+def make_reference(family, tmp_path_factory):
+  name, options = FAMILIES[family]
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**COMMON, **options),
                                                        dtype=torch.float32)
   with torch.no_grad():  # Norm weights are drawn as ones (zeros for Gemma); make them matter.
     for param_name, param in model.named_parameters():
-      if param_name.endswith('norm.weight') or param_name.endswith('bias'):
+      if param_name.endswith(('norm.weight', 'bias', '.gate.weight')):  # A router drawn as zeros ties.
         param.add_(0.1 * torch.randn_like(param))
-  directory = tmp_path_factory.mktemp(request.param)
+  directory = tmp_path_factory.mktemp(family)
   model.save_pretrained(directory)
   tokens = np.random.RandomState(1).randint(0, 256, (8, 24)).astype(np.int32)
   with torch.no_grad():
@@ -63,6 +80,19 @@ def test_a_loaded_checkpoint_gives_the_logits_of_transformers(reference, mesh_na
   mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
   with jax.set_mesh(mesh):
     model = hf.from_pretrained(directory)
+    logits = mintrain_logits(model, tokens)
+  assert np.abs(logits - expected).max() <= 1e-4
+
+
+@pytest.mark.parametrize('mesh', [('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1'),
+                                  ('mesh.data=1', 'mesh.fsdp=2', 'mesh.expert=2', 'mesh.model=2')],
+                         ids=['expert4_data2', 'expert2_model2_fsdp2'])
+def test_a_mixture_gives_the_logits_of_transformers_with_its_experts_split(moe_reference, mesh):
+  directory, tokens, expected = moe_reference
+  config = load_config('dp4_tp2', *mesh)
+  with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
+    model = hf.from_pretrained(directory)
+    assert tuple(jax.typeof(model.blocks[1].mlp.wi_gate_EDF[...]).sharding.spec)[0] == 'expert'
     logits = mintrain_logits(model, tokens)
   assert np.abs(logits - expected).max() <= 1e-4
 
