@@ -43,7 +43,8 @@ def _float32(cfg: Any) -> str:
 @dataclasses.dataclass(frozen=True)
 class Family:
   config: type  # Frozen dataclass of the `model` section's options.
-  # The module, with `loss(inputs, targets, *, dropout_key)`.
+  # The module, with `loss(inputs, targets, *, dropout_key)`: the loss, or (loss, statistics) where the
+  # statistics are metrics and their `aux_loss` (e.g. an MoE router's losses) joins the objective.
   make: Callable[[Any, AxisRules, nnx.Rngs], nnx.Module]
   param_count: Callable[[Any], int]
   train_flops_per_row: Callable[[Any, int, bool], float]  # (cfg, seq_len, causal_half): forward + backward.

@@ -138,13 +138,13 @@ class TransformerConfig:
   linear: str = option(choices=LINEAR_OPTIONS)  # How weight matmuls form their gradient.
   num_experts: int = option(at_least=0)  # E experts in each MoE layer; 0: every MLP dense.
   experts_per_token: int = option(at_least=1)  # k: experts each token is routed to.
-  moe_every: int = option(at_least=1)  # Every N-th block (1-based: blocks N-1, 2N-1, ...) is MoE.
+  moe_every: int = option(at_least=1)  # Block i is MoE when (i + 1) % N == 0 (Qwen2-MoE's sparse step).
   expert_mlp_dim: int = option(at_least=0)  # F of each expert; 0: mlp_dim.
   shared_expert_dim: int = option(at_least=0)  # Qwen2-MoE's sigmoid-gated shared expert's width; 0: none.
   capacity_factor: float = option(at_least=0)  # Slots per expert: factor * L * k / E; 0: dropless.
   router_norm_topk: bool = option()  # Renormalise the top-k probabilities to sum to 1 (Mixtral).
-  router_z_loss_weight: float = option(at_least=0)
-  load_balance_loss_weight: float = option(at_least=0)
+  router_z_loss_weight: float = option(at_least=0)  # Of mean(logsumexp(router logits)^2) in the objective.
+  load_balance_loss_weight: float = option(at_least=0)  # Of E * sum_e f_e * p_e in the objective.
   platform: str = option(derived=True, default='cpu')  # Of the mesh's devices; picks kernels.
   # The logical axis of the key/value heads: `heads` when they are the query heads (multi-head),
   # `kv_heads` when grouped, None when grouped but too few for the mesh's split (replicated).
@@ -395,8 +395,8 @@ def norm(cfg: TransformerConfig, rules: AxisRules, rngs: nnx.Rngs) -> RMSNorm:
 
 
 class Block(nnx.Module):
-  """Attention, then a dense MLP or (`moe`) a mixture of experts; `__call__` also returns the MoE layer's
-  statistics (none for a dense block)."""
+  """Attention, then a dense MLP or (`moe_layer`) a mixture of experts; `__call__` also returns the MoE
+  layer's statistics ({} for a dense block)."""
 
   def __init__(self, cfg: TransformerConfig, *, rules: AxisRules, rngs: nnx.Rngs, moe_layer: bool = False):
     self.attn_norm = norm(cfg, rules, rngs)
