@@ -143,7 +143,8 @@ def test_expert_parallel_step_dispatches_tokens_with_all_to_all():
 def test_analytic_flops_count_active_experts_and_agree_with_xla():
   """With capacity factor 1 (L * k / E slots per expert), the experts compute exactly the active FLOPs;
   dispatch and combine are gathers and scatters, not matmuls. As in tests/test_flops.py, the rest XLA
-  counts is elementwise work and the optimizer."""
+  counts is elementwise work and the optimizer: 3.54e9 against the analytic 3.43e9 (3.3% over). Dropless
+  (E x L slots: E / k = 2 times the active experts' FLOPs here) XLA counts 5.97e9, 1.74x."""
   from test_flops import xla_train_step_flops
   heavy = ('model.embed_dim=256', 'model.num_heads=4', 'model.head_dim=64', 'model.expert_mlp_dim=512',
            'model.vocab_size=256', 'model.num_layers=2', 'train.seq_len=64', 'train.global_batch_size=4')
