@@ -210,3 +210,10 @@ def test_a_batch_rule_that_leaves_out_the_expert_axis_names_the_rules_to_change(
   match = r'`batch` split over the mesh axes of `expert` \(expert\).*split `batch` over data x fsdp\.'
   with pytest.raises(ValueError, match=match):
     step_metrics.__wrapped__('expert4_data2', *rules)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('remat', ['full', 'save_matmuls'])
+def test_rematerialised_moe_layers_give_the_same_losses(remat):
+  np.testing.assert_allclose(run('expert4_data2', f'model.remat={remat}').losses, run('single').losses,
+                             rtol=1e-4)
