@@ -84,9 +84,10 @@ def test_a_loaded_checkpoint_gives_the_logits_of_transformers(reference, mesh_na
   assert np.abs(logits - expected).max() <= 1e-4
 
 
-@pytest.mark.parametrize('mesh', [('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1'),
-                                  ('mesh.data=1', 'mesh.fsdp=2', 'mesh.expert=2', 'mesh.model=2')],
-                         ids=['expert4_data2', 'expert2_model2_fsdp2'])
+@pytest.mark.parametrize('mesh', [
+    pytest.param(('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1'), id='expert4_data2',
+                 marks=pytest.mark.slow),
+    pytest.param(('mesh.data=1', 'mesh.fsdp=2', 'mesh.expert=2', 'mesh.model=2'), id='expert2_model2_fsdp2')])
 def test_a_mixture_gives_the_logits_of_transformers_with_its_experts_split(moe_reference, mesh):
   directory, tokens, expected = moe_reference
   config = load_config('dp4_tp2', *mesh)
