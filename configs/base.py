@@ -2,8 +2,6 @@
 
 import ml_collections
 
-from mintrain.data import tokenizer
-
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -14,6 +12,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.fsdp = 1  # Fully-sharded data-parallel ways (batch split, params split on `embed`).
   c.mesh.expert = 1  # Expert-parallel ways: MoE layers' experts split, the batch split everywhere else.
   c.mesh.model = 2  # Tensor-parallel ways (heads, mlp and vocab split).
+  # Multi-slice: how many of the data (fsdp) ways go across slices or hosts over the data-centre network;
+  # the rest stay within each slice. 1: one slice. The product is the number of slices (or processes).
+  c.mesh.dcn_data = 1
+  c.mesh.dcn_fsdp = 1
 
   c.partitioning = ml_collections.ConfigDict()
   # Compute layout of activations and of parameters in use: (logical name, mesh axes) in priority
@@ -37,7 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.name = 'transformer'  # 'transformer' (decoder-only LM) or 'mlp' (classifier).
-  c.model.vocab_size = tokenizer.padded_vocab_size()  # Byte tokenizer's 257 ids, padded to 384 to split.
+  c.model.vocab_size = 0  # 0: data.tokenizer's ids, padded to a multiple of 128 to split (bytes: 257 -> 384).
   c.model.embed_dim = 128  # Width of the residual stream (D).
   c.model.num_layers = 2  # Transformer blocks.
   c.model.num_heads = 8  # Attention heads (H); split over `model`.
@@ -55,6 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.norm_plus_one = False  # Gemma: norms scale by (1 + weight).
   c.model.embed_scale = False  # Gemma: embeddings times sqrt(embed_dim).
   c.model.qkv_bias = False  # Qwen2: biases on the query, key and value projections.
+  c.model.sliding_window = 0  # Mistral's attention window (checked, not applied: longer sequences refused).
   c.model.mlp_activation = 'silu'  # Gate nonlinearity: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, Gemma).
   c.model.dropout_rate = 0.0  # Dropout on attention and MLP outputs; 0 disables it.
   c.model.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
@@ -85,14 +88,29 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of
   # data.path; 'tokens': flat uint16/uint32 token files of data.path; 'synthetic': sequences from the seed.
+  # 'jsonl', 'parquet', 'arrayrecord': files of data.path streamed a block at a time; 'mixture': data.mixture.
   c.data.source = 'stdlib'
-  c.data.path = ''  # Glob for 'text' and 'tokens', e.g. 'data/*.txt'.
+  c.data.path = ''  # Glob of the source's files, e.g. 'data/*.txt' or 'corpus/*.jsonl.gz'.
+  # 'byte' (UTF-8 bytes + BOS), a Hugging Face tokenizer.json, a SentencePiece .model, or a directory
+  # holding one; '': init.hf_checkpoint's tokenizer if that directory has one, else 'byte'.
+  c.data.tokenizer = ''
   c.data.eval_fraction = 0.05  # Held-out share: files by a stable hash of their path; a token file's tail.
   c.data.token_dtype = 'uint16'  # Element type of 'tokens' files: 'uint16' or 'uint32'.
   c.data.max_bytes = 0  # Read only the first files (in sorted order) up to about this many bytes; 0: all.
+  # Rows of file sources: 'pack' documents back to back (attention and RoPE positions restart at each),
+  # or 'pad' one document per row, truncated or padded (padding never counts in the loss).
+  c.data.packing = 'pack'
   c.data.num_threads = 1  # Grain reader threads (no worker processes).
   c.data.prefetch = 4  # Batches each process reads ahead of the train step; 0 turns prefetching off.
   c.data.device_prefetch = 1  # Train batches already on their devices when a step starts; 0: none.
+  c.data.text_field = 'text'  # The JSONL field or Parquet column holding each document's text.
+  c.data.record_format = 'text'  # ArrayRecord records: 'text' (UTF-8) or 'tokens' (token_dtype ids from BOS).
+  c.data.block_bytes = 1 << 18  # Streamed files are read and shuffled in blocks of about this many bytes.
+  c.data.shuffle_window = 4  # Blocks each batch row reads together and shuffles the documents of.
+  c.data.skip_bad_records = False  # Skip bad lines, records and files with a counted warning, not an error.
+  # Sources to mix, with data.source='mixture': [({'source': 'jsonl', 'path': 'a/*.jsonl'}, 0.7), (..., 0.3)];
+  # each row draws its source per step in proportion to the weights. A source sets only its own keys.
+  c.data.mixture = []
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 100  # Evaluate on the held-out split every N steps and at the end; 0: only at the end.

@@ -40,7 +40,7 @@ class Run:
   init: Callable[[], TrainState]  # Jitted; call under the mesh.
   from_params: Callable[[nnx.State], TrainState]  # Jitted: fresh optimizer state and step 0 around params.
   train_step: Callable  # Jitted, state donated: (state, batch) -> (state, metrics).
-  eval_step: Callable  # Jitted: (params, batch) -> mean loss.
+  eval_step: Callable  # Jitted: (params, batch) -> (summed loss, count) over its counted targets.
   plan: memory.MemoryPlan
 
   def batches(self, split: str = 'train') -> GlobalBatches:
@@ -54,7 +54,7 @@ class Run:
 
 def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   """The run of `config` on a mesh over `devices` (default: all of the default backend's)."""
-  mesh = mesh_lib.make_mesh(config.mesh.sizes, devices)
+  mesh = mesh_lib.make_mesh(config.mesh.sizes, devices, config.mesh.slices)
   family = config.family
   rules = AxisRules.from_config(config.partitioning)
   rules.check_mesh_axes(mesh.axis_names)

@@ -25,9 +25,11 @@ import ml_collections
 
 from mintrain import fields, models, partitioning
 from mintrain import mesh as mesh_lib
+from mintrain.data import tokenizer
 from mintrain.fields import ConfigError, option
 
 BASE = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'base.py'
+STREAMED_SOURCES = ('jsonl', 'parquet', 'arrayrecord')  # Read a block at a time (mintrain.data.records).
 
 
 def _mesh_size(value: int) -> str | None:
@@ -40,15 +42,28 @@ class MeshConfig:
   fsdp: int = option(check=_mesh_size)
   expert: int = option(check=_mesh_size)
   model: int = option(check=_mesh_size)
+  # Of those ways, how many go across slices (multi-slice); only the axes in mesh.SPANS_SLICES have one.
+  dcn_data: int = option(at_least=1)
+  dcn_fsdp: int = option(at_least=1)
 
   def __post_init__(self):
     if list(self.sizes.values()).count(-1) > 1:
       raise ConfigError(f'mesh sizes may have one -1 (all remaining devices), not several; got '
                         f'{", ".join(f"mesh.{k}={v}" for k, v in self.sizes.items())}.')
+    for axis, ways in self.slices.items():
+      size = self.sizes[axis]
+      if size != -1 and size % ways:
+        raise ConfigError(f'mesh.dcn_{axis}={ways} must divide mesh.{axis}={size}: of its {size} ways, that '
+                          'many go across slices and the rest stay within each.')
 
   @property
   def sizes(self) -> dict[str, int]:
     return {axis: getattr(self, axis) for axis in mesh_lib.AXES}
+
+  @property
+  def slices(self) -> dict[str, int]:
+    """Ways of each axis across slices (`mesh.make_mesh`)."""
+    return {axis: getattr(self, f'dcn_{axis}') for axis in mesh_lib.SPANS_SLICES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +81,60 @@ class PartitioningConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: str = option(choices=('stdlib', 'text', 'tokens', 'synthetic'))
+  source: str = option(choices=('stdlib', 'text', 'tokens', 'synthetic', *STREAMED_SOURCES, 'mixture'))
   path: str = option()
+  tokenizer: str = option()  # 'byte', a tokenizer file or directory; '' resolved by `validate`.
   eval_fraction: float = option(at_least=0, below=1)
   token_dtype: str = option(choices=('uint16', 'uint32'))
   max_bytes: int = option(at_least=0)
+  packing: str = option(choices=('pack', 'pad'))
   num_threads: int = option(at_least=0)
   prefetch: int = option(at_least=0)
   device_prefetch: int = option(at_least=0)
+  text_field: str = option()
+  record_format: str = option(choices=('text', 'tokens'))
+  block_bytes: int = option(at_least=1)
+  shuffle_window: int = option(at_least=1)
+  skip_bad_records: bool = option()
+  mixture: tuple = option()  # ((settings as sorted (key, value) pairs, weight), ...), from (dict, weight)s.
+
+  def __post_init__(self):
+    entries = tuple(_mixture_entry(i, entry) for i, entry in enumerate(self.mixture))
+    object.__setattr__(self, 'mixture', entries)
+    if (self.source == 'mixture') != bool(entries):
+      raise ConfigError("data.source='mixture' and a non-empty data.mixture go together: set both (a list of "
+                        "({'source': 'jsonl', 'path': ...}, weight)) or neither.")
+
+
+# What each source of a mixture may set; the rest (threads, prefetch) belongs to the whole mixture.
+MIXTURE_KEYS = ('source', 'path', 'eval_fraction', 'token_dtype', 'text_field', 'record_format',
+                'block_bytes', 'shuffle_window', 'skip_bad_records')
+
+
+def _mixture_entry(i: int, entry: Any) -> tuple[tuple[tuple[str, Any], ...], float]:
+  """A mixture entry as ((key, value), ...) and its weight, checked; ConfigError names the entry."""
+  where = f'data.mixture[{i}]'
+  if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+    raise ConfigError(f"{where}={entry!r} must be a pair (settings, weight), e.g. "
+                      f"({{'source': 'jsonl', 'path': 'a/*.jsonl'}}, 0.5).")
+  settings, weight = entry
+  if isinstance(settings, (list, tuple)):  # As saved in a checkpoint's config.
+    settings = dict(settings)
+  if not isinstance(settings, Mapping):
+    raise ConfigError(f'{where}: settings {settings!r} must be a dict of data options.')
+  for key in settings:
+    if key not in MIXTURE_KEYS:
+      raise ConfigError(f'{where}: {key!r} is not an option a mixture source may set; choose from '
+                        f'{MIXTURE_KEYS}.')
+  source = settings.get('source')
+  if source not in STREAMED_SOURCES:
+    raise ConfigError(f"{where}: source={source!r} is not a source a mixture can draw from; choose one of "
+                      f'{STREAMED_SOURCES}.')
+  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float('inf'):
+    raise ConfigError(f'{where}: weight={weight!r} must be a finite number > 0.')
+  probe = {**defaults().to_dict()['data'], 'mixture': (), **settings}
+  checked = fields.build(DataConfig, probe, where)  # Each value's own check.
+  return tuple(sorted((k, getattr(checked, k)) for k in settings)), float(weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,11 +249,15 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
     raise ConfigError(f"model must be a section of keys (a ConfigDict), not {values['model']!r}.")
   model = dict(values['model'])
   sections = {key: fields.build(cls, values[key], key) for key, cls in SECTIONS.items()}
-  if sections['init'].hf_checkpoint:  # Its config.json sets the model; other model options stay.
-    model.update(models.hf_model_options(sections['init'].hf_checkpoint))
+  hf_checkpoint = sections['init'].hf_checkpoint
+  if hf_checkpoint:  # Its config.json sets the model; other model options stay.
+    model.update(models.hf_model_options(hf_checkpoint))
+  spec = tokenizer.resolve(sections['data'].tokenizer, hf_checkpoint)
+  sections['data'] = dataclasses.replace(sections['data'], tokenizer=spec)
   name = model.pop('name', None)
   family = models.family(name)
-  model_cfg = fields.build(family.config, model, 'model')
+  model_cfg = family.for_tokenizer(fields.build(family.config, model, 'model'),
+                                   lambda: tokenizer.load(spec).vocab_size)
   family.check(model_cfg, sections['train'].seq_len)
   return Config(seed=seed, model_name=name, model=model_cfg, **sections)
 
@@ -205,6 +270,13 @@ class _Seed:
 def defaults() -> ml_collections.ConfigDict:
   """configs/base.py: every default, in one place."""
   return load(BASE)
+
+
+def one_device_mesh() -> ml_collections.ConfigDict:
+  """The `mesh` section of a single-device run: every axis of size 1, within one slice."""
+  mesh = defaults().mesh
+  mesh.update(dict.fromkeys(mesh_lib.AXES, 1))
+  return mesh
 
 
 def upgrade(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:

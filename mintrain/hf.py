@@ -3,17 +3,26 @@
 A directory holds `config.json` and `model.safetensors`, or shards named by
 `model.safetensors.index.json`. The model family that claims the config's `model_type`
 (`Family.hf`, e.g. `models.hf_llama`) says which options it sets and where each tensor goes;
-this module only reads and writes. Loading reads, for each parameter, only the slices that this
-process's devices hold (safetensors reads slices lazily), so no host holds a whole sharded parameter.
-Saving writes one tensor at a time from process 0, in shards of at most `max_shard_size` bytes.
+this module only reads and writes. Loading reads, for each parameter, only the rows of its tensor that
+this process's devices need, once for all of them, block by block (`safetensors_reader`, positioned
+reads: no memory map keeps the file's pages in the process), straight into the arrays the devices keep:
+no host holds a whole sharded parameter, nor a second copy of its slices. Saving writes one tensor at a
+time from process 0, in shards of at most `max_shard_size` bytes.
+
+The family names its tensors for layers held one by one (`blocks.<i>.X`); with `model.scan_layers`, a
+parameter stacked on a leading `layers` axis (`blocks.X`) is layer i's tensor at index i, found as
+`layers.Relayout` finds it for Orbax checkpoints. A family may also name a tuple of tensors for one
+parameter, stacked on its first axis (a mixture's experts, one tensor each); scanned, such a parameter
+is (layers, experts, ...) of one tensor per layer and expert.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import os
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -25,10 +34,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from mintrain import config as config_lib
-from mintrain import train_state
+from mintrain import mesh as mesh_lib
+from mintrain import safetensors_reader, train_state
 from mintrain.build import Run, build
 from mintrain.fields import ConfigError
 from mintrain.models import FAMILIES, hf_model_options
+from mintrain.models.layers import Relayout
 
 INDEX = 'model.safetensors.index.json'
 SINGLE = 'model.safetensors'
@@ -36,81 +47,178 @@ SINGLE = 'model.safetensors'
 
 def make_config(path: str | os.PathLike, base: ml_collections.ConfigDict | None = None,
                 mesh_sizes: dict[str, int] | None = None) -> config_lib.Config:
-  """`base` (default configs/base.py) with the checkpoint's model options (and mesh sizes), validated."""
+  """`base` (default configs/base.py) with the checkpoint's model options (and mesh sizes), validated.
+
+  `base`'s other model options (scan_layers, remat, compute_dtype, ...) stay when its model is of the
+  checkpoint's family; otherwise they are configs/base.py's.
+  """
   config = (base or config_lib.defaults()).copy_and_resolve_references()
-  model = ml_collections.ConfigDict(config_lib.defaults().model.to_dict())  # A fresh transformer section.
-  model.update(hf_model_options(path))
-  config.model = model
+  options = hf_model_options(path)
+  if config.model.get('name') != options['name']:
+    config.model = ml_collections.ConfigDict(config_lib.defaults().model.to_dict())
+  config.model.update(options)
   if mesh_sizes:
     config.mesh.update(mesh_sizes)
   return config_lib.validate(config)
 
 
 class _Tensors(contextlib.ExitStack):
-  """Lazy handles to every tensor of a checkpoint directory, by name."""
+  """Every tensor of a checkpoint directory, by name, read lazily (`safetensors_reader.Tensor`)."""
 
   def __init__(self, path: str | os.PathLike):
     super().__init__()
-    from safetensors import safe_open
-
     root = epath.Path(path)
     if (root / INDEX).exists():
       files = sorted(set(json.loads((root / INDEX).read_text())['weight_map'].values()))
     elif (root / SINGLE).exists():
       files = [SINGLE]
     else:
-      raise ConfigError(f'{path} holds neither {SINGLE} nor {INDEX}.')
-    self.handles: dict[str, Any] = {}
+      raise ConfigError(f'{path} holds neither {SINGLE} nor {INDEX}: give the directory that '
+                        'save_pretrained (or transformers) wrote.')
+    self.path, self.tensors = path, {}
     for name in files:
-      handle = self.enter_context(safe_open(os.fspath(root / name), framework='numpy'))
-      self.handles.update(dict.fromkeys(handle.keys(), handle))
+      try:
+        file = self.enter_context(safetensors_reader.File(root / name))
+      except FileNotFoundError:
+        self.close()
+        raise ConfigError(f'{path}: {INDEX} lists {name}, which is missing: copy the whole checkpoint '
+                          'directory.') from None
+      except safetensors_reader.SafetensorsError as e:
+        self.close()
+        raise ConfigError(str(e)) from None
+      self.tensors.update(file.tensors)
 
-  def slice(self, name: str, path: str) -> Any:
-    if name not in self.handles:
-      raise ConfigError(f'{path}: the checkpoint has no tensor {name!r}.')
-    return self.handles[name].get_slice(name)
+  def get(self, name: str, ours: str, shape: tuple[int, ...]) -> safetensors_reader.Tensor:
+    """Tensor `name`, which mintrain parameter `ours` reads, checked to have the `shape` config.json gives."""
+    if name not in self.tensors:
+      raise ConfigError(f'{self.path}: the checkpoint has no tensor {name!r} (mintrain parameter {ours}); '
+                        'its weights and config.json disagree (e.g. tie_word_embeddings, the layer count) or '
+                        'a shard is missing: use the config.json and every file saved with these weights.')
+    tensor = self.tensors[name]
+    if tensor.shape != shape:
+      raise ConfigError(f'{self.path}: tensor {name} has shape {tensor.shape}, but config.json makes it '
+                        f'{shape}: use the config.json saved with these weights.')
+    return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+  """Where one mintrain parameter lives in a Hugging Face checkpoint."""
+  names: tuple[str, ...]  # Its tensors: per layer (with `layers`), then per part (with `parts`), row-major.
+  kind: Any  # How the family reshapes each (e.g. `hf_llama.Kind`).
+  layers: int  # Stacked on a leading `layers` axis (scan_layers): that many layers; 0 when not.
+  parts: int  # Stacked from that many tensors on its next axis (a mixture's experts); 0 for one tensor.
+
+  @property
+  def lead(self) -> tuple[int, ...]:
+    """The sizes of the leading axes whose every index is a tensor of its own."""
+    return tuple(n for n in (self.layers, self.parts) if n)
+
+
+def _sources(conversion: Any, cfg: Any, params: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
+            ) -> dict[str, _Source]:
+  """{our parameter path: its _Source} for `params` ({path: (shape, logical axes)})."""
+  names = conversion.weight_names(cfg)
+  stacked = Relayout.plan(params, dict.fromkeys(names)).stack
+  out = {}
+  for ours in params:
+    per_layer = [names.get(p) for p in stacked[ours]] if ours in stacked else [names.get(ours)]
+    if None in per_layer:
+      raise ConfigError(f'mintrain parameter {ours} has no Hugging Face tensor.')
+    parts = [name if isinstance(name, tuple) else (name,) for name, _ in per_layer]
+    out[ours] = _Source(tuple(name for part in parts for name in part), per_layer[0][1],
+                        len(per_layer) if ours in stacked else 0,
+                        len(parts[0]) if isinstance(per_layer[0][0], tuple) else 0)
+  return out
 
 
 def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | None = None) -> nnx.State:
-  """The checkpoint's weights as `run`'s parameters, each device's slice read on its own process."""
-  conversion = run.config.family.hf
-  names = conversion.weight_names(run.config.model)
+  """The checkpoint's weights as `run`'s parameters on `mesh` (default `run.mesh`): each process reads
+  the slices its devices hold, each tensor once (`_load`)."""
   mesh = mesh or run.mesh
   leaves, treedef = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
   loaded = []
   with _Tensors(path) as tensors:
-    for key, var in leaves:
-      ours = train_state.path_str(key)
-      if ours not in names:
-        raise ConfigError(f'{path}: mintrain parameter {ours} has no Hugging Face tensor (load with '
-                          'scan_layers off).')
-      name, kind = names[ours]
+    for var, source, files in _checked(tensors, run, leaves):
       abstract = jax.tree.leaves(var)[0]
-      # A tuple of names: one tensor per index of the parameter's first axis (a mixture's experts).
-      stacked = isinstance(name, tuple)
-      parts = list(zip(name, [abstract.shape[1:]] * len(name))) if stacked else [(name, abstract.shape)]
-      for part, shape in parts:
-        expected = tuple(conversion.their_shape(kind, shape))
-        found = tuple(tensors.slice(part, path).get_shape())
-        if found != expected:
-          raise ConfigError(f'{path}: tensor {part} has shape {found}, but config.json makes it {expected}.')
-
-      def callback(index, kind=kind, name=name, stacked=stacked, shape=abstract.shape, dtype=abstract.dtype):
-        bounds = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
-        head_dim = run.config.model.head_dim
-        if not stacked:
-          return conversion.read(kind, tensors.slice(name, path), bounds, head_dim).astype(dtype)
-        return np.stack([conversion.read(kind, tensors.slice(name[i], path), bounds[1:], head_dim)
-                         for i in range(bounds[0].start, bounds[0].stop)]).astype(dtype)
-
-      sharding = NamedSharding(mesh, abstract.sharding.spec)
-      value = jax.make_array_from_callback(abstract.shape, sharding, callback)
+      value = _load(run.config.family.hf, source, files, abstract.shape, abstract.dtype,
+                    NamedSharding(mesh, abstract.sharding.spec), run.config.model.head_dim)
       loaded.append(var.replace(value) if _is_variable(var) else value)
   return jax.tree_util.tree_unflatten(treedef, loaded)
 
 
+def check(path: str | os.PathLike, run: Run) -> None:
+  """Raises the ConfigError that `load_params` would for a missing tensor or a shape that disagrees with
+  config.json, from the files' headers alone: a run checks before it writes anything."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
+  with _Tensors(path) as tensors:
+    _checked(tensors, run, leaves)
+
+
+def _checked(tensors: _Tensors, run: Run,
+             leaves: list) -> list[tuple[Any, _Source, list[safetensors_reader.Tensor]]]:
+  """(variable, its _Source, its tensors) for each (key path, abstract variable) of `leaves`; the tensors
+  checked to exist with the shapes config.json gives."""
+  conversion = run.config.family.hf
+  where = _sources(conversion, run.config.model,
+                   {train_state.path_str(key): _shape_and_axes(var) for key, var in leaves})
+  out = []
+  for key, var in leaves:
+    ours, shape = train_state.path_str(key), jax.tree.leaves(var)[0].shape
+    source = where[ours]
+    their_shape = tuple(conversion.their_shape(source.kind, shape[len(source.lead):]))
+    out.append((var, source, [tensors.get(name, ours, their_shape) for name in source.names]))
+  return out
+
+
+def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tensor], shape: tuple[int, ...],
+          dtype: np.dtype, sharding: NamedSharding, head_dim: int) -> jax.Array:
+  """One parameter, each of this process's devices given its slice; devices that hold the same slice
+  (replicas) share its read, and each distinct slice is read in one pass over the tensor's rows."""
+  slices: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+  devices = []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+    if bounds not in slices:
+      slices[bounds] = _adoptable_empty(tuple(b - a for a, b in bounds), dtype)
+    devices.append((device, bounds))
+  targets = [(tuple(slice(a, b) for a, b in bounds), out) for bounds, out in slices.items()]
+  n = len(source.lead)
+  # The tensor at leading index `at` (a layer's, an expert's) fills `at - start` of each slice holding it.
+  for file, at in zip(files, np.ndindex(*source.lead)):
+    part = [(index[n:], out[tuple(i - s.start for i, s in zip(at, index))] if n else out)
+            for index, out in targets if all(s.start <= i < s.stop for i, s in zip(at, index))]
+    if part:
+      conversion.read(source.kind, file, part, head_dim)
+  arrays, taken = [], set()
+  for device, bounds in devices:  # A replica gets a copy of its own (a device buffer is never shared).
+    host = slices[bounds] if bounds not in taken else _copy(slices[bounds])
+    taken.add(bounds)
+    arrays.append(jax.device_put(host, device))
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _copy(x: np.ndarray) -> np.ndarray:
+  out = _adoptable_empty(x.shape, x.dtype)
+  out[...] = x
+  return out
+
+
+def _adoptable_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+  """An uninitialised array aligned to 64 bytes, which JAX's CPU backend takes as a device buffer as it
+  is, where it copies a less aligned one: loading then holds each slice once."""
+  size = math.prod(shape) * np.dtype(dtype).itemsize
+  raw = np.empty(size + 64, np.uint8)
+  start = -raw.ctypes.data % 64
+  return raw[start:start + size].view(dtype).reshape(shape)
+
+
 def _is_variable(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
+
+
+def _shape_and_axes(var: nnx.Variable) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+  return tuple(var.shape), tuple(var.get_metadata()['out_sharding'])
 
 
 def from_pretrained(path: str | os.PathLike, *, base: ml_collections.ConfigDict | None = None) -> nnx.Module:
@@ -118,7 +226,7 @@ def from_pretrained(path: str | os.PathLike, *, base: ml_collections.ConfigDict 
   laid out by `base`'s rules (default configs/base.py); `model(tokens_BL)` gives the logits."""
   mesh = jax.sharding.get_mesh()
   if mesh.empty:
-    sizes, devices = {'data': 1, 'fsdp': 1, 'expert': 1, 'model': 1}, jax.devices()[:1]
+    sizes, devices = dict.fromkeys(mesh_lib.AXES, 1), jax.devices()[:1]
   else:
     sizes, devices = dict(mesh.shape), list(mesh.devices.flat)
   run = build(make_config(path, base, sizes), devices)
@@ -146,7 +254,9 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
   if family is None:
     raise ConfigError(f'{type(cfg).__name__} models have no Hugging Face architecture.')
   out_dtype = np.dtype(dtype or cfg.param_dtype)
-  names = family.hf.weight_names(cfg)
+  _, params = nnx.split(model, nnx.Param)
+  variables = {train_state.path_str(key): var for key, var in nnx.to_flat_state(params)}
+  where = _sources(family.hf, cfg, {path: _shape_and_axes(var) for path, var in variables.items()})
   is_main = jax.process_index() == 0
   out = epath.Path(out_dir)
   if is_main:
@@ -161,17 +271,22 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
     shard_names.append(list(shard))
     shard.clear()
 
-  for key, value in _params(model):
-    name, kind = names[train_state.path_str(key)]
-    host = _host(value)  # Every process takes part in the gather; process 0 keeps the tensor.
-    if not is_main:
-      continue
-    for part, value_part in zip(name, host) if isinstance(name, tuple) else [(name, host)]:
-      tensor = family.hf.write(kind, value_part).astype(out_dtype)
-      if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_size:
-        flush()
-      shard[part] = tensor
-      total += tensor.nbytes
+  for path, var in variables.items():
+    source = where[path]
+    per_layer = len(source.names) // max(source.layers, 1)
+    for layer in range(max(source.layers, 1)):
+      # Every process takes part in the gather of one layer's tensors; process 0 keeps them. A layer's
+      # parts (experts) are split on the host: indexing the device array would cross their mesh axis.
+      host = _host(var[layer] if source.layers else var[...])
+      if not is_main:
+        continue
+      names = source.names[layer * per_layer:(layer + 1) * per_layer]
+      for name, value in zip(names, host if source.parts else [host]):
+        tensor = family.hf.write(source.kind, value).astype(out_dtype)
+        if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_size:
+          flush()
+        shard[name] = tensor
+        total += tensor.nbytes
   if not is_main:
     return []
   flush()
@@ -186,8 +301,3 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
   (out / 'config.json').write_text(json.dumps(family.hf.config_json(cfg, str(out_dtype)), indent=2))
   return files + ([INDEX] if len(files) > 1 else []) + ['config.json']
 
-
-def _params(model: nnx.Module) -> Iterator[tuple[Sequence[Any], jax.Array]]:
-  _, params = nnx.split(model, nnx.Param)
-  for key, var in nnx.to_flat_state(params):
-    yield key, var[...] if _is_variable(var) else var

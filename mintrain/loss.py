@@ -21,12 +21,17 @@ import jax.numpy as jnp
 from mintrain.partitioning import AxisRules
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean token cross-entropy in float32; the vocab axis may be sharded."""
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+  """Mean token cross-entropy in float32 over the targets that count: `weights` (the targets' shape)
+  weigh each target's term, 0 leaving it out (padding); None counts every target. The vocab axis may
+  be sharded."""
   logits = logits.astype(jnp.float32)
   log_z = jax.nn.logsumexp(logits, axis=-1)
   one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
-  return jnp.mean(log_z - jnp.sum(logits * one_hot, axis=-1))
+  losses = log_z - jnp.sum(logits * one_hot, axis=-1)
+  if weights is None:
+    return jnp.mean(losses)
+  return jnp.sum(losses * weights) / jnp.sum(weights)
 
 
 def _target_logits(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array) -> jax.Array:
@@ -35,62 +40,67 @@ def _target_logits(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array) -> 
   return jnp.sum(x_BCD.astype(jnp.float32) * w_BCD.astype(jnp.float32), axis=-1)
 
 
-def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, rules: AxisRules,
-                grads: bool, scale: float) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-  """(summed loss, d loss/d x, d loss/d w) of one chunk; the gradients are of `scale` * the sum."""
+def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, weights_BC: jax.Array,
+                rules: AxisRules, grads: bool, scale: jax.Array) -> tuple[jax.Array, jax.Array | None,
+                                                                         jax.Array | None]:
+  """(weighted summed loss, d loss/d x, d loss/d w) of one chunk; the gradients are of `scale` * the sum."""
   logits_BCV = rules.reshard(jnp.einsum('BCD,DV->BCV', x_BCD, w_DV, preferred_element_type=jnp.float32),
                              ('batch', 'length', 'vocab'))
   max_BC = jnp.max(logits_BCV, axis=-1)
   log_z_BC = max_BC + jnp.log(jnp.sum(jnp.exp(logits_BCV - max_BC[..., None]), axis=-1))
   if not grads:
-    return jnp.sum(log_z_BC - _target_logits(x_BCD, w_DV, targets_BC)), None, None
+    return jnp.sum((log_z_BC - _target_logits(x_BCD, w_DV, targets_BC)) * weights_BC), None, None
   target_BC, target_vjp = jax.vjp(lambda x, w: _target_logits(x, w, targets_BC), x_BCD, w_DV)
   # d(log_z)/d(logits) is the softmax; the targets' own -1 goes back through the gather.
-  dlogits_BCV = (jnp.exp(logits_BCV - log_z_BC[..., None]) * scale).astype(x_BCD.dtype)
-  dx_target_BCD, dw_target_DV = target_vjp(jnp.full_like(target_BC, -scale))
+  scale_BC = weights_BC * scale
+  dlogits_BCV = (jnp.exp(logits_BCV - log_z_BC[..., None]) * scale_BC[..., None]).astype(x_BCD.dtype)
+  dx_target_BCD, dw_target_DV = target_vjp(-scale_BC)
   dx_BCD = jnp.einsum('BCV,DV->BCD', dlogits_BCV, w_DV, out_sharding=jax.typeof(x_BCD).sharding)
   dw_DV = jnp.einsum('BCD,BCV->DV', x_BCD, dlogits_BCV, out_sharding=jax.typeof(w_DV).sharding)
-  return jnp.sum(log_z_BC - target_BC), dx_BCD + dx_target_BCD, dw_DV + dw_target_DV
+  return jnp.sum((log_z_BC - target_BC) * weights_BC), dx_BCD + dx_target_BCD, dw_DV + dw_target_DV
 
 
-def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, rules: AxisRules, chunks: int,
-             grads: bool):
+def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, weights_BL: jax.Array,
+             rules: AxisRules, chunks: int, grads: bool):
   """Runs `_loss_chunk` over `chunks` equal slices of the sequence; (mean loss, dx_BLD, dw_DV)."""
   b, length, d = x_BLD.shape
-  scale = 1.0 / (b * length)
+  scale = 1.0 / jnp.sum(weights_BL)
   if chunks == 1:
-    loss, dx, dw = _loss_chunk(x_BLD, w_DV, targets_BL, rules, grads, scale)
+    loss, dx, dw = _loss_chunk(x_BLD, w_DV, targets_BL, weights_BL, rules, grads, scale)
     return loss * scale, dx, dw
   c = length // chunks
   x_NBCD = jnp.moveaxis(x_BLD.reshape(b, chunks, c, d), 1, 0)
-  targets_NBC = jnp.moveaxis(targets_BL.reshape(b, chunks, c), 1, 0)
+  targets_NBC, weights_NBC = (jnp.moveaxis(t.reshape(b, chunks, c), 1, 0) for t in (targets_BL, weights_BL))
 
   def body(carry, xs):
     loss_sum, dw_sum = carry
-    x_BCD, targets_BC = xs
-    loss, dx, dw = _loss_chunk(x_BCD, w_DV, targets_BC, rules, grads, scale)
+    x_BCD, targets_BC, weights_BC = xs
+    loss, dx, dw = _loss_chunk(x_BCD, w_DV, targets_BC, weights_BC, rules, grads, scale)
     return (loss_sum + loss, dw_sum + dw if grads else None), dx
 
   zero_dw = jnp.zeros_like(w_DV) if grads else None
-  (loss, dw), dx_NBCD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zero_dw), (x_NBCD, targets_NBC))
+  (loss, dw), dx_NBCD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zero_dw),
+                                     (x_NBCD, targets_NBC, weights_NBC))
   if not grads:
     return loss * scale, None, None
   dx_BLD = jnp.moveaxis(dx_NBCD, 0, 1).reshape(b, length, d)
   return loss * scale, rules.reshard(dx_BLD, ('batch', 'length', 'embed')), dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def fused_cross_entropy(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, rules: AxisRules,
-                        chunks: int) -> jax.Array:
-  """Mean cross-entropy of the logits `x_BLD @ w_DV` against `targets_BL`, in float32.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def fused_cross_entropy(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, weights_BL: jax.Array,
+                        rules: AxisRules, chunks: int) -> jax.Array:
+  """Mean cross-entropy of the logits `x_BLD @ w_DV` against `targets_BL` over the targets that count
+  (`weights_BL`, as in `cross_entropy`), in float32.
 
-  `chunks` must divide the length. Equals `cross_entropy(x @ w, targets)`.
+  `chunks` must divide the length. Equals `cross_entropy(x @ w, targets, weights)`. The weights are
+  data: they get no gradient.
   """
-  return _chunked(x_BLD, w_DV, targets_BL, rules, chunks, grads=False)[0]
+  return _chunked(x_BLD, w_DV, targets_BL, weights_BL, rules, chunks, grads=False)[0]
 
 
-def _fwd(x_BLD, w_DV, targets_BL, rules, chunks):
-  loss, dx, dw = _chunked(x_BLD, w_DV, targets_BL, rules, chunks, grads=True)
+def _fwd(x_BLD, w_DV, targets_BL, weights_BL, rules, chunks):
+  loss, dx, dw = _chunked(x_BLD, w_DV, targets_BL, weights_BL, rules, chunks, grads=True)
   return loss, (dx, dw)
 
 
@@ -98,7 +108,7 @@ def _bwd(rules, chunks, residuals, g):
   """The gradients were formed in the forward pass for a cotangent of 1; scale them by `g`."""
   dx, dw = residuals
   del rules, chunks
-  return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None
+  return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
 
 
 fused_cross_entropy.defvjp(_fwd, _bwd)

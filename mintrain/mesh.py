@@ -6,6 +6,13 @@ The last axis (`model`) is the innermost, so it stays within a host; `expert`
 (mixture-of-experts layers' experts, and data elsewhere) sits next to it, so the
 all-to-alls of expert parallelism stay as close as the mesh allows. A mesh without
 an `expert` size (an older config or checkpoint) has `expert=1`.
+
+Multi-slice (MaxText's `dcn_*`): a mesh may span several slices (TPU slices; elsewhere, processes
+stand for hosts) joined by the slower data-centre network (DCN). `slices` says how many ways of each
+axis go across them; the rest of each axis stays on the fast interconnect (ICI, NVLink) within a
+slice. Only the axes in SPANS_SLICES may cross: their collectives (the gradient all-reduce, FSDP's
+gathers) are few per step, while `model` talks every layer and `expert` exchanges tokens (all-to-all)
+twice in every MoE layer. The device grid is JAX's hybrid mesh.
 """
 
 from __future__ import annotations
@@ -15,11 +22,14 @@ import os
 from collections.abc import Mapping, Sequence
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from mintrain import host_allocator
 
 AXES = ('data', 'fsdp', 'expert', 'model')
+SPANS_SLICES = ('data', 'fsdp')  # Axes whose ways may go across slices (`slices` of make_mesh).
 _XLA_CPU_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
 
@@ -96,14 +106,21 @@ def pick_devices(count: int | None, devices: Sequence[jax.Device] | None = None
   return devices, f'No accelerator in use: simulating {len(devices)} CPU devices.'
 
 
-def make_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None,
+              slices: Mapping[str, int] | None = None) -> Mesh:
   """An Explicit-axes mesh over `devices` (default: all devices of the default backend).
 
-  The `model` axis, innermost, must stay within a process (host): its collectives run every layer.
+  `slices` (axis -> ways across slices, default 1 each) lays the mesh over several slices
+  (`device_grid`). The `model` axis, innermost, must stay within a process (host): its collectives run
+  every layer.
   """
   devices = list(devices if devices is not None else jax.devices())
   shape = mesh_shape(sizes, len(devices), devices[0].platform)
-  mesh = jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * len(AXES), devices=devices)
+  dcn = slice_shape(shape, slices)
+  if math.prod(dcn) == 1:
+    mesh = jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * len(AXES), devices=devices)
+  else:
+    mesh = Mesh(device_grid(shape, dcn, devices), AXES, axis_types=(AxisType.Explicit,) * len(AXES))
   for group in mesh.devices.reshape(-1, shape[-1]):
     if len({d.process_index for d in group}) > 1:
       raise MeshError(f'Mesh ({describe(mesh.shape)}) puts one `model` group on several processes; make '
@@ -111,7 +128,77 @@ def make_mesh(sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = N
   return mesh
 
 
+def slice_shape(shape: Sequence[int], slices: Mapping[str, int] | None) -> tuple[int, ...]:
+  """Ways of each axis (AXES order) across slices; each must divide its axis's size in `shape`."""
+  slices = dict(slices or {})
+  crossing = [a for a, n in slices.items() if n != 1 and a not in SPANS_SLICES]
+  if crossing:
+    raise MeshError(f'Only {" and ".join(SPANS_SLICES)} may span slices, not {", ".join(crossing)}: its '
+                    'collectives run every layer and need the fast interconnect within a slice.')
+  dcn = tuple(int(slices.get(a, 1)) for a in AXES)
+  for axis, size, ways in zip(AXES, shape, dcn):
+    if size % ways:
+      raise MeshError(f'mesh.{axis}={size} cannot go {ways} ways across slices (mesh.dcn_{axis}={ways}): '
+                      f'{size} % {ways} != 0. Make mesh.{axis} a multiple of {ways}.')
+  return dcn
+
+
+def granule_kind(devices: Sequence[jax.Device]) -> str:
+  """What joins these devices over the data-centre network: 'slice' where they sit in several TPU (or
+  other) slices, else 'process' (hosts; CPU and GPU devices of one job all report slice 0, if any)."""
+  return 'slice' if len({getattr(d, 'slice_index', 0) for d in devices}) > 1 else 'process'
+
+
+def granule(device: jax.Device, kind: str) -> int:
+  return device.slice_index if kind == 'slice' else device.process_index
+
+
+def device_grid(shape: Sequence[int], dcn: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray:
+  """Devices in a grid of `shape` whose axes are split `dcn` ways across slices, the slice being the
+  outer factor of each axis (JAX's hybrid mesh): within a slice, each axis has shape // dcn ways."""
+  kind = granule_kind(devices)
+  granules = {granule(d, kind) for d in devices}
+  if len(granules) != math.prod(dcn):
+    across = ' x '.join(f'mesh.dcn_{a}={n}' for a, n in zip(AXES, dcn) if n > 1)
+    raise MeshError(f'The mesh goes across {math.prod(dcn)} slices ({across}), but its {len(devices)} '
+                    f'devices are in {_count(len(granules), kind)}. Make the product of the mesh.dcn_* sizes '
+                    f'{len(granules)}.')
+  ici = [size // ways for size, ways in zip(shape, dcn)]
+  return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=kind == 'process')
+
+
+def levels(mesh: Mesh) -> tuple[str, int, dict[str, int]] | None:
+  """(granule kind, count, ways of each axis across granules) of a mesh over several slices or
+  processes, read from where its devices are; None when it has one."""
+  grid = mesh.devices
+  kind = granule_kind(list(grid.flat))
+  count = len({granule(d, kind) for d in grid.flat})
+  if count == 1:
+    return None
+  origin = (0,) * grid.ndim
+  across = {}
+  for i, name in enumerate(mesh.axis_names):
+    line = grid[origin[:i] + (slice(None),) + origin[i + 1:]]
+    across[name] = len({granule(d, kind) for d in line})
+  return kind, count, across
+
+
 def describe(shape: Mapping[str, int]) -> str:
   """`data=4 x fsdp=1 x model=2` for a mesh's `shape`, or the sizes a checkpoint saved; `expert` is named
   only when it splits (`data=2 x fsdp=1 x expert=4 x model=1`), so meshes without it read as before."""
   return ' x '.join(f'{name}={size}' for name, size in shape.items() if name != 'expert' or size != 1)
+
+
+def _count(n: int, kind: str) -> str:
+  return f'{n} {kind}' + ('' if n == 1 else 'es' if kind == 'process' else 's')
+
+
+def describe_levels(mesh: Mesh) -> str:
+  """Both levels of a mesh over several slices or processes, as the report prints them; '' for one."""
+  found = levels(mesh)
+  if found is None:
+    return ''
+  kind, count, across = found
+  within = {name: size // across[name] for name, size in mesh.shape.items()}
+  return (f'across {_count(count, kind)} (DCN): {describe(across)}; '
+          f'within each (ICI): {describe(within)}')

@@ -43,6 +43,7 @@ def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mes
   opt_bytes = state_bytes_per_device(abstract_state.opt_state)
   lines += ['',
             f'mesh {mesh_lib.describe(mesh.shape)} ({mesh.size} devices), {n_params:,} parameters',
+            *filter(None, [mesh_lib.describe_levels(mesh)]),
             f'per device: parameters {fmt_bytes(param_bytes)}, optimizer state {fmt_bytes(opt_bytes)}, '
             f'total {fmt_bytes(param_bytes + opt_bytes)}']
   if plan is not None:

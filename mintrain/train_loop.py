@@ -26,7 +26,7 @@ from mintrain import config as config_lib
 from mintrain import distributed, flops, hardware, host_allocator, memory, metrics, preemption, report
 from mintrain.build import Run, build
 from mintrain.config import Config, ProfileConfig
-from mintrain.data import pipeline
+from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.data.batches import GlobalBatches
 from mintrain.metrics import NonFiniteLossError
 from mintrain.run_lock import RunLock
@@ -110,6 +110,7 @@ class Log:
   def __init__(self, run: Run, timer: Timer, log: Callable[[int, dict], None], peak: float):
     self.every, self.total = run.config.train.log_every, run.config.train.steps
     self.timer, self.log, self.peak = timer, log, peak
+    self.data, self.seed, self.rows = run.config.data, run.config.seed, run.config.train.global_batch_size
     self.rates = dict(tokens_per_step=flops.tokens_per_step(run.config),
                       flops_per_step=flops.train_flops_per_step(run.config), num_devices=run.mesh.size)
 
@@ -123,15 +124,19 @@ class Log:
       scalars.update(metrics.throughput(steps, seconds, **self.rates, peak_tflops=self.peak))
       scalars['data_wait_fraction'] = min(data_wait / seconds, 1.0)
       scalars['eta_sec'] = (self.total - info.step) * scalars['step_time']
+    if self.data.source == 'mixture':  # Each source's share of the tokens of the last `every` steps.
+      steps = range(max(info.step - self.every, 0), info.step)
+      scalars.update(streaming.token_fractions(self.data, self.seed, self.rows, steps))
     self.log(info.step, scalars)
 
 
 class Evaluate:
   """Every `eval.every_steps` steps and at the end: mean loss on the same held-out batches each time."""
 
-  def __init__(self, run: Run, log: Callable[[int, dict], None]):
+  def __init__(self, run: Run, log: Callable[[int, dict], None], batches: GlobalBatches | None,
+               bytes_per_token: float | None):
     self.run, self.log, self.every = run, log, run.config.eval.every_steps
-    self.batches = run.batches('eval') if run.config.eval.steps else None
+    self.batches, self.bytes_per_token = batches, bytes_per_token
     self.start = self.batches.get_state() if self.batches is not None else {}
     self.last: dict[str, float] = {}
 
@@ -141,17 +146,22 @@ class Evaluate:
     return info.last or bool(self.every and info.step % self.every == 0)
 
   def __call__(self, info: StepInfo) -> None:
-    self.last = evaluate(self.run, info.state.params, self.batches, self.start)
+    self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token)
     self.log(info.step, self.last)
 
 
-def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict) -> dict[str, float]:
-  """Mean loss on the first `eval.steps` held-out batches (the same ones every time), and what follows."""
+def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
+             bytes_per_token: float | None = None) -> dict[str, float]:
+  """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
+  time), and what follows: perplexity, the family's own figures, and bits per byte where the text's bytes
+  per token are known."""
   steps = run.config.eval.steps
   batches.set_state(start_state)
-  losses = [run.eval_step(params, next(batches)) for _ in range(steps)]
-  loss = float(sum(to_host(losses)) / steps)
+  sums, counts = zip(*to_host([run.eval_step(params, next(batches)) for _ in range(steps)]))
+  loss = float(sum(sums) / sum(counts))
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
+  if bytes_per_token:
+    out['eval_bits_per_byte'] = loss / math.log(2) / bytes_per_token
   return out | run.config.family.eval_metrics(run.config.model, loss)
 
 
@@ -275,6 +285,12 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
   return TrainState(**restored.state), restored.data
 
 
+def _has_saves(workdir: epath.Path | None) -> bool:
+  """Whether the workdir's checkpoint directory holds anything (a resume, which ignores init.*)."""
+  directory = None if workdir is None else workdir / ckpt_lib.CHECKPOINTS
+  return directory is not None and directory.exists() and any(directory.iterdir())
+
+
 def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[jax.Device] | None = None,
         restore_from: str | None = None, restore_params_only: bool = False, force: bool = False,
         print_fn: Say = print) -> RunResult:
@@ -300,6 +316,23 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     for note in config.family.notes(config.model):
       say(f'note: {note}')
     memory.check(r.plan)
+    text = config.data.source != 'synthetic'
+    # Data first: unreadable data or tokenizer (a bad file, a bad line in the first blocks) stops the run
+    # before it writes anything.
+    with jax.set_mesh(r.mesh):
+      batches = r.batches()
+      eval_batches = r.batches('eval') if config.eval.steps else None
+    bytes_per_token = pipeline.bytes_per_token(config.data) if text else None
+    baseline = {}
+    if text and is_main:  # A full pass over the eval split: once.
+      bits = pipeline.unigram_bits_per_token(config.data)
+      baseline = {'unigram_bits_per_token': bits, 'unigram_bits_per_byte': bits / bytes_per_token}
+    if config.init.hf_checkpoint and restore_from is None and not _has_saves(workdir):
+      from mintrain import hf  # safetensors only when asked for.
+
+      hf.check(config.init.hf_checkpoint, r)  # Its tensors and shapes, before the run writes anything.
+    if text and workdir is not None and is_main:  # The run's copy of its tokenizer, for sampling and export.
+      tokenizer.load(config.data.tokenizer).save(workdir / tokenizer.RUN_DIR)
     total = config.train.steps
     flops_per_step, tokens_per_step = flops.train_flops_per_step(config), flops.tokens_per_step(config)
     peak, peak_source = hardware.peak_tflops(
@@ -323,8 +356,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
                                          keep=config.checkpoint.keep)
     profile = stack.enter_context(Profile(config.profile, workdir, say))
     stack.enter_context(jax.set_mesh(r.mesh))
-    batches = r.batches()
-    evaluation = Evaluate(r, log)
+    evaluation = Evaluate(r, log, eval_batches, bytes_per_token)
     actions: list = [Log(r, timer, log, peak), evaluation, profile]
     if checkpoints is not None:  # It saves before the others run.
       actions.insert(0, stack.enter_context(Save(r, checkpoints, batches)))
@@ -336,8 +368,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       say(f"note: the checkpoint's data position is for data.source={data_state.get('source')!r}; "
           f'starting data.source={config.data.source!r} from its beginning.')
     first_step = int(to_host(state.step))
-    if config.data.source != 'synthetic' and is_main:  # A full pass over the eval split: once.
-      log(first_step, {'unigram_bits_per_byte': pipeline.unigram_bits_per_byte(config.data)})
+    if baseline:
+      log(first_step, baseline)
 
     train_step, compile_time, stopped = r.train_step, 0.0, False
     for step in range(first_step, total):

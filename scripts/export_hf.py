@@ -6,7 +6,8 @@
 
 Only the parameters are read, onto one device (or the mesh of --config); the model is the one in the
 checkpoint's saved config. Tensors are written one at a time into safetensors shards of at most
---max_shard_size bytes, with `config.json` (and `model.safetensors.index.json` when sharded).
+--max_shard_size bytes, with `config.json` (and `model.safetensors.index.json` when sharded), and the
+files of the tokenizer the run trained with (none for the byte tokenizer), so `AutoTokenizer` loads it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def main() -> int:
                       help="the tensors' dtype (default: the model's parameter dtype)")
   parser.add_argument('--max_shard_size', type=int, default=2**30, help='bytes per safetensors file')
   args = parser.parse_args()
-  one_device = {'mesh': {'data': 1, 'fsdp': 1, 'expert': 1, 'model': 1}}
+  one_device = {'mesh': config_lib.one_device_mesh().to_dict()}
   devices = _bootstrap.devices_for(config_lib.validate(config_lib.upgrade(one_device)).mesh)
 
   import jax
@@ -36,6 +37,7 @@ def main() -> int:
   from mintrain import checkpoint as ckpt_lib
   from mintrain import hf
   from mintrain.build import build
+  from mintrain.data import tokenizer
 
   try:
     directory, step = ckpt_lib.find_run_checkpoints(args.workdir)
@@ -46,8 +48,9 @@ def main() -> int:
       raise ckpt_lib.CheckpointError(f'{args.workdir}: no complete checkpoint of step {step} (it has: '
                                      f'{", ".join(map(str, steps)) or "none"}).')
     saved = config_lib.upgrade(checkpoints.metadata(step)['config'])
+    tok = tokenizer.for_run(directory.parent, saved.data.tokenizer or 'byte')
     saved.init.hf_checkpoint = ''  # The saved model section is complete; the source may be gone.
-    saved.mesh.data, saved.mesh.fsdp, saved.mesh.model = 1, 1, 1
+    saved.mesh = config_lib.one_device_mesh()
     saved.train.global_batch_size, saved.train.grad_accum_steps = 1, 1
     run = build(config_lib.validate(saved), devices[:1])
     params = checkpoints.restore(step, run.abstract_state, params_only=True).state['params']
@@ -55,6 +58,7 @@ def main() -> int:
     with jax.set_mesh(run.mesh):
       files = hf.save_pretrained(run.model(params), args.out, dtype=args.dtype,
                                  max_shard_size=args.max_shard_size)
+    files += tok.save(args.out)
   except (ckpt_lib.CheckpointError, config_lib.ConfigError) as e:
     _bootstrap.fail(str(e))
   print(f'Wrote step {step} of {directory} to {args.out}: {", ".join(files)}.')

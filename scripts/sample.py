@@ -31,7 +31,7 @@ def layout_config(config_file: str | None, overrides: list[str]) -> ml_collectio
     given = config_lib.load(config_file)
     layout = ml_collections.ConfigDict({'mesh': given.mesh, 'partitioning': given.partitioning})
   else:
-    layout = ml_collections.ConfigDict({'mesh': {'data': 1, 'fsdp': 1, 'expert': 1, 'model': 1}})
+    layout = ml_collections.ConfigDict({'mesh': config_lib.one_device_mesh()})
   config_lib.apply_overrides(layout, [o for o in overrides if o.startswith('mesh.')])
   return layout
 
@@ -40,7 +40,7 @@ def sampling_config(saved: dict, layout: ml_collections.ConfigDict, overrides: l
                     num_samples: int) -> config_lib.Config:
   """The saved config on the sampling layout; its batch is the samples, so layout checks are about them."""
   config = config_lib.upgrade(saved)
-  config.mesh = layout.mesh
+  config.mesh.update(layout.mesh.to_dict())  # The saved section's other keys (dcn_*) stay.
   if 'partitioning' in layout:
     config.partitioning = layout.partitioning
   config_lib.apply_overrides(config, overrides)
@@ -51,8 +51,8 @@ def sampling_config(saved: dict, layout: ml_collections.ConfigDict, overrides: l
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--workdir', required=True, help='a run directory, its checkpoints/, or one step in it')
-  parser.add_argument('--prompt', default='', help='text to continue; a BOS token goes before it')
-  parser.add_argument('--max_new_tokens', type=int, default=200, help='tokens (bytes) to generate')
+  parser.add_argument('--prompt', default='', help="text to continue; the tokenizer's BOS goes before it")
+  parser.add_argument('--max_new_tokens', type=int, default=200, help='tokens to generate')
   parser.add_argument('--temperature', type=float, default=0.8, help='softmax temperature; 0 is greedy')
   parser.add_argument('--top_k', type=int, default=40, help='sample among the k most likely tokens; 0: all')
   parser.add_argument('--seed', type=int, default=0, help='PRNG seed of the draws')
@@ -91,7 +91,7 @@ def main() -> int:
     checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
     step = checkpoints.steps()[-1] if step is None else step
     config = sampling_config(checkpoints.metadata(step)['config'], layout, overrides, args.num_samples)
-    mesh_shape = mesh_lib.make_mesh(config.mesh.sizes, devices).shape
+    mesh_shape = mesh_lib.make_mesh(config.mesh.sizes, devices, config.mesh.slices).shape
     batch_ways = AxisRules.from_config(config.partitioning).ways('batch', mesh_shape)
     if args.num_samples % batch_ways:
       note(f'note: {args.num_samples} sample(s) do not split over the {batch_ways} devices that `batch` maps '
@@ -101,6 +101,7 @@ def main() -> int:
     run = build(config, devices)
     params = checkpoints.restore(step, run.abstract_state, params_only=True).state['params']
     checkpoints.close()
+    tok = tokenizer.for_run(directory.parent, config.data.tokenizer)  # The one it trained with.
   except (ckpt_lib.CheckpointError, config_lib.ConfigError, mesh_lib.MeshError, PartitioningError) as e:
     _bootstrap.fail(str(e))
   mesh = run.mesh
@@ -114,12 +115,12 @@ def main() -> int:
   vocab_size = model.cfg.vocab_size
   if args.top_k > vocab_size:
     parser.error(f'--top_k {args.top_k} exceeds the vocabulary ({vocab_size} tokens)')
-  with_bos = vocab_size > tokenizer.BOS
-  if not with_bos:
-    note(f'note: the model has {vocab_size} tokens, so no BOS (id {tokenizer.BOS}); the prompt starts alone.')
-  prompt_P = tokenizer.encode(args.prompt, bos=with_bos)
+  bos = [tok.bos_id] if tok.bos_id is not None and tok.bos_id < vocab_size else []
+  if tok.bos_id is not None and not bos:
+    note(f'note: the model has {vocab_size} tokens, so no BOS (id {tok.bos_id}); the prompt starts alone.')
+  prompt_P = np.concatenate([np.array(bos, np.int32), tok.encode(args.prompt)])
   if not len(prompt_P):
-    parser.error('--prompt is empty and the model has no BOS token to start from')
+    parser.error('--prompt is empty and the tokenizer has no BOS token to start from')
   total = len(prompt_P) + args.max_new_tokens
   if total > config.train.seq_len:
     note(f'warning: prompt + new tokens = {total} positions, more than the {config.train.seq_len} the model '
@@ -136,7 +137,7 @@ def main() -> int:
   for i, new_N in enumerate(np.asarray(tokens_BN)):
     if args.num_samples > 1:
       print(f'--- sample {i + 1} ---')
-    print(tokenizer.decode(np.concatenate([prompt_P, new_N])))
+    print(tok.decode(np.concatenate([prompt_P, new_N])))
   return 0
 
 

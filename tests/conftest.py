@@ -96,6 +96,23 @@ def run_script(*args, timeout=300, env_extra=None) -> subprocess.CompletedProces
                         timeout=timeout)
 
 
+def short_documents(n: int, seed: int = 0) -> list[bytes]:
+  """Random-letter documents of 2 to 30 bytes: a packed row of 32 tokens holds two or three."""
+  import numpy as np
+  letters = np.frombuffer(b'abcdefghij klmnop\n', np.uint8)
+  rng = np.random.default_rng(seed)
+  return [letters[rng.integers(len(letters), size=rng.integers(2, 31))].tobytes() for _ in range(n)]
+
+
+@pytest.fixture(scope='session')
+def short_docs(tmp_path_factory) -> tuple[str, ...]:
+  """Overrides that train on 200 short text files (one document each), packed several to a row."""
+  root = tmp_path_factory.mktemp('short_docs')
+  for i, doc in enumerate(short_documents(200)):
+    (root / f'doc{i:03d}.txt').write_bytes(doc)
+  return ('data.source=text', f'data.path={root}/*.txt', 'data.eval_fraction=0.1')
+
+
 @pytest.fixture(scope='session', autouse=True)
 def _eight_devices():
   assert jax.device_count() == 8, 'tests expect 8 simulated CPU devices (see conftest.py)'
@@ -139,3 +156,57 @@ def fill(target, flat: dict):
   leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
   return jax.tree_util.tree_unflatten(
       treedef, [jax.device_put(flat[path_str(path)], x.sharding) for path, x in leaves])
+
+
+# Real tokenizers, trained here on the embedded corpus (no download): a few seconds per session.
+
+TOKENIZER_VOCAB = 512
+TOKENIZER_CORPUS_BYTES = 1 << 20
+
+
+def stdlib_texts(max_bytes: int = TOKENIZER_CORPUS_BYTES) -> list[str]:
+  """The leading stdlib corpus files' texts, up to about `max_bytes`."""
+  from mintrain.data import sources
+  texts, total = [], 0
+  for _, path in sources.stdlib_files():
+    if total >= max_bytes:
+      break
+    texts.append(path.read_text(encoding='utf-8'))
+    total += len(texts[-1])
+  return texts
+
+
+@pytest.fixture(scope='session')
+def bpe_tokenizer(tmp_path_factory) -> pathlib.Path:
+  """A directory holding a byte-level BPE of 512 ids saved by transformers (tokenizer.json and
+  tokenizer_config.json naming <s> and </s>); its post-processor puts <s> before a text, as Llama's."""
+  import transformers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=['<s>', '</s>'],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  tok.train_from_iterator(stdlib_texts(), trainer)
+  tok.post_processor = processors.TemplateProcessing(single='<s> $A', special_tokens=[('<s>', 0)])
+  directory = tmp_path_factory.mktemp('bpe')
+  transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token='<s>',
+                                       eos_token='</s>').save_pretrained(directory)
+  return directory
+
+
+@pytest.fixture(scope='session')
+def sentencepiece_model(tmp_path_factory) -> pathlib.Path:
+  """A SentencePiece BPE of 512 ids (<unk>, <s>, </s> first) trained as Llama's: no normalization,
+  whitespace kept, unknown characters as bytes; a `.model` file."""
+  import sentencepiece
+
+  path = tmp_path_factory.mktemp('sentencepiece') / 'code.model'
+  lines = [line for text in stdlib_texts() for line in text.splitlines() if line.strip()]
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(lines), model_prefix=str(path.with_suffix('')), vocab_size=TOKENIZER_VOCAB,
+      model_type='bpe', normalization_rule_name='identity', remove_extra_whitespaces=False,
+      byte_fallback=True, character_coverage=1.0, split_digits=True, allow_whitespace_only_pieces=True,
+      minloglevel=2)
+  return path

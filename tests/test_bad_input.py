@@ -44,6 +44,9 @@ class Scene:
   def write(self, name: str, text: str) -> None:
     (self.tmp / name).write_text(text)
 
+  def write_bytes(self, name: str, data: bytes) -> None:
+    (self.tmp / name).write_bytes(data)
+
   def tmpfs(self, name: str, size: str) -> pathlib.Path:
     """A fresh tmpfs at TMP/name (chmod does not stop root, a read-only mount does)."""
     path = self.tmp / name
@@ -89,6 +92,31 @@ def workdir_on_full_disk(scene: Scene) -> None:
   shutil.copytree(scene.tmp / 'run', disk / 'run')
   used = os.statvfs(disk).f_blocks - os.statvfs(disk).f_bfree
   scene.remount(disk, f'size={(used + 32) * os.statvfs(disk).f_frsize}')  # 32 pages to spare.
+
+
+def corpus(bad_name: str, bad: bytes | Callable[[pathlib.Path], None]) -> Callable[[Scene], None]:
+  """TMP/c: twelve good JSONL files, both splits, and one bad file (bytes, or written by a function)."""
+  def setup(scene: Scene) -> None:
+    root = scene.tmp / 'c'
+    root.mkdir()
+    for i in range(12):
+      (root / f'good{i:02d}.jsonl').write_text(''.join(json.dumps({'text': f'doc {i} {j} ' * 9}) + '\n'
+                                                       for j in range(20)))
+    if callable(bad):
+      bad(root / bad_name)
+    else:
+      (root / bad_name).write_bytes(bad)
+  return setup
+
+
+def parquet_without_text(path: pathlib.Path) -> None:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.table({'body': ['a document']}), path)
+
+
+STREAMED = ('--workdir', '{tmp}/run', '--config.data.source=jsonl', '--config.data.path={tmp}/c/*',
+            '--config.data.eval_fraction=0.3')
 
 
 def workdir_read_only(scene: Scene) -> None:
@@ -156,6 +184,18 @@ ROWS = {
     'unknown choice': row(
         '--config.model.remat=some', '--workdir', '{tmp}/run',
         says="model.remat='some'; choose one of ('none', 'full', 'save_matmuls')."),
+    'tokenizer that does not exist': row(
+        '--config.data.tokenizer={tmp}/nope.json', '--workdir', '{tmp}/run',
+        says="data.tokenizer='{tmp}/nope.json' does not exist; give 'byte', a Hugging Face tokenizer.json"),
+    'tokenizer that is not one': row(
+        '--config.data.tokenizer={tmp}/tokenizer.json', '--workdir', '{tmp}/run',
+        says=("data.tokenizer='{tmp}/tokenizer.json': {tmp}/tokenizer.json is not a Hugging Face "
+              'tokenizer.json ('),
+        setup=lambda s: s.write('tokenizer.json', '{"version": "1.0", "model": 3}\n')),
+    'token file with an id outside the vocabulary': row(
+        '--config.data.source=tokens', '--config.data.path={tmp}/ids.bin', '--workdir', '{tmp}/run',
+        says=('{tmp}/ids.bin holds token id 500 at token 70 (byte offset 140)', '[0, 384) of 384 ids'),
+        setup=lambda s: s.write_bytes('ids.bin', bytes(140) + b'\xf4\x01' + bytes(58))),
     'unknown model family': row(
         '--config.model.name=gpt', '--workdir', '{tmp}/run', says="model.name='gpt'; choose one of"),
     'batch the mesh does not divide': row(
@@ -163,6 +203,33 @@ ROWS = {
     'memory plan beyond the host memory': row(
         '--config.train.global_batch_size=1048576', '--workdir', '{tmp}/run',
         says=('memory plan', 'train.global_batch_size')),
+    # Streamed data: each bad file, line or record is named; the run stops before it writes anything.
+    'malformed JSONL line': row(
+        *STREAMED, says=('{tmp}/c/bad.jsonl:2: not valid JSON', 'data.skip_bad_records=True'),
+        setup=corpus('bad.jsonl', b'{"text": "one"}\n{"text": "two\n{"text": "three"}\n')),
+    'JSONL line without the text field': row(
+        *STREAMED, says="{tmp}/c/bad.jsonl:3: no field 'text' (data.text_field)",
+        setup=corpus('bad.jsonl', b'{"text": "one"}\n\n{"body": "two"}\n')),
+    'empty JSONL file': row(*STREAMED, says='{tmp}/c/bad.jsonl is empty', setup=corpus('bad.jsonl', b'')),
+    'corrupt Parquet file': row(
+        *STREAMED, '--config.data.source=parquet', says='{tmp}/c/bad.parquet is not a readable Parquet file',
+        setup=corpus('bad.parquet', b'PAR1' + b'\0' * 64)),
+    'Parquet file without the text column': row(
+        *STREAMED, '--config.data.source=parquet', '--config.data.path={tmp}/c/*.parquet',
+        says="{tmp}/c/bad.parquet has no column 'text' (data.text_field; its columns: body)",
+        setup=corpus('bad.parquet', parquet_without_text)),
+    'corrupt ArrayRecord file': row(
+        *STREAMED, '--config.data.source=arrayrecord', '--config.data.path={tmp}/c/*.arrayrecord',
+        says='{tmp}/c/bad.arrayrecord is not a readable ArrayRecord file',
+        setup=corpus('bad.arrayrecord', b'\1' * 4096)),
+    'mixture weight of 0': row(
+        '--workdir', '{tmp}/run', '--config.data.source=mixture',
+        "--config.data.mixture=[({{'source': 'jsonl', 'path': 'a/*.jsonl'}}, 0)]",
+        says='data.mixture[0]: weight=0 must be a finite number > 0'),
+    'mixture of an unknown source': row(
+        '--workdir', '{tmp}/run', '--config.data.source=mixture',
+        "--config.data.mixture=[({{'source': 'csv', 'path': 'a/*.csv'}}, 1)]",
+        says="data.mixture[0]: source='csv' is not a source a mixture can draw from"),
     # Workdirs that cannot take the run.
     'workdir that is a file': row(
         '--workdir', '{tmp}/file', says='{tmp}/file is a file', kept='file',

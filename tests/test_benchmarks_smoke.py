@@ -98,3 +98,23 @@ def test_moe_benchmark_smoke_times_the_mixtures_against_the_dense_model():
   assert 'expert=4' in cells[1]['mesh'] and 'expert' not in cells[2]['mesh']
   # The analytic count is of the active experts: the same whatever the capacity.
   assert len({c['GFLOP per step (active)'] for c in cells[1:]}) == 1
+
+
+def test_data_pipeline_benchmark_smoke_reads_each_source_faster_than_nothing():
+  proc = run_script('benchmarks/data_pipeline.py', '--smoke')
+  assert proc.returncode == 0, proc.stderr
+  rates = {line[:24].strip(): float(line[24:].split()[0].replace(',', ''))
+           for line in proc.stdout.splitlines() if 'tokens/s per process' in line}
+  assert set(rates) == {'JSONL, byte tokenizer', 'JSONL, BPE tokenizer', 'ArrayRecord ids'}, proc.stdout
+  assert all(rate > 0 for rate in rates.values())
+
+
+def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_memory():
+  stdout, header, body = smoke('hf_load.py')
+  assert header == ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'read_MiB',
+                    'peak_growth_MiB', 'growth / ckpt']
+  assert [row[:4] for row in body] == [['read file', '1', '-', 'cold'], ['read file', '1', '-', 'warm'],
+                                       ['hf.load_params', '1 x 8', 'fsdp8', 'warm'],
+                                       ['hf.load_params', '2 x 4', 'fsdp8', 'warm']]
+  assert all(n > 0 for row in body[2:] for n in numbers(row[4:]))
+  assert 'Checkpoint: ' in stdout

@@ -19,7 +19,8 @@ from mintrain.config import ConfigError
     ('mesh.data=0', r'mesh.data=0: must be a positive integer, or -1 for all remaining devices'),
     ('train.steps=0', r'train.steps=0 must be an integer >= 1'),
     ('train.grad_accum_steps=3', r'train.global_batch_size=32 is not divisible by train.grad_accum_steps=3'),
-    ('data.source=csv', r"data.source='csv'; choose one of \('stdlib', 'text', 'tokens', 'synthetic'\)"),
+    ('data.source=csv', r"data.source='csv'; choose one of \('stdlib', 'text', 'tokens', 'synthetic', "
+     r"'jsonl', 'parquet', 'arrayrecord', 'mixture'\)"),
     ('data.eval_fraction=1.0', r'data.eval_fraction=1.0 must be in \[0, 1\)'),
     ('data.device_prefetch=-1', r'data.device_prefetch=-1 must be an integer >= 0'),
     ('eval.steps=-1', r'eval.steps=-1 must be an integer >= 0'),
@@ -61,13 +62,15 @@ def test_sections_are_frozen_and_round_trip_through_their_saved_form():
 
 def test_a_config_saved_before_an_option_existed_is_upgraded_with_its_default():
   saved = load_config('dp4_tp2').to_dict()
-  for section, key in (('model', 'loss_chunks'), ('model', 'linear'), ('data', 'device_prefetch')):
+  for section, key in (('model', 'loss_chunks'), ('model', 'linear'), ('data', 'device_prefetch'),
+                       ('data', 'packing')):
     del saved[section][key]
   saved['train']['steps'] = 77
   with pytest.raises(ConfigError, match=r'Config key \w+\.\w+ is missing; configs/base.py has its default'):
     config_lib.validate(saved)
   upgraded = config_lib.validate(config_lib.upgrade(saved))
   assert (upgraded.model.loss_chunks, upgraded.model.linear, upgraded.data.device_prefetch) == (-1, 'auto', 1)
+  assert upgraded.data.packing == 'pack'
   assert upgraded.train.steps == 77
 
 

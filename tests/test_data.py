@@ -1,18 +1,20 @@
-"""Byte tokenizer, corpus sources and the Grain pipeline, on tiny corpora in tmp_path."""
+"""Byte tokenizer, corpus sources and the Grain pipeline, on tiny corpora in tmp_path (other tokenizers:
+tests/test_tokenizers.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 
 import numpy as np
 import pytest
 
 from mintrain import config as config_lib
-from mintrain.data import pipeline, sources, tokenizer
+from mintrain.data import pipeline, segments, sources, tokenizer
 from mintrain.data.sources import DataError
+
+BYTES = segments.Separators.of(tokenizer.BYTES)  # The byte tokenizer's: BOS starts a document.
 
 BASE_DATA = config_lib.validate(config_lib.defaults()).data
 
@@ -52,7 +54,7 @@ def train_iter(cfg, *, batch=8, seq_len=8, seed=0, index=0, count=1, split='trai
   share = micro // count
   return pipeline.make_iterator(cfg, split=split, seq_len=seq_len, global_batch_size=batch,
                                 micro_batch_size=micro, rows=np.arange(index * share, (index + 1) * share),
-                                seed=seed)
+                                seed=seed, separators=BYTES)
 
 
 def rows(batches: list[dict[str, np.ndarray]]) -> list[tuple[int, ...]]:
@@ -63,27 +65,31 @@ def rows(batches: list[dict[str, np.ndarray]]) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize('text', ['', 'hello', 'naïve café ☕ 日本語 🎉', 'tab\tnul\0cr\r\n', 'e\u0301'])
 def test_encode_decode_round_trips_any_utf8_text(text):
-  ids = tokenizer.encode(text)
+  ids = tokenizer.BYTES.encode(text)
   assert ids.dtype == np.int32 and ids.shape == (len(text.encode('utf-8')),)
   assert ids.min(initial=0) >= 0 and ids.max(initial=0) < tokenizer.NUM_BYTES
-  assert tokenizer.decode(ids) == text
+  assert tokenizer.BYTES.decode(ids) == text
 
 
 def test_decode_drops_special_ids_and_replaces_broken_utf8():
-  assert tokenizer.encode('hi', bos=True).tolist() == [tokenizer.BOS, 104, 105]
-  assert tokenizer.decode([tokenizer.BOS, 104, 105, 300, -1]) == 'hi'
-  assert tokenizer.decode([0xe2, 0x82]) == '\ufffd'
+  assert tokenizer.BYTES.document('hi').tolist() == [tokenizer.BOS, 104, 105]
+  assert tokenizer.BYTES.decode([tokenizer.BOS, 104, 105, 300, -1]) == 'hi'
+  assert tokenizer.BYTES.decode([0xe2, 0x82]) == '\ufffd'
 
 
 def test_vocab_size_counts_bytes_and_bos_and_pads_to_a_multiple():
   assert tokenizer.VOCAB_SIZE == 257 and tokenizer.BOS == 256
+  byte = tokenizer.BYTES
+  assert byte.vocab_size == 257 and byte.bos_id == 256 and byte.eos_id is None
   assert tokenizer.padded_vocab_size() == 384
-  assert tokenizer.padded_vocab_size(8) == 264
+  assert tokenizer.padded_vocab_size(257, 8) == 264
+  assert config_lib.validate(config_lib.defaults()).model.vocab_size == 384  # model.vocab_size=0: from it.
 
 
-def test_bits_per_byte_converts_nats_per_byte():
-  assert tokenizer.bits_per_byte(math.log(2)) == pytest.approx(1.0)
-  assert tokenizer.bits_per_byte(2 * math.log(256)) == pytest.approx(16.0)
+def test_the_byte_tokenizer_has_one_byte_per_token_and_no_files(tmp_path):
+  assert tokenizer.load('byte') is tokenizer.BYTES and tokenizer.BYTES.bytes_per_token == 1.0
+  assert pipeline.bytes_per_token(BASE_DATA) == 1.0
+  assert tokenizer.BYTES.save(tmp_path / 'out') == [] and not (tmp_path / 'out').exists()
 
 
 # Packing.
@@ -97,7 +103,7 @@ def test_windows_overlap_by_one_token_and_never_cross_streams():
 
 
 def test_targets_are_inputs_shifted_by_one():
-  batch = pipeline.split_inputs_targets(np.arange(12, dtype=np.int32).reshape(2, 6))
+  batch = segments.split_inputs_targets(np.arange(12, dtype=np.int32).reshape(2, 6), separators=BYTES)
   assert batch['inputs'].tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]
   assert batch['targets'].tolist() == [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11]]
 
@@ -203,12 +209,12 @@ def test_state_saved_on_one_process_resumes_on_two(corpus):
 # Unigram baseline.
 
 @pytest.mark.parametrize('symbols, bits', [([65, 66], 1.0), ([1, 2, 3, 4], 2.0)])
-def test_unigram_bits_per_byte_is_the_eval_entropy(tmp_path, symbols, bits):
+def test_unigram_bits_per_token_is_the_eval_entropy(tmp_path, symbols, bits):
   tokens = np.concatenate([np.zeros(100, np.uint16), np.tile(np.array(symbols, np.uint16), 50)])
   tokens.tofile(tmp_path / 'c.bin')
   fraction = 50 * len(symbols) / len(tokens)  # The eval tail is exactly the tiled symbols.
   cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=fraction)
-  assert pipeline.unigram_bits_per_byte(cfg) == pytest.approx(bits)
+  assert pipeline.unigram_bits_per_token(cfg) == pytest.approx(bits)
 
 
 # Token files.
@@ -266,8 +272,13 @@ def test_token_id_outside_the_vocabulary_names_file_and_position(tmp_path):
   tokens[17] = 300
   tokens.tofile(tmp_path / 'ids.bin')
   cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=0.1)
-  with pytest.raises(DataError, match=r'ids.bin holds token id 300 at token 17, outside .*\[0, 257\)'):
+  with pytest.raises(DataError, match=r'ids.bin holds token id 300 at token 17 \(byte offset 34\), outside '
+                                      r'the vocabulary \[0, 257\) of 257 ids'):
     sources.load_split(cfg, 'train')
+  assert sources.load_split(cfg, 'train', vocab_size=384)[0][17] == 300  # Any id below the model's.
+  with pytest.raises(DataError, match=r'ids.bin holds token id 300 at token 17 .*of 300 ids'):
+    pipeline.make_iterator(cfg, split='train', seq_len=8, global_batch_size=8, micro_batch_size=8,
+                           rows=np.arange(8), seed=0, vocab_size=300)
 
 
 def test_sequence_longer_than_the_split_names_seq_len(corpus):

@@ -14,10 +14,12 @@ from flax import nnx
 from mintrain import train_loop
 from mintrain.checkpoint import Checkpoints
 from mintrain.config import ConfigError
-from mintrain.data import pipeline
+from mintrain.data import pipeline, segments, tokenizer
 from mintrain.data.batches import batch_sharding, make_batches
 from mintrain.mesh import make_mesh
 from mintrain.partitioning import AxisRules
+
+BYTES = segments.Separators.of(tokenizer.BYTES)  # The byte tokenizer's: BOS starts a document.
 
 TINY = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4',
         'model.head_dim=8', 'train.global_batch_size=8', 'train.seq_len=16', 'train.log_every=1')
@@ -27,8 +29,15 @@ def tiny_corpus(tmp_path):
   root = tmp_path / 'corpus'
   root.mkdir()
   for i in range(40):
-    (root / f'doc{i:02d}.txt').write_text(f'document {i}: ' + 'the quick brown fox jumps. ' * (3 + i % 5))
+    (root / f'doc{i:02d}.txt').write_text(f'document {i}: ' + 'the quick brown fox jumps. ' * (i % 3))
   return str(root / '*.txt')
+
+
+def tiny_jsonl(tmp_path):
+  lines = [json.dumps({'text': f'document {i}: ' + 'the quick brown fox jumps. ' * (3 + i % 5)})
+           for i in range(40)]
+  (tmp_path / 'corpus.jsonl').write_text('\n'.join(lines) + '\n')
+  return str(tmp_path / 'corpus.jsonl')
 
 
 def test_checkpointed_iterator_state_continues_the_exact_stream(tmp_path):
@@ -45,34 +54,45 @@ def test_checkpointed_iterator_state_continues_the_exact_stream(tmp_path):
     resumed.set_state(saved)
     for _ in range(2):
       a, b = next(straight), next(resumed)
-      np.testing.assert_array_equal(np.asarray(a['inputs']), np.asarray(b['inputs']))
-      np.testing.assert_array_equal(np.asarray(a['targets']), np.asarray(b['targets']))
+      assert a.keys() == b.keys() == {'inputs', 'targets', 'segment_ids', 'positions', 'target_weights'}
+      for key in a:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
 
 
-def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path):
+@pytest.mark.parametrize('packing', ['pack', 'pad'])
+def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path, packing):
   config = load_config('single', *TINY, 'data.source=text', f'data.path={tiny_corpus(tmp_path)}',
-                       'data.eval_fraction=0.3', 'eval.steps=2')
+                       'data.eval_fraction=0.3', 'eval.steps=2', f'data.packing={packing}')
   mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
   rules = AxisRules.from_config(config.partitioning)
   setup = build(config)
   with jax.set_mesh(mesh):
     state = setup.init()
     batches = make_batches(config, mesh, rules, split='eval')
-    metrics = train_loop.evaluate(setup, state.params, batches, batches.get_state())
+    metrics = train_loop.evaluate(setup, state.params, batches, batches.get_state(),
+                                  pipeline.bytes_per_token(config.data))
     model = nnx.merge(setup.graphdef, state.params)
     local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8,
-                                   micro_batch_size=8, rows=np.arange(8), seed=0)
-    nats = []
+                                   micro_batch_size=8, rows=np.arange(8), seed=0, separators=BYTES)
+    nats, weights, documents = [], [], []
     for _ in range(2):
       batch = next(local)
-      logits = np.asarray(model(jax.numpy.asarray(batch['inputs'])), np.float64)
+      logits = np.asarray(model(jax.numpy.asarray(batch['inputs']), segment_ids_BL=batch['segment_ids'],
+                                positions_BL=batch['positions']), np.float64)
       log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
       picked = np.take_along_axis(logits, batch['targets'][..., None], -1)[..., 0]
-      nats.append(np.mean(log_z - picked))
-  loss = float(np.mean(nats))
+      nats.append(log_z - picked)
+      weights.append(batch['target_weights'])
+      documents.append(batch['segment_ids'].max(axis=1))
+  # Packed rows hold several documents; padded rows one, and the batches count different numbers of targets.
+  assert (np.max(documents) > 1) == (packing == 'pack')
+  if packing == 'pad':
+    assert weights[0].sum() != weights[1].sum()
+  loss = float(np.sum(np.multiply(nats, weights)) / np.sum(weights))
   np.testing.assert_allclose(metrics['eval_loss'], loss, rtol=1e-5)
   np.testing.assert_allclose(metrics['eval_perplexity'], math.exp(loss), rtol=1e-5)
-  np.testing.assert_allclose(metrics['eval_bits_per_byte'], loss / math.log(2), rtol=1e-5)
+  np.testing.assert_allclose(metrics['eval_bits_per_token'], loss / math.log(2), rtol=1e-5)
+  np.testing.assert_allclose(metrics['eval_bits_per_byte'], loss / math.log(2), rtol=1e-5)  # 1 byte a token.
 
 
 def test_training_logs_baseline_eval_and_data_wait(tmp_path):
@@ -82,6 +102,7 @@ def test_training_logs_baseline_eval_and_data_wait(tmp_path):
   records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   baseline = [r for r in records if 'unigram_bits_per_byte' in r]
   assert len(baseline) == 1 and 3.0 < baseline[0]['unigram_bits_per_byte'] < 6.0
+  assert baseline[0]['unigram_bits_per_token'] == baseline[0]['unigram_bits_per_byte']  # Bytes.
   assert [r['step'] for r in records if 'eval_loss' in r] == [2, 4]
   assert all(0.0 <= r['data_wait_fraction'] <= 1.0 for r in records if 'data_wait_fraction' in r)
 
@@ -113,10 +134,11 @@ def test_restored_checkpoint_with_another_source_does_not_reuse_its_stream(tmp_p
   assert result.first_step == 2 and len(result.losses) == 1
 
 
-@pytest.mark.parametrize('source', ['synthetic', 'text'])
+@pytest.mark.parametrize('source', ['synthetic', 'text', 'jsonl'])
 def test_batches_sent_ahead_are_on_their_devices_and_not_counted_in_the_saved_position(tmp_path, source):
-  data = ('data.source=synthetic',) if source == 'synthetic' else ('data.source=text',
-                                                                   f'data.path={tiny_corpus(tmp_path)}')
+  data = {'synthetic': ('data.source=synthetic',),
+          'text': ('data.source=text', f'data.path={tiny_corpus(tmp_path)}'),
+          'jsonl': ('data.source=jsonl', f'data.path={tiny_jsonl(tmp_path)}', 'data.block_bytes=200')}[source]
   ahead_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=2')
   plain_config = load_config('dp8', *TINY, *data, 'data.device_prefetch=0')
   mesh = make_mesh(ahead_config.mesh.sizes)

@@ -17,7 +17,8 @@ TINY = ('model.vocab_size=16', 'model.embed_dim=8', 'model.num_layers=1', 'model
         'model.head_dim=4', 'model.mlp_dim=32', 'train.seq_len=4', 'train.global_batch_size=2')
 # Matmuls dominate: per token ~4.5 MFLOPs of matmuls forward against ~10 kFLOPs of norms, softmax, RoPE.
 MATMUL_HEAVY = ('model.vocab_size=256', 'model.embed_dim=256', 'model.num_layers=2', 'model.num_heads=4',
-                'model.head_dim=64', 'model.mlp_dim=1024', 'train.seq_len=64', 'train.global_batch_size=8')
+                'model.head_dim=64', 'model.mlp_dim=1024', 'train.seq_len=64', 'train.global_batch_size=8',
+                'data.source=synthetic')  # Any of the 256 ids (the byte tokenizer's BOS is a 257th).
 
 
 def test_tiny_transformer_matches_hand_count():

@@ -2,20 +2,35 @@
 give transformers' logits on several meshes; saved back, transformers loads them with the same logits."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from conftest import SCRIPT_DEFAULTS, build, load_config, mesh_devices, run_script
+from conftest import (
+  REPO,
+  SCRIPT_DEFAULTS,
+  TOKENIZER_VOCAB,
+  build,
+  load_config,
+  mesh_devices,
+  run_script,
+  script_env,
+  stdlib_texts,
+)
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from mintrain import checkpoint as ckpt_lib
-from mintrain import hf, sampling
+from mintrain import config as config_lib
+from mintrain import hf, safetensors_reader, sampling
+from mintrain.data import tokenizer
 from mintrain.fields import ConfigError
 from mintrain.mesh import make_mesh
-from mintrain.models import hf_model_options
+from mintrain.models import hf_llama, hf_model_options
 
 COMMON = {'vocab_size': 256, 'hidden_size': 64, 'intermediate_size': 96, 'num_hidden_layers': 2,
           'num_attention_heads': 8, 'max_position_embeddings': 128}
@@ -40,32 +55,50 @@ FAMILIES = {
 MOE = ('mixtral', 'qwen2_moe')
 
 
-@pytest.fixture(scope='module', params=list(FAMILIES))
-def reference(request, tmp_path_factory):
-  """(directory, tokens, transformers' float32 logits) of one tiny random model."""
-  return make_reference(request.param, tmp_path_factory)
-
-
-@pytest.fixture(scope='module', params=MOE)
-def moe_reference(request, tmp_path_factory):
-  return make_reference(request.param, tmp_path_factory)
-
-
-def make_reference(family, tmp_path_factory):
+def random_model(family, directory, **changes):
+  """A tiny random `transformers` model of `family` (FAMILIES), saved in `directory`."""
   name, options = FAMILIES[family]
   torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**COMMON, **options),
-                                                       dtype=torch.float32)
+  config = getattr(transformers, name)(**{**COMMON, **options, **changes})
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
   with torch.no_grad():  # Norm weights are drawn as ones (zeros for Gemma); make them matter.
     for param_name, param in model.named_parameters():
       if param_name.endswith(('norm.weight', 'bias', '.gate.weight')):  # A router drawn as zeros ties.
         param.add_(0.1 * torch.randn_like(param))
-  directory = tmp_path_factory.mktemp(family)
   model.save_pretrained(directory)
-  tokens = np.random.RandomState(1).randint(0, 256, (8, 24)).astype(np.int32)
+  return model
+
+
+TOKENS = np.random.RandomState(1).randint(0, 256, (8, 24)).astype(np.int32)
+
+
+def torch_logits(model, tokens):
   with torch.no_grad():
-    logits = model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-  return directory, tokens, logits
+    return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+@pytest.fixture(scope='module', params=list(FAMILIES))
+def reference(request, tmp_path_factory):
+  """(directory, tokens, transformers' float32 logits) of one tiny random model."""
+  directory = tmp_path_factory.mktemp(request.param)
+  return directory, TOKENS, torch_logits(random_model(request.param, directory), TOKENS)
+
+
+@pytest.fixture(scope='module', params=MOE)
+def moe_reference(request, tmp_path_factory):
+  """As `reference`, of the mixtures of experts alone."""
+  directory = tmp_path_factory.mktemp(request.param)
+  return directory, TOKENS, torch_logits(random_model(request.param, directory), TOKENS)
+
+
+def base(*overrides):
+  """configs/base.py with `key=value` overrides, as `hf.from_pretrained(base=...)` takes it."""
+  return config_lib.load(REPO / 'configs' / 'base.py', overrides)
+
+
+def on_mesh(name):
+  config = load_config(name)
+  return jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config)))
 
 
 def mintrain_logits(model, tokens):
@@ -98,6 +131,25 @@ def test_a_mixture_gives_the_logits_of_transformers_with_its_experts_split(moe_r
   assert np.abs(logits - expected).max() <= 1e-4
 
 
+def test_a_scanned_mixture_with_its_experts_split_gives_the_logits_and_saves_back_the_same_tensors(tmp_path):
+  """Scanned layers and stacked experts together: a parameter (layers, experts, ...) of one tensor each."""
+  reference = random_model('mixtral', tmp_path / 'in')
+  config = load_config('dp4_tp2', 'mesh.data=1', 'mesh.fsdp=2', 'mesh.expert=2', 'mesh.model=2')
+  with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
+    model = hf.from_pretrained(tmp_path / 'in', base=base('model.scan_layers=True'))
+    assert model.blocks.mlp.wi_gate_EDF.shape == (2, 4, 64, 96)  # (layers, experts, D, F).
+    logits = mintrain_logits(model, TOKENS)
+    hf.save_pretrained(model, tmp_path / 'out', max_shard_size=100_000)
+  assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
+  saved = {}
+  for file in (tmp_path / 'out').glob('*.safetensors'):
+    saved |= load_file(file)
+  original = load_file(tmp_path / 'in' / hf.SINGLE)
+  assert saved.keys() == original.keys()
+  for name, tensor in original.items():
+    np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
+
+
 def test_greedy_generation_with_the_kv_cache_equals_transformers_generate(reference):
   directory, tokens, _ = reference
   reference_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -118,6 +170,7 @@ def test_a_saved_checkpoint_loads_in_transformers_with_the_same_logits(reference
     hf.save_pretrained(model, tmp_path / 'out', max_shard_size=100_000)  # Several shards and an index.
     again = hf.from_pretrained(tmp_path / 'out')
   assert (tmp_path / 'out' / hf.INDEX).exists()
+  assert hf_model_options(tmp_path / 'out') == hf_model_options(directory)  # Mistral's window too.
   for (_, x), (_, y) in zip(nnx.to_flat_state(nnx.split(model, nnx.Param)[1]),
                             nnx.to_flat_state(nnx.split(again, nnx.Param)[1])):
     np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]))  # Import-export-import: bitwise.
@@ -127,41 +180,288 @@ def test_a_saved_checkpoint_loads_in_transformers_with_the_same_logits(reference
   assert np.abs(logits - expected).max() <= 1e-4
 
 
+@pytest.fixture(scope='module')
+def llama3(tmp_path_factory):
+  """(directory, the transformers model) of the tiny Llama 3 (grouped heads, RoPE scaling, untied)."""
+  directory = tmp_path_factory.mktemp('llama3')
+  return directory, random_model('llama3', directory)
+
+
+TARGETS = np.random.RandomState(2).randint(0, 256, TOKENS.shape).astype(np.int32)
+
+
+@pytest.fixture(scope='module')
+def llama3_gradients(llama3, tmp_path_factory):
+  """(loss, {tensor name: gradient}) of transformers' mean cross-entropy of TOKENS against TARGETS."""
+  _, model = llama3
+  model.zero_grad()
+  logits = model(torch.from_numpy(TOKENS.astype(np.int64))).logits
+  loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           torch.from_numpy(TARGETS.astype(np.int64)).reshape(-1))
+  loss.backward()
+  return float(loss.detach()), {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
+
+
+OPTIONS = {  # Model options that compute the same function as the defaults.
+    'scan_layers_remat': ('model.scan_layers=True', 'model.remat=full'),
+    'fused_loss': ('model.loss_chunks=4',),  # Over 4 chunks of the sequence.
+    'scan_layers': ('model.scan_layers=True',),
+    'remat': ('model.remat=save_matmuls',),
+    'dot_product': ('model.attention=dot_product',),
+    'logits_then_loss': ('model.loss_chunks=0',),
+}
+SLOW_OPTIONS = ('scan_layers', 'remat', 'dot_product', 'logits_then_loss')  # About 12 s each.
+
+
+@pytest.mark.parametrize('option', [pytest.param(o, marks=[pytest.mark.slow] if o in SLOW_OPTIONS else [])
+                                    for o in OPTIONS])
+def test_with_each_model_option_the_logits_loss_and_gradients_are_those_of_transformers(
+    llama3, llama3_gradients, option, tmp_path):
+  directory, reference = llama3
+  expected_loss, expected_grads = llama3_gradients
+  with on_mesh('fsdp4_tp2'):
+    model = hf.from_pretrained(directory, base=base(*OPTIONS[option]))
+    graphdef, state = nnx.split(model)
+    logits = mintrain_logits(model, TOKENS)
+    batch = {'inputs': TOKENS, 'targets': TARGETS}  # Split over the batch axes, as the loop gives it.
+    batch = {k: jax.device_put(v, jax.P(('data', 'fsdp', 'expert'))) for k, v in batch.items()}
+    loss, grads = jax.jit(jax.value_and_grad(lambda state: nnx.merge(graphdef, state).loss(batch)[0]))(state)
+    hf.save_pretrained(nnx.merge(graphdef, grads), tmp_path)  # The gradients in transformers' names.
+  assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
+  assert abs(float(loss) - expected_loss) <= 1e-5
+  written = load_file(tmp_path / hf.SINGLE)
+  assert written.keys() == expected_grads.keys()
+  for name, grad in expected_grads.items():
+    np.testing.assert_allclose(written[name], grad, atol=1e-6, err_msg=name)
+
+
+def test_bfloat16_compute_gives_logits_close_to_transformers_float32(llama3):
+  directory, reference = llama3
+  expected = torch_logits(reference, TOKENS)
+  with on_mesh('dp4_tp2'):
+    logits = mintrain_logits(hf.from_pretrained(directory, base=base('model.compute_dtype=bfloat16')), TOKENS)
+  assert np.abs(logits - expected).max() <= 0.02 * np.abs(expected).max()
+  assert (logits.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
+
+
+def test_scanned_layers_load_on_tp8_and_save_back_the_same_tensors(llama3, tmp_path):
+  directory, _ = llama3
+  with on_mesh('tp8'):
+    model = hf.from_pretrained(directory, base=base('model.scan_layers=True'))
+    assert model.blocks.attn.wq_DHK.shape == (COMMON['num_hidden_layers'], 64, 8, 8)  # Stacked on `layers`.
+    hf.save_pretrained(model, tmp_path, max_shard_size=100_000)
+  saved = {}
+  for file in tmp_path.glob('*.safetensors'):
+    saved |= load_file(file)
+  original = load_file(directory / hf.SINGLE)
+  assert saved.keys() == original.keys()
+  for name, tensor in original.items():
+    np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
+
+
+def test_mistral_sliding_window_sequences_within_it_match_and_longer_ones_are_errors(tmp_path):
+  reference = random_model('mistral', tmp_path, sliding_window=16)
+  assert hf_model_options(tmp_path)['sliding_window'] == 16
+  with pytest.raises(ConfigError, match=r'^train.seq_len=32 is longer than model.sliding_window=16'):
+    load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'train.seq_len=32')  # A fine-tune's config.
+  fine_tune = load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'train.seq_len=16')
+  assert fine_tune.model.sliding_window == 16
+  with on_mesh('dp4_tp2'):
+    with pytest.raises(ConfigError, match=r'^train.seq_len=64 is longer than model.sliding_window=16: .* '
+                                          r'\(train.seq_len <= 16\)\.$'):
+      hf.from_pretrained(tmp_path)  # configs/base.py trains on 64 positions.
+    model = hf.from_pretrained(tmp_path, base=base('train.seq_len=16'))
+    logits = mintrain_logits(model, TOKENS[:, :16])
+    with pytest.raises(ConfigError, match='a sequence of 24 tokens is longer than model.sliding_window=16'):
+      mintrain_logits(model, TOKENS)
+    with pytest.raises(ConfigError, match=r'a KV cache of 38 positions \(prompt and new tokens\) is longer'):
+      sampling.generate(model, TOKENS[:2, :6], 32)
+  # transformers applies the window; within it, attention is the same.
+  assert np.abs(logits - torch_logits(reference, TOKENS[:, :16])).max() <= 1e-4
+  assert np.abs(torch_logits(reference, TOKENS)[:, 16:] - torch_logits(
+      random_model('mistral', tmp_path / 'full', sliding_window=None), TOKENS)[:, 16:]).max() > 1e-3
+
+
+def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
+  qwen2 = {'model_type': 'qwen2', **COMMON, 'sliding_window': 8}
+  assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': False}) == 0
+  assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': True, 'max_window_layers': 1}) == 8
+  assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': True, 'max_window_layers': 2}) == 0
+  assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': True,
+                                  'layer_types': ['full_attention', 'sliding_attention']}) == 8
+  assert hf_llama.sliding_window({'model_type': 'mistral', **COMMON, 'sliding_window': None}) == 0
+
+
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
-  with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported; mintrain reads gemma, llama"):
+  with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
+                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe; convert'):
     hf.from_pretrained(tmp_path)
   config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))
-  with pytest.raises(ConfigError, match=r"rope type 'yarn' is not supported"):
+  with pytest.raises(ConfigError, match=r"rope type 'yarn' is not supported; mintrain reads 'default' and "
+                                        r"'llama3' .*: load a checkpoint"):
     hf.from_pretrained(tmp_path)
 
 
-def test_fine_tune_from_a_checkpoint_then_export_gives_transformers_the_trained_logits(tmp_path):
+def broken_copy(directory, out, *, drop=None, config_changes=None):
+  """`directory`'s checkpoint copied to `out`, without tensor `drop` or with config.json changed."""
+  out.mkdir()
+  tensors = load_file(directory / hf.SINGLE)
+  save_file({k: v for k, v in tensors.items() if k != drop}, out / hf.SINGLE, metadata={'format': 'pt'})
+  config = json.loads((directory / 'config.json').read_text())
+  (out / 'config.json').write_text(json.dumps({**config, **(config_changes or {})}))
+  return out
+
+
+def test_a_missing_tensor_and_a_shape_that_disagrees_with_config_json_are_one_line_errors(llama3, tmp_path):
+  directory, _ = llama3
+  with pytest.raises(ConfigError, match=r"has no tensor 'lm_head.weight' \(mintrain parameter unembed_DV\); "
+                                        r'its weights and config.json disagree .*: use the config.json'):
+    hf.from_pretrained(broken_copy(directory, tmp_path / 'missing', drop='lm_head.weight'))
+  with pytest.raises(ConfigError, match=r'tensor model.layers.0.mlp.gate_proj.weight has shape \(96, 64\), '
+                                        r'but config.json makes it \(128, 64\): use the config.json saved'):
+    hf.from_pretrained(broken_copy(directory, tmp_path / 'shape', config_changes={'intermediate_size': 128}))
+
+
+@pytest.mark.parametrize('problem', ['shape', pytest.param('model_type', marks=pytest.mark.slow)])
+def test_train_script_with_a_bad_hf_checkpoint_exits_2_with_one_line(tmp_path, problem):
+  random_model('llama3', tmp_path / 'good', vocab_size=384)  # Holds the byte tokenizer's 257 ids.
+  changes = {'model_type': 'gpt2'} if problem == 'model_type' else {'intermediate_size': 128}
+  bad = broken_copy(tmp_path / 'good', tmp_path / 'bad', config_changes=changes)
+  proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(tmp_path / 'run'),
+                    f'--config.init.hf_checkpoint={bad}', '--config.train.seq_len=16', *SCRIPT_DEFAULTS)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert 'Traceback' not in proc.stderr and proc.stderr.count('\n') == 1, proc.stderr
+  expected = "model_type='gpt2' is not supported" if problem == 'model_type' else 'config.json makes it'
+  assert proc.stderr.startswith('error: ') and expected in proc.stderr, proc.stderr
+  assert not (tmp_path / 'run').exists() or not any((tmp_path / 'run').iterdir())  # Nothing written.
+
+
+def test_fine_tune_with_the_checkpoint_tokenizer_and_scanned_layers_then_export_gives_transformers_the_model(
+    tmp_path, bpe_tokenizer):
+  """The directory brings its tokenizer (a transformers tokenizer of the BPE trained in conftest.py): the run
+  tokenizes text files with it, sample.py decodes with it, and the export carries it to AutoTokenizer.
+  The layers are scanned and rematerialised, in training, export and sampling."""
   torch.manual_seed(0)
-  config = transformers.LlamaConfig(**{**COMMON, 'vocab_size': 384}, num_key_value_heads=2)
+  config = transformers.LlamaConfig(**{**COMMON, 'vocab_size': TOKENIZER_VOCAB}, num_key_value_heads=2)
   transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / 'hf')
+  transformers.AutoTokenizer.from_pretrained(bpe_tokenizer).save_pretrained(tmp_path / 'hf')
+  (tmp_path / 'text').mkdir()
+  for i, text in enumerate(stdlib_texts(2 << 20)[-12:]):
+    (tmp_path / 'text' / f'{i:02d}.py.txt').write_text(text)
   workdir = tmp_path / 'run'
   proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir),
                     f'--config.init.hf_checkpoint={tmp_path / "hf"}', '--config.train.steps=12',
-                    '--config.train.log_every=1', '--config.train.seq_len=32', *SCRIPT_DEFAULTS)
+                    '--config.train.log_every=1', '--config.train.seq_len=32', '--config.data.source=text',
+                    f'--config.data.path={tmp_path / "text" / "*.txt"}', '--config.data.eval_fraction=0.2',
+                    '--config.model.scan_layers=True', '--config.model.remat=full', *SCRIPT_DEFAULTS,
+                    '--config.eval.steps=1')
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f'Initialising the parameters from the Hugging Face checkpoint {tmp_path / "hf"}' in proc.stdout
-  losses = [r['loss'] for r in map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines())
-            if 'loss' in r]
+  records = list(map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines()))
+  losses = [r['loss'] for r in records if 'loss' in r]
   assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3])
+  [final] = [r for r in records if 'eval_loss' in r]
+  assert 1.5 < final['eval_bits_per_token'] / final['eval_bits_per_byte'] < 4  # Bytes per token, measured.
   proc = run_script('scripts/export_hf.py', '--workdir', str(workdir), '--out', str(tmp_path / 'out'))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert 'Wrote step 12' in proc.stdout
+  assert 'Wrote step 12' in proc.stdout and 'tokenizer.json' in proc.stdout
 
+  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / 'out')
+  ours = tokenizer.load(str(tmp_path / 'hf'))
+  text = 'def parse(path):\n    """Read a file."""\n    return open(path).read()\n'
+  ids = ours.document(text)[:-1].astype(np.int32)  # <s> and the text, without </s>.
+  assert theirs(text).input_ids == ids.tolist()  # Their conventions: <s> before the text.
   reader = ckpt_lib.Checkpoints(workdir / 'checkpoints', read_only=True)
   run = build(load_config('single', *(f'model.{k}={v}' for k, v in hf_model_options(tmp_path / 'hf').items()
                                       if k != 'name')))
   params = reader.restore(12, run.abstract_state, params_only=True).state['params']
-  tokens = np.random.RandomState(2).randint(0, 384, (2, 16)).astype(np.int32)
   with jax.set_mesh(run.mesh):
-    trained = mintrain_logits(run.model(params), tokens)
+    trained = mintrain_logits(run.model(params), ids[None])
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'out', dtype=torch.float32)
   with torch.no_grad():
-    logits = exported(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    logits = exported(torch.from_numpy(ids[None].astype(np.int64))).logits.numpy()
   assert np.abs(logits - trained).max() <= 1e-4
+
+  exported.generation_config.eos_token_id = None
+  with torch.no_grad():
+    greedy = exported.generate(torch.tensor([theirs('def ').input_ids]), max_new_tokens=8, do_sample=False)
+  proc = run_script('scripts/sample.py', '--workdir', str(workdir), '--prompt', 'def ',
+                    '--max_new_tokens', '8', '--temperature', '0')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout == theirs.decode(greedy[0], skip_special_tokens=True) + '\n'
+
+
+@pytest.mark.parametrize('kind', list(hf_llama.Kind))
+def test_reading_any_slices_of_a_written_tensor_gives_back_those_slices(kind, tmp_path, monkeypatch):
+  monkeypatch.setattr(safetensors_reader, 'BLOCK_BYTES', 64)  # Blocks of a few rows.
+  shapes = {hf_llama.Kind.SAME: (12, 10), hf_llama.Kind.T: (10, 12), hf_llama.Kind.IN_HEADS: (10, 6, 4),
+            hf_llama.Kind.HEADS_OUT: (6, 4, 10), hf_llama.Kind.HEADS: (6, 4)}
+  rng = np.random.default_rng(0)
+  ours = rng.standard_normal(shapes[kind]).astype(np.float32)
+  save_file({'w': hf_llama.write(kind, ours)}, tmp_path / 'w.safetensors')
+  with safetensors_reader.File(tmp_path / 'w.safetensors') as file:
+    for _ in range(10):  # Several overlapping or disjoint slices at once, as a process's devices ask.
+      indices = [tuple(slice(*sorted(rng.choice(n + 1, 2, replace=False))) for n in ours.shape)
+                 for _ in range(rng.integers(1, 4))]
+      targets = [(index, np.full([s.stop - s.start for s in index], np.nan, np.float32)) for index in indices]
+      hf_llama.read(kind, file.tensors['w'], targets, head_dim=4)
+      for index, out in targets:
+        np.testing.assert_array_equal(out, ours[index])
+
+
+LOAD_AND_MEASURE = """
+import json, sys
+sys.path.insert(0, '.')
+import jax
+from mintrain import distributed, hf, mesh
+from mintrain.build import build
+
+mesh.simulate_cpu_devices(4)
+distributed.initialize(distributed.settings(), say=lambda _: None)
+def status(key):
+  return next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith(key))
+run = build(hf.make_config(sys.argv[1], mesh_sizes={'data': 1, 'fsdp': 8, 'model': 1}), jax.devices())
+with open('/proc/self/clear_refs', 'w') as f:
+  f.write('5')  # The peak (VmHWM) starts again from here.
+before = status('VmRSS:')
+params = jax.block_until_ready(hf.load_params(sys.argv[1], run))
+print('RESULT', json.dumps({'growth': status('VmHWM:') - before}))
+hf.save_pretrained(run.model(params), sys.argv[2])  # Gathered from both processes; process 0 writes.
+"""
+
+
+@pytest.mark.slow  # Writes a 234 MB checkpoint, loads and saves it in two processes (about 20 s).
+def test_two_processes_each_grow_by_under_0_6x_the_checkpoint_while_loading_it_on_fsdp8_and_save_it_back(
+    tmp_path):
+  vocab, hidden, mlp, layers = 32000, 1024, 2816, 2
+  shapes = {'model.embed_tokens.weight': (vocab, hidden), 'model.norm.weight': (hidden,)}
+  for i in range(layers):
+    layer = f'model.layers.{i}.'
+    shapes |= {f'{layer}{name}.weight': (hidden,) for name in ('input_layernorm', 'post_attention_layernorm')}
+    shapes |= {f'{layer}self_attn.{name}_proj.weight': (hidden, hidden) for name in 'qkvo'}
+    shapes |= {f'{layer}mlp.{name}_proj.weight': (mlp, hidden) for name in ('gate', 'up')}
+    shapes[f'{layer}mlp.down_proj.weight'] = (hidden, mlp)
+  rng = np.random.default_rng(0)
+  save_file({name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()},
+            tmp_path / hf.SINGLE, metadata={'format': 'pt'})
+  (tmp_path / 'config.json').write_text(json.dumps({
+      'model_type': 'llama', 'vocab_size': vocab, 'hidden_size': hidden, 'intermediate_size': mlp,
+      'num_hidden_layers': layers, 'num_attention_heads': 8, 'num_key_value_heads': 8,
+      'tie_word_embeddings': True}))
+  size = (tmp_path / hf.SINGLE).stat().st_size
+  assert size >= 200e6
+  proc = subprocess.run([sys.executable, 'scripts/launch_local.py', '--num_processes', '2', '--',
+                         sys.executable, '-c', LOAD_AND_MEASURE, str(tmp_path), str(tmp_path / 'saved')],
+                        cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  results = [json.loads(line.split('RESULT ')[1]) for line in proc.stdout.splitlines() if 'RESULT ' in line]
+  assert len(results) == 2, proc.stdout[-3000:]
+  for result in results:
+    # Each process holds half of every parameter (0.5x), and less than a tenth of the file more.
+    assert 0.45 * size < result['growth'] < 0.6 * size, (result['growth'] / size, proc.stdout[-2000:])
+  original, saved = load_file(tmp_path / hf.SINGLE), load_file(tmp_path / 'saved' / hf.SINGLE)
+  assert saved.keys() == original.keys()
+  for name, tensor in original.items():  # Every weight arrived where it belongs.
+    np.testing.assert_array_equal(saved[name], tensor, err_msg=name)

@@ -1,10 +1,24 @@
 """Mesh construction from the config."""
 
+import math
+import types
+
 import jax
+import numpy as np
 import pytest
+from conftest import load_config
 from jax.sharding import AxisType
 
-from mintrain.mesh import MeshError, describe, make_mesh, mesh_shape
+from mintrain.fields import ConfigError
+from mintrain.mesh import (
+  MeshError,
+  describe,
+  describe_levels,
+  device_grid,
+  make_mesh,
+  mesh_shape,
+  slice_shape,
+)
 
 
 def test_sizes_are_taken_in_data_fsdp_expert_model_order():
@@ -43,3 +57,52 @@ def test_wrong_product_names_mesh_device_count_and_platform():
 def test_minus_one_that_cannot_divide_the_devices_is_an_error():
   with pytest.raises(MeshError, match='8 % 3 != 0'):
     mesh_shape({'data': -1, 'fsdp': 3, 'model': 1}, 8, 'cpu')
+
+
+def fake_slices(num_slices: int, per_slice: int) -> list:
+  """Stand-ins for the devices of a multi-slice TPU job, interleaved across slices as a device list
+  may be: what the hybrid mesh reads of a device."""
+  return [types.SimpleNamespace(id=i, slice_index=i % num_slices, process_index=i % num_slices,
+                                platform='cpu', device_kind='cpu') for i in range(num_slices * per_slice)]
+
+
+@pytest.mark.parametrize('dcn', [(2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1)])
+def test_a_multi_slice_grid_keeps_each_slice_whole_and_makes_it_the_outer_factor_of_its_axes(dcn):
+  devices = fake_slices(math.prod(dcn), 16)
+  shape = tuple(2 * n for n in dcn)  # 2 x 2 x 2 x 2 devices within each slice.
+  grid = device_grid(shape, dcn, devices)
+  assert grid.shape == shape
+  slice_of = np.vectorize(lambda d: d.slice_index)(grid)
+  ici = [s // n for s, n in zip(shape, dcn)]
+  for index in np.ndindex(*dcn):  # Each block of the grid is one slice: ICI axes inside, DCN ways outside.
+    block = slice_of[tuple(slice(i * n, (i + 1) * n) for i, n in zip(index, ici))]
+    assert len(np.unique(block)) == 1
+  assert len(np.unique(slice_of)) == math.prod(dcn)
+  for group in slice_of.reshape(-1, shape[-1]):  # A `model` group never leaves its slice.
+    assert len(set(group)) == 1
+  assert sorted(d.id for d in grid.flat) == list(range(len(devices)))
+
+
+def test_a_mesh_that_asks_for_more_slices_than_the_devices_have_names_both_counts():
+  with pytest.raises(MeshError, match=r'across 4 slices .*mesh.dcn_data=4.* are in 2 slices'):
+    device_grid((4, 1, 1, 2), (4, 1, 1, 1), fake_slices(2, 4))
+
+
+def test_only_data_and_fsdp_may_span_slices():
+  with pytest.raises(MeshError, match='not model'):
+    slice_shape((4, 1, 1, 2), {'model': 2})
+  with pytest.raises(MeshError, match='not expert'):  # Its all-to-alls run in every MoE layer.
+    slice_shape((4, 1, 2, 1), {'expert': 2})
+  with pytest.raises(MeshError, match=r'mesh.data=6 cannot go 4 ways.*mesh.dcn_data=4'):
+    slice_shape((6, 1, 1, 1), {'data': 4})
+
+
+def test_a_single_process_run_with_one_slice_is_todays_mesh():
+  mesh = make_mesh({'data': 4, 'fsdp': 1, 'model': 2}, slices={'data': 1, 'fsdp': 1})
+  assert mesh.devices.tolist() == make_mesh({'data': 4, 'fsdp': 1, 'model': 2}).devices.tolist()
+  assert describe_levels(mesh) == ''
+
+
+def test_dcn_sizes_must_divide_their_axis():
+  with pytest.raises(ConfigError, match=r'mesh.dcn_data=3 must divide mesh.data=4'):
+    load_config('dp4_tp2', 'mesh.dcn_data=3')

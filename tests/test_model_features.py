@@ -81,10 +81,10 @@ def loss_and_grads(host_params, name, *overrides):
   @jax.jit
   def step(params, batch):
     micro = jax.tree.map(lambda x: x[0], batch)
-    return jax.value_and_grad(loss_fn)(params, setup.graphdef, micro, None)
+    return jax.value_and_grad(loss_fn, has_aux=True)(params, setup.graphdef, micro, None)
 
   with jax.set_mesh(mesh):
-    loss, grads = step(params, next(make_batches(config, mesh, rules)))
+    (loss, _), grads = step(params, next(make_batches(config, mesh, rules)))
   return float(loss), host(grads)
 
 
@@ -242,7 +242,7 @@ def _saved_residuals(*overrides) -> list[tuple[int, str]]:
   listing = io.StringIO()
   with jax.set_mesh(mesh), contextlib.redirect_stdout(listing):
     micro = jax.tree.map(lambda x: x[0], next(make_batches(config, mesh, rules)))
-    jax.ad_checkpoint.print_saved_residuals(lambda p: loss_fn(p, setup.graphdef, micro, None),
+    jax.ad_checkpoint.print_saved_residuals(lambda p: loss_fn(p, setup.graphdef, micro, None)[0],
                                             setup.abstract_state.params)
   residuals = []
   for line in listing.getvalue().splitlines():

@@ -45,11 +45,14 @@ class Bigram(nnx.Module):
     self.out_DV = param(rngs, nnx.initializers.lecun_normal(), (d, v), ('embed', 'vocab'), jnp.float32, rules)
     self.rules = rules
 
-  def loss(self, tokens_BL, targets_BL, *, dropout_key=None):
+  def loss(self, batch, *, dropout_key=None):
+    """Reads 'inputs' and 'targets' and ignores any other key of the batch (packed rows' segments)."""
+    tokens_BL, targets_BL = batch['inputs'], batch['targets']
     table_VD = gather(self.table_VD, self.rules, jnp.float32)
     x_BLD = table_VD.at[tokens_BL].get(out_sharding=self.rules.activation_spec(('batch', 'length', 'embed')))
     logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, gather(self.out_DV, self.rules, jnp.float32))
-    return cross_entropy(self.rules.reshard(logits_BLV, ('batch', 'length', 'vocab')), targets_BL)
+    logits_BLV = self.rules.reshard(logits_BLV, ('batch', 'length', 'vocab'))
+    return cross_entropy(logits_BLV, targets_BL), jnp.float32(targets_BL.size), {}
 
 
 def synthetic_rows(cfg, seed, step, rows, seq_len):

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from conftest import build, load_config, mesh_devices, quiet
 
-from mintrain import flops, train_loop
+from mintrain import flops, train_loop, train_state
 from mintrain.data.batches import make_batches
 from mintrain.fields import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.models import moe
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
-from mintrain.train_step import make_train_step
+from mintrain.train_step import loss_fn, make_train_step
 
 # One block whose MLP has 4 experts, 2 per token; 8 rows of 16 tokens.
 TINY = ('model.num_experts=4', 'model.experts_per_token=2', 'model.expert_mlp_dim=64', 'model.num_layers=1',
@@ -111,6 +111,45 @@ def test_a_small_capacity_drops_choices_reports_them_and_stays_mesh_invariant():
       np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, err_msg=key)
 
 
+def padded_batch(noise: int) -> dict[str, np.ndarray]:
+  """8 rows of one document each, of 16 to 3 inputs, then padding (segment 0) filled with `noise`."""
+  rng = np.random.default_rng(0)
+  lengths = np.array([16, 12, 9, 5, 16, 3, 10, 7])[:, None]
+  real_BL = np.arange(16)[None, :] < lengths
+  tokens_BL = np.where(np.arange(17) <= lengths, rng.integers(0, 256, (8, 17)), noise).astype(np.int32)
+  return {'inputs': tokens_BL[:, :-1], 'targets': tokens_BL[:, 1:], 'segment_ids': real_BL.astype(np.int32),
+          'positions': np.where(real_BL, np.arange(16), 0).astype(np.int32),
+          'target_weights': real_BL.astype(np.float32)}
+
+
+def loss_statistics_and_grads(mesh, batch):
+  config = load_config('moe_ep4_dp2', *TINY, *MESHES[mesh], SMALL)
+  setup = build(config)
+  rules = AxisRules.from_config(config.partitioning)
+  with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
+    layout = rules.activation_spec(('batch', 'length'))
+    step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, setup.graphdef, b, None), has_aux=True))
+    (_, (count, metrics)), grads = step(setup.init().params,
+                                        {k: jax.device_put(v, layout) for k, v in batch.items()})
+  grads = {train_state.path_str(p): np.asarray(g)
+           for p, g in jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0]}
+  return float(count), {k: float(v) for k, v in metrics.items()}, grads
+
+
+def test_padding_takes_no_expert_slot_and_changes_neither_loss_statistics_nor_gradients():
+  """With 4 slots per expert for 32 choices a sequence, padding that queued for slots would push real
+  tokens' choices out, and what it holds would change the loss; it is not routed at all."""
+  count, metrics, grads = loss_statistics_and_grads('single', padded_batch(noise=1))
+  assert count == 78 and metrics['moe_dropped_fraction'] > 0.2
+  for mesh in ('single', 'expert4_data2'):
+    noisy_count, noisy_metrics, noisy_grads = loss_statistics_and_grads(mesh, padded_batch(noise=77))
+    assert noisy_count == count and noisy_metrics.keys() == metrics.keys()
+    for key, want in metrics.items():
+      np.testing.assert_allclose(noisy_metrics[key], want, rtol=1e-5, err_msg=f'{mesh} {key}')
+    for path, want in grads.items():
+      np.testing.assert_allclose(noisy_grads[path], want, rtol=1e-4, atol=1e-6, err_msg=f'{mesh} {path}')
+
+
 def test_routing_statistics_and_auxiliary_losses_are_in_the_metrics():
   metrics, _ = step_metrics('single', SMALL)
   model = load_config('moe_ep4_dp2', *TINY).model
@@ -147,7 +186,8 @@ def test_analytic_flops_count_active_experts_and_agree_with_xla():
   (E x L slots: E / k = 2 times the active experts' FLOPs here) XLA counts 5.97e9, 1.74x."""
   from test_flops import xla_train_step_flops
   heavy = ('model.embed_dim=256', 'model.num_heads=4', 'model.head_dim=64', 'model.expert_mlp_dim=512',
-           'model.vocab_size=256', 'model.num_layers=2', 'train.seq_len=64', 'train.global_batch_size=4')
+           'model.vocab_size=256', 'model.num_layers=2', 'train.seq_len=64', 'train.global_batch_size=4',
+           'data.source=synthetic')  # Any of the 256 ids (the byte tokenizer's BOS is a 257th).
   config = load_config('moe_ep4_dp2', *TINY, *MESHES['single'], *heavy, 'model.capacity_factor=1.0')
   analytic = flops.train_flops_per_step(config, causal_half=False)
   # k = 2 active experts of width 512 cost one dense MLP of width 1024; the router adds D x E per layer.

@@ -65,6 +65,21 @@ def test_two_processes_train_with_the_losses_of_one(tmp_path):
   np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)
 
 
+@pytest.mark.slow  # Two multi-process jobs: about a minute on 2 cores.
+def test_two_processes_standing_in_for_slices_train_with_the_losses_of_one(tmp_path):
+  """Multi-slice: fsdp goes 2 ways across the processes (DCN) and 2 within each, beside model 2 within;
+  the report shows both levels."""
+  slices = ['--config.mesh.data=1', '--config.mesh.fsdp=4', '--config.mesh.model=2',
+            '--config.mesh.dcn_fsdp=2', '--config.train.steps=4', '--config.checkpoint.keep=0']
+  code, out = run_launch(2, tmp_path / 'two', *slices)
+  assert code == 0, out
+  assert ('[0] across 2 processes (DCN): data=1 x fsdp=2 x model=1; within each (ICI): data=1 x fsdp=2 x '
+          'model=2') in out
+  config = load_config('dp4_tp2', *overrides(SMALL), *overrides(slices), 'mesh.dcn_fsdp=1')
+  one = train_loop.run(config, tmp_path / 'one', devices=mesh_devices(config), print_fn=quiet)
+  np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)
+
+
 # `batch` split over fsdp, then data: with 2 processes on data=2 x fsdp=2 x model=2, process 0 (data 0)
 # holds rows 0-3 and 8-11 of 16, not one block, so only the mesh can say which rows it must read.
 INTERLEAVED = ['--config.mesh.data=2', '--config.mesh.fsdp=2', '--config.mesh.model=2',

@@ -41,7 +41,7 @@ def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time
 
   def check(state, batch):
     micro = jax.tree.map(lambda x: x[0], batch)
-    grads = jax.grad(loss_fn)(state.params, setup.graphdef, micro, None)
+    grads = jax.grad(loss_fn, has_aux=True)(state.params, setup.graphdef, micro, None)[0]
     _, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     for name, tree in (('params', state.params), ('grads', grads), ('mu', opt_state[1][0].mu),
                        ('nu', opt_state[1][0].nu)):
@@ -57,29 +57,42 @@ def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time
     assert spec == expected[path], (kind, path, spec)
 
 
-def test_losses_are_the_same_on_every_mesh():
+def test_losses_are_the_same_on_every_mesh(short_docs):
   # 8 rows, one per device of the widest data split: the programs differ by mesh, not by batch size.
-  losses = {name: np.array(run(name, *INVARIANCE).losses) for name in MESH_CONFIGS}
+  # Rows of two or three documents each, which attend only within themselves.
+  losses = {name: np.array(run(name, *INVARIANCE, *short_docs).losses) for name in MESH_CONFIGS}
   reference = losses['single']
   assert reference.shape == (5,)
   for name, value in losses.items():
     np.testing.assert_allclose(value, reference, rtol=1e-4, err_msg=name)
 
 
-def test_dropout_masks_are_the_same_on_every_mesh():
+def test_padded_rows_give_the_same_losses_on_two_meshes(short_docs):
+  # The programs of the mesh test's `single` and `fsdp4_tp2` runs: packed and padded batches differ in
+  # their data only.
+  padded = (*INVARIANCE, *short_docs, 'data.packing=pad')
+  losses = [run(name, *padded).losses for name in ('single', 'fsdp4_tp2')]
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+
+
+def test_dropout_masks_are_the_same_on_every_mesh(short_docs):
   # The run without dropout is the mesh test's `single` run, whose compiled programs are then cached.
-  overrides = (*INVARIANCE, 'model.dropout_rate=0.2')
+  overrides = (*INVARIANCE, *short_docs, 'model.dropout_rate=0.2')
   single = run('single', *overrides).losses
   sharded = run('fsdp4_tp2', *overrides).losses
-  no_dropout = run('single', *INVARIANCE).losses
+  no_dropout = run('single', *INVARIANCE, *short_docs).losses
   np.testing.assert_allclose(sharded, single, rtol=1e-4)
   assert not np.allclose(single, no_dropout, rtol=1e-4)
 
 
-def test_four_micro_batches_equal_one_four_times_larger_batch():
+@pytest.mark.parametrize('packing', ['pack', 'pad'])
+def test_four_micro_batches_equal_one_four_times_larger_batch(short_docs, packing):
+  # Packed stdlib rows count every target; padded short documents a different number per micro-batch,
+  # and the step is still the mean over all of them.
+  data = () if packing == 'pack' else (*short_docs, 'data.packing=pad')
   results = {}
   for accum in (1, 4):
-    config = load_config('dp4_tp2', 'train.global_batch_size=32', f'train.grad_accum_steps={accum}')
+    config = load_config('dp4_tp2', 'train.global_batch_size=32', f'train.grad_accum_steps={accum}', *data)
     mesh = make_mesh(config.mesh.sizes)
     rules = AxisRules.from_config(config.partitioning)
     setup = build(config)
@@ -89,6 +102,8 @@ def test_four_micro_batches_equal_one_four_times_larger_batch():
       batches = make_batches(config, mesh, rules)
       batch = next(batches)
       assert batch['inputs'].shape[:2] == (accum, 32 // accum)
+      counts = np.asarray(batch['target_weights']).sum(axis=(1, 2))
+      assert (len(set(counts.tolist())) > 1) == (packing == 'pad' and accum == 4), counts
       state, _ = step(state, batch)
       state, metrics = step(state, next(batches))
       results[accum] = (float(metrics['loss']), float(metrics['grad_norm']),

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from mintrain.data import pipeline
+from mintrain.data import pipeline, streaming
 from mintrain.partitioning import AxisRules
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ class GlobalBatches:
   def get_state(self) -> dict[str, Any]:
     """The position after the last batch handed out (batches read ahead are not counted)."""
     position = self.ready[0][0] if self.ready else self.local.get_state()
+    if 'rows' in position:  # A streamed source's: each process knows its own rows' positions.
+      position = streaming.gather_rows(position, self.micro * self.accum)
     return {'source': self.source, 'iterator': position}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
@@ -141,6 +143,7 @@ def make_batches(config: Config, mesh: Mesh, rules: AxisRules, *, split: str = '
   else:
     local = pipeline.make_iterator(data, split=split, seq_len=train.seq_len,
                                    global_batch_size=train.global_batch_size,
-                                   micro_batch_size=train.micro_batch_size, rows=rows, seed=config.seed)
+                                   micro_batch_size=train.micro_batch_size, rows=rows, seed=config.seed,
+                                   vocab_size=config.family.vocab_size(config.model))
   return GlobalBatches(local, data.source, mesh, rules, train.grad_accum_steps, train.global_batch_size, rows,
                        ahead=data.device_prefetch if split == 'train' else 0)

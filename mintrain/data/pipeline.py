@@ -1,8 +1,14 @@
-"""Grain pipelines of packed byte sequences: one process's share of each batch, checkpointable.
+"""Grain pipelines of packed token sequences: one process's share of each batch, checkpointable.
 
-Packing: each token stream is cut into windows of seq_len + 1 tokens at stride seq_len
-(neighbours share one token), so every token but a stream's first is a target exactly once;
-a tail shorter than a window is dropped. inputs = window[:-1], targets = window[1:].
+Rows (`data.packing`), each a window of seq_len + 1 tokens; inputs = window[:-1], targets = window[1:]:
+  'pack'  each token stream is cut into windows at stride seq_len (neighbours share one token), so
+          every token but a stream's first is a target exactly once and a row holds the end of one
+          document, the documents that fit, and the start of another; a tail shorter than a window
+          is dropped.
+  'pad'   one document per row: from its start up to its last target (the next document's BOS, or
+          its own EOS), truncated to seq_len + 1 tokens, the rest padding.
+Documents are told apart by the tokenizer's separators, and each row carries its segment layout
+(segment ids, per-document positions, target weights: `segments`).
 
 Order: train windows are shuffled globally with the seed, each epoch differently: Grain's
 `shuffle` folds the epoch of an index past the end into its seed (seed + epoch), and `repeat()`
@@ -16,12 +22,13 @@ often as asked for.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mintrain.data import sources, tokenizer
+from mintrain.data import records, segments, sources, streaming, tokenizer
 from mintrain.data.sources import DataError
 from mintrain.lazy import lazy_import
 
@@ -29,6 +36,8 @@ grain = lazy_import('grain')  # Loaded when a file source is first read; synthet
 
 if TYPE_CHECKING:
   from mintrain.config import DataConfig
+
+PACKINGS = ('pack', 'pad')
 
 
 class PackedSequences:
@@ -52,10 +61,23 @@ class PackedSequences:
     return np.asarray(self.streams[j][start:start + self.seq_len + 1], dtype=np.int32)
 
 
-def split_inputs_targets(windows_BL: np.ndarray) -> dict[str, np.ndarray]:
-  """(B, seq_len + 1) windows -> next-token inputs and targets, each (B, seq_len) int32."""
-  return {'inputs': np.ascontiguousarray(windows_BL[:, :-1]),
-          'targets': np.ascontiguousarray(windows_BL[:, 1:])}
+class PaddedDocuments:
+  """Random access to one document per int32 (seq_len + 1,) window, PAD past its end; a Grain data source.
+
+  A document runs from its start up to its last target (`segments.documents_with_targets`), truncated
+  to the window; documents with no target (a stream's lone last token) are left out.
+  """
+
+  def __init__(self, streams: Sequence[np.ndarray], seq_len: int, separators: segments.Separators):
+    self.streams, self.seq_len = streams, seq_len
+    self.stream_ids, self.starts, self.ends = segments.documents_with_targets(streams, seq_len, separators)
+
+  def __len__(self) -> int:
+    return len(self.starts)
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    start, end = int(self.starts[index]), int(self.ends[index])
+    return segments.padded_window(self.streams[int(self.stream_ids[index])][start:end], self.seq_len)
 
 
 class ProcessRows:
@@ -78,11 +100,15 @@ class ProcessRows:
 
 
 def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
-                 micro_batch_size: int, rows: np.ndarray, seed: int) -> grain.IterDataset:
+                 micro_batch_size: int, rows: np.ndarray, seed: int,
+                 separators: segments.Separators | None = None,
+                 vocab_size: int | None = None) -> grain.IterDataset:
   """This process's endless local batches of `split`; `iter()` it afresh to restart (e.g. per eval).
 
-  Elements are {'inputs', 'targets'}: int32 (global_batch_size // micro_batch_size * len(rows), seq_len),
-  micro-batch by micro-batch, each holding `rows` of its micro-batch.
+  Elements are {'inputs', 'targets', 'segment_ids', 'positions', 'target_weights'}, each
+  (global_batch_size // micro_batch_size * len(rows), seq_len), micro-batch by micro-batch, each holding
+  `rows` of its micro-batch; `separators` (default: the tokenizer's) tell documents apart. Every id is below
+  `vocab_size` (the model's; default: the tokenizer's), or it is a DataError.
   """
   if not isinstance(seq_len, int) or seq_len < 1:
     raise DataError(f'train.seq_len={seq_len!r} must be a positive integer.')
@@ -91,43 +117,82 @@ def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch
                     f'micro-batch ({micro_batch_size}).')
   if not len(rows) or min(rows) < 0 or max(rows) >= micro_batch_size:
     raise DataError(f'rows {list(rows)} must be some of the micro-batch\'s {micro_batch_size} rows.')
-  streams = sources.load_split(data_cfg, split)
-  windows = PackedSequences(streams, seq_len)
-  if not len(windows):
-    raise DataError(f'The {split} split of {sources.describe(data_cfg)} has {max(len(s) for s in streams)} '
-                    f'tokens in its longest stream, fewer than train.seq_len + 1 = {seq_len + 1}; '
-                    f'lower train.seq_len or add data.')
+  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer or 'byte'))
+  if data_cfg.packing not in PACKINGS:
+    raise DataError(f'data.packing={data_cfg.packing!r}; choose one of {PACKINGS}.')
+  streams = sources.load_split(data_cfg, split, vocab_size=vocab_size)
+  if data_cfg.packing == 'pad':
+    windows = PaddedDocuments(streams, seq_len, separators)
+    if not len(windows):
+      raise DataError(f'The {split} split of {sources.describe(data_cfg)} has no document of two or more '
+                      f"tokens; add data or use data.packing='pack'.")
+  else:
+    windows = PackedSequences(streams, seq_len)
+    if not len(windows):
+      raise DataError(f'The {split} split of {sources.describe(data_cfg)} has {max(len(s) for s in streams)} '
+                      f'tokens in its longest stream, fewer than train.seq_len + 1 = {seq_len + 1}; '
+                      f"lower train.seq_len, add data or use data.packing='pad'.")
   ds = grain.MapDataset.source(windows)
   if split == 'train':
     ds = ds.shuffle(seed=seed % 2**32)
   mine = ProcessRows(ds.repeat(), global_batch_size, micro_batch_size, np.asarray(rows))
-  ds = grain.MapDataset.source(mine).batch(mine.per_step, drop_remainder=True).map(split_inputs_targets)
+  split_batch = functools.partial(segments.split_inputs_targets, separators=separators)
+  ds = grain.MapDataset.source(mine).batch(mine.per_step, drop_remainder=True).map(split_batch)
   threads, prefetch = data_cfg.num_threads, data_cfg.prefetch
   read = grain.ReadOptions(num_threads=min(threads, prefetch), prefetch_buffer_size=prefetch)
   return ds.to_iter_dataset(read)
 
 
+def streamed(data_cfg: DataConfig) -> bool:
+  """Whether the source is read a block at a time (`streaming`) rather than loaded (`sources`)."""
+  return data_cfg.source in (*records.FORMATS, 'mixture')
+
+
 def make_iterator(data_cfg: DataConfig, **layout) -> grain.DatasetIterator:
-  """An iterator over `make_dataset(data_cfg, **layout)`; `get_state()` is a JSON-able dict, `set_state`
-  resumes it."""
+  """An iterator over `make_dataset(data_cfg, **layout)`, or over a streamed source's or mixture's rows
+  (`streaming`); `get_state()` is a JSON-able dict, `set_state` resumes it."""
+  if streamed(data_cfg):
+    return streaming.make_iterator(data_cfg, **layout)
   return iter(make_dataset(data_cfg, **layout))
 
 
 def token_counts(streams: Sequence[np.ndarray]) -> np.ndarray:
-  """int64 (VOCAB_SIZE,) occurrences of each id, read in chunks so a memory-mapped corpus fits."""
-  counts = np.zeros(tokenizer.VOCAB_SIZE, np.int64)
+  """int64 occurrences of each id (up to the largest), read in chunks so a memory-mapped corpus fits."""
+  counts = np.zeros(0, np.int64)
   chunk = 1 << 24
   for stream in streams:
     for start in range(0, len(stream), chunk):
-      counts += np.bincount(np.asarray(stream[start:start + chunk]), minlength=tokenizer.VOCAB_SIZE)
+      part = np.bincount(np.asarray(stream[start:start + chunk]))
+      counts = np.pad(counts, (0, max(len(part) - len(counts), 0)))
+      counts[:len(part)] += part
   return counts
 
 
-def unigram_bits_per_byte(data_cfg: DataConfig, *, split: str = 'eval') -> float:
+def unigram_bits_per_token(data_cfg: DataConfig, *, split: str = 'eval') -> float:
   """Entropy of the split's own token frequencies: the loss a model ignoring context cannot beat.
 
-  Counts every token of the split, BOS included, as the training loss does.
+  Counts every token of the split, BOS and EOS included, as the training loss does when packing (of a
+  streamed source, its first 2**26 tokens; of a mixture, each source's frequencies weighted by its share).
   """
-  counts = token_counts(sources.load_split(data_cfg, split))
+  if streamed(data_cfg):
+    counts = streaming.unigram_counts(data_cfg, split)
+  else:
+    counts = token_counts(sources.load_split(data_cfg, split))
   p = counts[counts > 0] / counts.sum()
   return float(-(p * np.log2(p)).sum())
+
+
+def bytes_per_token(data_cfg: DataConfig, *, split: str = 'eval', max_tokens: int = 1 << 22) -> float:
+  """UTF-8 bytes per token of the split: the tokenizer's own figure where it is fixed (bytes: 1), else
+  measured: the text files' bytes over their tokens (BOS and EOS included, as the loss counts them), or
+  for token files, the bytes their first `max_tokens` tokens decode to."""
+  tok = tokenizer.load(data_cfg.tokenizer)
+  if tok.bytes_per_token is not None:
+    return tok.bytes_per_token
+  if streamed(data_cfg):
+    return streaming.bytes_per_token(data_cfg, split)
+  streams = sources.load_split(data_cfg, split)
+  if data_cfg.source != 'tokens':
+    return sources.text_bytes(data_cfg, split) / sum(len(s) for s in streams)
+  ids = np.concatenate([np.asarray(s[:max_tokens]) for s in streams])[:max_tokens]
+  return len(tok.decode(ids).encode('utf-8')) / len(ids)

@@ -1,17 +1,19 @@
 """Corpora as token streams for one split: the Python standard library, text files, or token files.
 
-A stream is a 1-D array of token ids (uint16 or uint32, in memory or memory-mapped).
+A stream is a 1-D array of token ids (uint16, or uint32 for a vocabulary over 65,536; in memory or
+memory-mapped).
 
 - 'stdlib': the running interpreter's standard library `.py` files (tests and site-packages left
   out), so a real corpus exists wherever Python runs, with no download.
 - 'text': UTF-8 files matching the glob `path`.
 - 'tokens': flat binary files of `token_dtype` ids matching the glob `path`, memory-mapped.
 
-Text sources give one stream per split: each file is a document and each document is preceded by
-BOS. A file belongs to the eval split when the SHA-256 of its path (relative to the stdlib root or
-to the glob's fixed prefix) falls in the first `eval_fraction` of the hash range, so the split is
-the same on every run, machine and process, and adding files never moves the others.
-Token files are taken as they are (their own BOS ids, if any, separate documents); each file is
+Text sources give one stream per split: each file is a document, read and tokenized by a Grain map
+(`data.tokenizer`; `Tokenizer.document` adds its BOS/EOS), and the documents are concatenated. A file
+belongs to the eval split when the SHA-256 of its path (relative to the stdlib root or to the glob's
+fixed prefix) falls in the first `eval_fraction` of the hash range, so the split is the same on every
+run, machine and process, and adding files never moves the others.
+Token files are taken as they are (their own BOS/EOS ids, if any, separate documents); each file is
 one stream whose last `eval_fraction` of tokens is the eval split, so no sequence straddles both.
 """
 
@@ -27,6 +29,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mintrain.data import tokenizer
+from mintrain.lazy import lazy_import
+
+grain = lazy_import('grain')  # Loaded when a text source is first read.
 
 if TYPE_CHECKING:
   from mintrain.config import DataConfig
@@ -37,6 +42,7 @@ TOKEN_DTYPES = ('uint16', 'uint32')
 STDLIB_EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages', 'dist-packages',
                                   '__pycache__'})
 _SCAN_CHUNK = 1 << 24  # Tokens checked per step when validating a token file.
+DOCS_PER_MAP = 64  # Text files tokenized together.
 
 
 class DataError(ValueError):
@@ -86,7 +92,7 @@ def glob_files(pattern: str) -> list[tuple[str, pathlib.Path]]:
   return sorted((os.path.relpath(p, base).replace(os.sep, '/'), p) for p in paths)
 
 
-def _first_bytes(files: list[tuple[str, pathlib.Path]], max_bytes: int) -> list[tuple[str, pathlib.Path]]:
+def first_bytes(files: list[tuple[str, pathlib.Path]], max_bytes: int) -> list[tuple[str, pathlib.Path]]:
   """The leading files, in order, until their total size reaches `max_bytes` (0: all)."""
   if not max_bytes:
     return files
@@ -116,21 +122,11 @@ def read_text(path: pathlib.Path, where: str) -> bytes:
   return raw
 
 
-def join_documents(docs: list[bytes]) -> np.ndarray:
-  """uint16 stream [BOS, doc0..., BOS, doc1..., ...]: byte-level, so a document's ids are its bytes."""
-  out = np.empty(sum(len(d) for d in docs) + len(docs), np.uint16)
-  pos = 0
-  for doc in docs:
-    out[pos] = tokenizer.BOS
-    out[pos + 1:pos + 1 + len(doc)] = np.frombuffer(doc, np.uint8)
-    pos += 1 + len(doc)
-  return out
-
-
-def _text_streams(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
+def _split_files(data_cfg: DataConfig, split: str) -> list[pathlib.Path]:
+  """The text files of `split`, in sorted order; a DataError when there are none."""
   where, fraction = describe(data_cfg), data_cfg.eval_fraction
   files = stdlib_files() if data_cfg.source == 'stdlib' else glob_files(data_cfg.path)
-  files = _first_bytes(files, data_cfg.max_bytes)
+  files = first_bytes(files, data_cfg.max_bytes)
   mine = [path for key, path in files if in_eval(key, fraction) == (split == 'eval')]
   if not mine:
     owner = 'eval' if split == 'train' else 'train'
@@ -138,20 +134,49 @@ def _text_streams(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
     more = ', raise data.max_bytes' if data_cfg.max_bytes else ''
     raise DataError(f'The {split} split of {where} is empty: all {len(files)} file(s) hash into {owner} at '
                     f'data.eval_fraction={fraction}; {change} it{more} or add files.')
-  return [join_documents([read_text(path, where) for path in mine])]
+  return mine
 
 
-def _check_ids(part: np.ndarray, path: pathlib.Path, offset: int) -> None:
+def documents(data_cfg: DataConfig, split: str) -> grain.MapDataset:
+  """The split's documents as lists of token arrays, DOCS_PER_MAP at a time: a Grain map that reads and
+  tokenizes files when asked (together, so the tokenizer's threads encode them in parallel)."""
+  where, tok = describe(data_cfg), tokenizer.load(data_cfg.tokenizer)
+  return (grain.MapDataset.source(_split_files(data_cfg, split))
+          .map(lambda path: read_text(path, where).decode('utf-8'))
+          .batch(DOCS_PER_MAP, batch_fn=list)
+          .map(tok.documents))
+
+
+def text_bytes(data_cfg: DataConfig, split: str) -> int:
+  """UTF-8 bytes of the split's text files (their sizes): what bits per byte divide by."""
+  return sum(path.stat().st_size for path in _split_files(data_cfg, split))
+
+
+def _text_streams(data_cfg: DataConfig, split: str, vocab_size: int) -> list[np.ndarray]:
+  docs = documents(data_cfg, split)
+  tok = tokenizer.load(data_cfg.tokenizer)
+  if tok.vocab_size > vocab_size:
+    raise DataError(f'data.tokenizer={tok.name!r} has {tok.vocab_size} ids, more than the model\'s '
+                    f'vocabulary ({vocab_size}); set model.vocab_size=0 (from the tokenizer) or at least '
+                    f'{tok.vocab_size}.')
+  if tok.bos_id is None and tok.eos_id is None:
+    raise DataError(f'data.tokenizer={tok.name!r} has neither a BOS nor an EOS token to separate documents; '
+                    f'name one (eos_token) in the tokenizer_config.json beside its tokenizer.json.')
+  return [np.concatenate([doc for i in range(len(docs)) for doc in docs[i]])]
+
+
+def _check_ids(part: np.ndarray, path: pathlib.Path, offset: int, vocab_size: int) -> None:
   for start in range(0, len(part), _SCAN_CHUNK):
     chunk = np.asarray(part[start:start + _SCAN_CHUNK])
-    if chunk.max() >= tokenizer.VOCAB_SIZE:
-      at = int(np.argmax(chunk >= tokenizer.VOCAB_SIZE))
-      raise DataError(f'data.path: {path} holds token id {int(chunk[at])} at token {offset + start + at}, '
-                      f'outside the byte vocabulary [0, {tokenizer.VOCAB_SIZE}); re-tokenize it with '
-                      f'mintrain.data.tokenizer or check data.token_dtype.')
+    if chunk.max() >= vocab_size:
+      at = int(np.argmax(chunk >= vocab_size))
+      token = offset + start + at
+      raise DataError(f'data.path: {path} holds token id {int(chunk[at])} at token {token} (byte offset '
+                      f'{token * part.itemsize}), outside the vocabulary [0, {vocab_size}) of {vocab_size} '
+                      f'ids; check data.token_dtype or the tokenizer that wrote it or model.vocab_size.')
 
 
-def _token_streams(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
+def _token_streams(data_cfg: DataConfig, split: str, vocab_size: int) -> list[np.ndarray]:
   dtype_name, fraction = data_cfg.token_dtype, data_cfg.eval_fraction
   if dtype_name not in TOKEN_DTYPES:
     raise DataError(f'data.token_dtype={dtype_name!r}; choose one of {TOKEN_DTYPES}.')
@@ -174,7 +199,7 @@ def _token_streams(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
     cut = len(tokens) - int(len(tokens) * fraction)
     part, offset = (tokens[:cut], 0) if split == 'train' else (tokens[cut:], cut)
     if len(part):
-      _check_ids(part, path, offset)
+      _check_ids(part, path, offset, vocab_size)
       streams.append(part)
     if budget == 0:
       break
@@ -184,8 +209,9 @@ def _token_streams(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
   return streams
 
 
-def load_split(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
-  """The token streams of `split` ('train' or 'eval'), validated; DataError names what to change."""
+def load_split(data_cfg: DataConfig, split: str, *, vocab_size: int | None = None) -> list[np.ndarray]:
+  """The token streams of `split` ('train' or 'eval'), every id below `vocab_size` (the model's; default:
+  the tokenizer's), validated; DataError names what to change."""
   source, fraction = data_cfg.source, data_cfg.eval_fraction
   if source not in SOURCES:
     raise DataError(f'data.source={source!r} is not a file source; choose one of {SOURCES}.')
@@ -197,6 +223,8 @@ def load_split(data_cfg: DataConfig, split: str) -> list[np.ndarray]:
     raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
   if not isinstance(data_cfg.max_bytes, int) or data_cfg.max_bytes < 0:
     raise DataError(f'data.max_bytes={data_cfg.max_bytes!r} must be an integer >= 0 (0: no cap).')
+  if vocab_size is None:
+    vocab_size = tokenizer.load(data_cfg.tokenizer).vocab_size
   if source == 'tokens':
-    return _token_streams(data_cfg, split)
-  return _text_streams(data_cfg, split)
+    return _token_streams(data_cfg, split, vocab_size)
+  return _text_streams(data_cfg, split, vocab_size)

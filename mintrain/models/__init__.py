@@ -41,7 +41,8 @@ def family_for_hf(model_type: str | None) -> str:
       return name
   known = sorted(t for f in FAMILIES.values() if f.hf is not None for t in f.hf.MODEL_TYPES)
   raise ConfigError(f'config.json model_type={model_type!r} is not supported; mintrain reads '
-                    f'{", ".join(known)}.')
+                    f'{", ".join(known)}; convert the checkpoint to one of these, or give a model family '
+                    'that reads it a Hugging Face conversion (`Family.hf`).')
 
 
 def family(name: str) -> Family:

@@ -2,7 +2,8 @@
 
 One table per direction, read by `mintrain.hf`, which knows nothing of any architecture:
   llama    Llama 2 and 3.x (Llama 3.1's RoPE scaling: `rope_type` 'llama3')
-  mistral  as Llama; its sliding window is not applied (sequences longer than it would differ)
+  mistral  as Llama; its sliding window becomes `model.sliding_window`, which mintrain does not apply but
+           checks: a sequence longer than the window is an error (within it, attention is the same)
   qwen2    biases on the query, key and value projections
   gemma    (first generation) norms scaling by (1 + w), embeddings times sqrt(hidden), GeGLU, tied output
   mixtral    Mistral with a mixture of experts in every block (dropless, top-k renormalised)
@@ -13,15 +14,15 @@ transformers 5.x keeps RoPE settings under `rope_parameters`; older files under 
 
 Weights: `transformers` stores a projection as (out, in); mintrain stores (in, heads, head_dim) and
 (heads, head_dim, out). Each mintrain parameter maps to one tensor by one `Kind` of reshaping, which also
-maps any rectangular slice of it to one rectangular read of the tensor (`hf.py` reads slices lazily).
+maps any rectangular slice of it to one rectangular slice of the tensor, read block by block (`read`).
 A mixture's experts (E, ...) are E tensors, one per expert (transformers 5 fuses them in memory but
-saves them so): their names are a tuple, and each expert's slice is read as its tensor's.
+saves them so): their names are a tuple, and each expert's slice is read from its own tensor.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,8 @@ def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
   if rope_type not in ('default', 'llama3'):
     raise ConfigError(f"config.json rope type {rope_type!r} is not supported; mintrain reads 'default' and "
-                      "'llama3'.")
+                      "'llama3' (Llama 3.1) RoPE, and a model trained with another would give other logits: "
+                      'load a checkpoint of a model that uses one of these.')
   activation = hf.get('hidden_activation') or hf.get('hidden_act', 'silu')
   if activation not in ACTIVATIONS:
     raise ConfigError(f'config.json hidden_act={activation!r} is not supported; mintrain reads '
@@ -70,6 +72,7 @@ def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
       'rope_base': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0))),
       'norm_eps': float(hf.get('rms_norm_eps', 1e-6)), 'norm_plus_one': gemma, 'embed_scale': gemma,
       'qkv_bias': model_type in QKV_BIAS, 'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
+      'sliding_window': sliding_window(hf),
   }
   options |= _moe_options(hf)
   if rope_type == 'llama3':
@@ -103,6 +106,20 @@ def _moe_options(hf: Mapping[str, Any]) -> dict[str, Any]:
   return {}
 
 
+def sliding_window(hf: Mapping[str, Any]) -> int:
+  """The attention window of a config.json's layers, 0 for none: Mistral's `sliding_window`; Qwen2's when
+  `use_sliding_window`, on the layers that `layer_types` (or, in older files, `max_window_layers`) say."""
+  window = hf.get('sliding_window') or 0
+  if not hf.get('use_sliding_window', True):
+    return 0
+  layer_types = hf.get('layer_types')
+  if layer_types is not None:
+    return window if 'sliding_attention' in layer_types else 0
+  if hf['num_hidden_layers'] <= hf.get('max_window_layers', 0):
+    return 0
+  return window
+
+
 def _model_type(cfg: Any) -> str:
   """The Hugging Face architecture of a transformer-family model config, or a ConfigError."""
   if cfg.num_experts:
@@ -118,8 +135,11 @@ def _model_type(cfg: Any) -> str:
     if not (cfg.norm_plus_one and cfg.embed_scale and cfg.mlp_activation == 'gelu_tanh'):
       raise ConfigError('Only the Gemma combination of norm_plus_one, embed_scale and '
                         "mlp_activation='gelu_tanh' has a Hugging Face architecture.")
+    if cfg.sliding_window:
+      raise ConfigError(f'model.sliding_window={cfg.sliding_window}: Gemma (first generation) has no sliding '
+                        'window; set it to 0 to export.')
     return 'gemma'
-  return 'qwen2' if cfg.qkv_bias else 'llama'
+  return 'qwen2' if cfg.qkv_bias else 'mistral' if cfg.sliding_window else 'llama'
 
 
 def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
@@ -149,6 +169,10 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
             'shared_expert_intermediate_size': cfg.shared_expert_dim, 'decoder_sparse_step': cfg.moe_every,
             'norm_topk_prob': cfg.router_norm_topk, 'mlp_only_layers': [], 'qkv_bias': True,
             'use_sliding_window': False, 'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
+  if cfg.sliding_window:  # On every layer, as mintrain's option means it.
+    out['sliding_window'] = cfg.sliding_window
+    if model_type in QKV_BIAS:  # Qwen2 and Qwen2-MoE.
+      out |= {'use_sliding_window': True, 'max_window_layers': 0}
   return out
 
 
@@ -214,24 +238,70 @@ def their_shape(kind: Kind, shape: tuple[int, ...]) -> tuple[int, ...]:
   return (shape[0] * shape[1],)
 
 
-def read(kind: Kind, tensor: Any, index: tuple[slice, ...], head_dim: int) -> np.ndarray:
-  """Our parameter's `index` (slices with explicit bounds) read from `tensor` (anything indexable by
-  slices, e.g. a lazy safetensors slice): one rectangular read, then the reshaping."""
-  if kind is Kind.SAME:
-    return np.asarray(tensor[index])
-  if kind is Kind.T:
-    return np.asarray(tensor[index[::-1]]).T
+def their_index(kind: Kind, index: tuple[slice, ...], head_dim: int) -> tuple[slice, ...]:
+  """The rectangle of the Hugging Face tensor that our parameter's `index` (slices with explicit bounds)
+  reads: (rows, columns), or (rows,) of a vector."""
   k = head_dim
+  if kind is Kind.SAME:
+    return index
+  if kind is Kind.T:
+    return index[::-1]
   if kind is Kind.IN_HEADS:  # ours (D, N, K)[d, n, kk] = theirs[n*K + kk, d]
-    d, n, kk = index
-    rows = np.asarray(tensor[n.start * k:n.stop * k, d])
-    return rows.T.reshape(d.stop - d.start, n.stop - n.start, k)[:, :, kk]
+    return slice(index[1].start * k, index[1].stop * k), index[0]
   if kind is Kind.HEADS_OUT:  # ours (N, K, D)[n, kk, d] = theirs[d, n*K + kk]
-    n, kk, d = index
-    cols = np.asarray(tensor[d, n.start * k:n.stop * k])
-    return cols.T.reshape(n.stop - n.start, k, d.stop - d.start)[:, kk, :]
-  n, kk = index  # HEADS: ours (N, K)[n, kk] = theirs[n*K + kk]
-  return np.asarray(tensor[n.start * k:n.stop * k]).reshape(n.stop - n.start, k)[:, kk]
+    return index[2], slice(index[0].start * k, index[0].stop * k)
+  return (slice(index[0].start * k, index[0].stop * k),)  # HEADS: ours (N, K)[n, kk] = theirs[n*K + kk]
+
+
+def _place(kind: Kind, rows: np.ndarray, offset: int, index: tuple[slice, ...], head_dim: int,
+           out: np.ndarray) -> None:
+  """Writes into `out` (our `index`) the part that `rows` of its rectangle (`their_index`) hold, which
+  start `offset` rows into it."""
+  k, n = head_dim, len(rows)
+  if kind is Kind.SAME:
+    out[offset:offset + n] = rows
+  elif kind is Kind.T:
+    out[:, offset:offset + n] = rows.T
+  elif kind is Kind.IN_HEADS:  # Rows of whole heads: (heads, K, D), our head dims picked, to (D, heads, K).
+    out[:, offset // k:(offset + n) // k] = rows.reshape(n // k, k, -1)[:, index[2]].transpose(2, 0, 1)
+  elif kind is Kind.HEADS_OUT:  # Rows of D: to (N, K, D), our head dims picked.
+    out[:, :, offset:offset + n] = rows.T.reshape(out.shape[0], k, n)[:, index[1]]
+  else:
+    out[offset // k:(offset + n) // k] = rows.reshape(n // k, k)[:, index[1]]
+
+
+def read(kind: Kind, tensor: Any, targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+         head_dim: int) -> None:
+  """Fills each target's array with our parameter's slice `index` (slices with explicit bounds) of
+  `targets` [(index, array)], read from `tensor` (`safetensors_reader.Tensor`) in one pass over the rows
+  that any of them needs, a block at a time: the devices of a process share each read, and nothing but
+  the targets is slice-sized. Rows of heads are read whole heads at a time."""
+  wanted = [(their_index(kind, index, head_dim), index, out) for index, out in targets]
+  columns = ()
+  if len(tensor.shape) == 2:
+    columns = (slice(min(w[0][1].start for w in wanted), max(w[0][1].stop for w in wanted)),)
+  multiple = head_dim if kind in (Kind.IN_HEADS, Kind.HEADS) else 1
+  for rows in _merged(sorted(w[0][0] for w in wanted)):
+    for start, block in tensor.blocks((rows, *columns), rows_multiple=multiple):
+      start += rows.start
+      for (their_rows, *their_columns), index, out in wanted:
+        first, last = max(their_rows.start, start), min(their_rows.stop, start + len(block))
+        if first < last:
+          part = block[first - start:last - start]
+          if columns:
+            part = part[:, their_columns[0].start - columns[0].start:their_columns[0].stop - columns[0].start]
+          _place(kind, part, first - their_rows.start, index, head_dim, out)
+
+
+def _merged(intervals: Sequence[slice]) -> list[slice]:
+  """Sorted intervals with those that overlap or touch merged."""
+  out: list[slice] = []
+  for s in intervals:
+    if out and s.start <= out[-1].stop:
+      out[-1] = slice(out[-1].start, max(out[-1].stop, s.stop))
+    else:
+      out.append(s)
+  return out
 
 
 def write(kind: Kind, value: np.ndarray) -> np.ndarray:

@@ -74,10 +74,13 @@ class MLP(nnx.Module):
         x = dropout(jax.nn.relu(x), self.cfg.dropout_rate, key)
     return x.astype(jnp.float32)
 
-  def loss(self, inputs_BD: jax.Array, labels_B: jax.Array, *,
-           dropout_key: jax.Array | None = None) -> jax.Array:
-    """Mean cross-entropy of the class predictions against `labels_B`."""
-    return cross_entropy(self(inputs_BD, dropout_key=dropout_key), labels_B)
+  def loss(self, batch: dict[str, jax.Array], *,
+           dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(mean cross-entropy of the class predictions against the labels 'targets', the examples' count, no
+    statistics)."""
+    labels_B = batch['targets']
+    logits_BC = self(batch['inputs'], dropout_key=dropout_key)
+    return cross_entropy(logits_BC, labels_B), jnp.float32(labels_B.size), {}
 
 
 def _dims(cfg: MLPConfig) -> tuple[int, ...]:

@@ -26,7 +26,9 @@ the devices of an expert group hold different sequences, in the MoE layers and o
 Auxiliary losses, averaged over tokens: the load-balancing loss E * sum_e f_e * p_e (Switch Transformer;
 f_e the share of the top-k choices that picked expert e, p_e its mean router probability; 1 when
 balanced) and the router z-loss mean(logsumexp(logits)^2) (ST-MoE). The layer returns them with the
-routing statistics: each expert's share of the choices and the dropped fraction.
+routing statistics: each expert's share of the choices and the dropped fraction. Padding tokens (those a
+packed or padded batch marks with segment 0) are not routed: they take no slot, so they never push a real
+token's choice out, and count in neither the losses nor the statistics.
 """
 
 from __future__ import annotations
@@ -63,18 +65,25 @@ def route(logits_BLE: jax.Array, k: int, norm_topk: bool) -> tuple[jax.Array, ja
   return probs_BLE, weights_BLA, experts_BLA
 
 
-def slots(experts_BLA: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
+def slots(experts_BLA: jax.Array, num_experts: int, cap: int,
+          tokens_BL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(slot_BLA, kept_BLA): each choice's slot e * C + position in its expert's queue, and whether it fits.
 
   Positions count, per sequence and expert, the choices before it in priority order: all first choices
-  in position order, then all second choices, ...
+  in position order, then all second choices, ... Where `tokens_BL` (bool) is False (padding), the
+  choices queue for nothing and are not kept.
   """
   b, length, k = experts_BLA.shape
   onehot_BALE = jax.nn.one_hot(jnp.swapaxes(experts_BLA, 1, 2), num_experts, dtype=jnp.int32)
+  if tokens_BL is not None:
+    onehot_BALE = onehot_BALE * tokens_BL[:, None, :, None].astype(jnp.int32)
   onehot_BNE = onehot_BALE.reshape(b, k * length, num_experts)  # N: choices in priority order.
   position_BN = jnp.sum((jnp.cumsum(onehot_BNE, axis=1) - 1) * onehot_BNE, axis=-1)
   position_BLA = jnp.swapaxes(position_BN.reshape(b, k, length), 1, 2)
-  return experts_BLA * cap + position_BLA, position_BLA < cap
+  kept_BLA = position_BLA < cap
+  if tokens_BL is not None:
+    kept_BLA = kept_BLA & tokens_BL[:, :, None]
+  return experts_BLA * cap + position_BLA, kept_BLA
 
 
 def _dispatch(x_LD: jax.Array, slot_LA: jax.Array, kept_LA: jax.Array, num_slots: int) -> jax.Array:
@@ -128,6 +137,27 @@ def _names(axes: tuple[str, ...]) -> str:
   return ' x '.join(axes) or 'none'
 
 
+def statistics(logits_BLE: jax.Array, probs_BLE: jax.Array, experts_BLA: jax.Array, kept_BLA: jax.Array,
+               tokens_BL: jax.Array | None) -> dict[str, jax.Array]:
+  """The auxiliary losses and routing statistics, averaged over the routed tokens (`tokens_BL`; None: all)."""
+  e, k = logits_BLE.shape[-1], experts_BLA.shape[-1]
+  weight_BL = jnp.ones_like(logits_BLE[..., 0]) if tokens_BL is None else tokens_BL.astype(jnp.float32)
+  routed = jnp.maximum(jnp.sum(weight_BL), 1.0)
+
+  def mean(x_BL: jax.Array) -> jax.Array:
+    return jnp.sum(x_BL * weight_BL) / routed
+
+  onehot_BLAE = jax.nn.one_hot(experts_BLA, e, dtype=jnp.float32)
+  share_E = jnp.sum(onehot_BLAE * weight_BL[:, :, None, None], axis=(0, 1, 2)) / (routed * k)
+  prob_E = jnp.sum(probs_BLE * weight_BL[:, :, None], axis=(0, 1)) / routed
+  return {
+      'load_balance_loss': e * jnp.sum(share_E * prob_E),
+      'router_z_loss': mean(jnp.square(jax.nn.logsumexp(logits_BLE, axis=-1))),
+      'dropped_fraction': 1.0 - mean(jnp.mean(kept_BLA.astype(jnp.float32), axis=-1)),
+      'expert_share': share_E,
+  }
+
+
 class MoE(nnx.Module):
   """The MLP of a mixture-of-experts block: (x_BLD) -> (y_BLD, statistics)."""
 
@@ -148,15 +178,18 @@ class MoE(nnx.Module):
       self.shared_wo_FD = param(rngs, dense, (s, d), ('mlp', 'embed'), dtype, rules)
     self.cfg, self.rules, self.activation = cfg, rules, activation
 
-  def __call__(self, x_BLD: jax.Array, *, dropless: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`dropless=True` gives every expert L slots whatever the capacity factor (sampling)."""
+  def __call__(self, x_BLD: jax.Array, *, tokens_BL: jax.Array | None = None,
+               dropless: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`tokens_BL` (bool; None: all) marks the tokens to route: the others (padding) take no slot, get
+    zeros and count in no statistic. `dropless=True` gives every expert L slots whatever the capacity
+    factor (sampling)."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
     e, k, length = cfg.num_experts, cfg.experts_per_token, x_BLD.shape[1]
     logits_BLE = jnp.einsum('BLD,DE->BLE', x_BLD, gather(self.router_DE, rules, dtype),
                             preferred_element_type=jnp.float32)
     probs_BLE, weights_BLA, experts_BLA = route(logits_BLE, k, cfg.router_norm_topk)
     cap = capacity(length, e, k, 0.0 if dropless else cfg.capacity_factor)
-    slot_BLA, kept_BLA = slots(experts_BLA, e, cap)
+    slot_BLA, kept_BLA = slots(experts_BLA, e, cap, tokens_BL)
     tokens, w_in, w_out, expert_axes, mlp_axes = expert_layout(rules)
     choice = P(tokens[0], None, None)
     body = jax.shard_map(
@@ -169,14 +202,7 @@ class MoE(nnx.Module):
     y_BLD = rules.reshard(y_BLD, BLD)
     if cfg.shared_expert_dim:
       y_BLD = y_BLD + self._shared(x_BLD)
-    share_E = jnp.mean(jax.nn.one_hot(experts_BLA, e, dtype=jnp.float32), axis=(0, 1, 2))
-    stats = {
-        'load_balance_loss': e * jnp.sum(share_E * jnp.mean(probs_BLE, axis=(0, 1))),
-        'router_z_loss': jnp.mean(jnp.square(jax.nn.logsumexp(logits_BLE, axis=-1))),
-        'dropped_fraction': 1.0 - jnp.mean(kept_BLA.astype(jnp.float32)),
-        'expert_share': share_E,
-    }
-    return y_BLD, stats
+    return y_BLD, statistics(logits_BLE, probs_BLE, experts_BLA, kept_BLA, tokens_BL)
 
   def _shared(self, x_BLD: jax.Array) -> jax.Array:
     rules, dtype = self.rules, x_BLD.dtype

@@ -15,6 +15,12 @@ it more ways than G divides, they are replicated instead (`for_mesh`, reported b
 sampling: it appends the keys and values of new tokens to a per-layer cache and
 attends over it, so each new token costs one step instead of a re-run of the prefix.
 
+Packed rows (`mintrain.data.pipeline`) hold several documents. Their `segment_ids_BL` (which
+document of the row each token is in; 0 is padding) and `positions_BL` (its position in that
+document) make each document's tokens attend only to earlier tokens of the same document, rotated
+for their own positions, so a document's predictions are those it would get alone; `loss` counts
+only the targets its batch's `target_weights` count. Without them a row is one sequence.
+
 Performance options (`TransformerConfig`), each computing the same function as the default:
   remat        recompute each block's activations in the backward pass instead of keeping them.
   scan_layers  parameters stacked on a leading `layers` axis and the blocks run by one `scan`,
@@ -30,8 +36,9 @@ Performance options (`TransformerConfig`), each computing the same function as t
 
 Mixture of experts (`num_experts` > 0): every `moe_every`-th block's MLP is an `moe.MoE` layer of that many
 experts, `experts_per_token` of them per token, split over the `expert` mesh axis; the others stay dense.
-`loss` then returns (loss, statistics): `aux_loss` (the router's weighted balancing and z-losses, which the
-train step adds to the objective) and the routing statistics, averaged over the MoE layers.
+`loss`'s statistics then hold `aux_loss` (the router's weighted balancing and z-losses, which the train
+step adds to the objective) and the routing statistics, averaged over the MoE layers; padding (segment 0)
+takes no expert's slot and counts in none of them.
 
 `FAMILY` is what the rest of mintrain knows of this model (`mintrain.models.family`).
 """
@@ -41,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +115,7 @@ def _even(value: int) -> str | None:
 class TransformerConfig:
   """The `model` section of a transformer run; configs/base.py has the defaults and their meaning."""
 
-  vocab_size: int = option(at_least=1)
+  vocab_size: int = option(at_least=0)  # 0 until `for_tokenizer` sets it.
   embed_dim: int = option(at_least=1)
   num_layers: int = option(at_least=1)
   num_heads: int = option(at_least=1)
@@ -126,6 +134,9 @@ class TransformerConfig:
   norm_plus_one: bool = option()  # Gemma: norms scale by (1 + weight), weights drawn as zeros.
   embed_scale: bool = option()  # Gemma: embeddings times sqrt(embed_dim) (not the tied output layer).
   qkv_bias: bool = option()  # Qwen2: biases on the query, key and value projections.
+  # Mistral: each position attends over the last `sliding_window` only. Not applied: a longer sequence is
+  # refused (`check_window`), so attention is always the same as the checkpoint's model's; 0: no window.
+  sliding_window: int = option(at_least=0)
   mlp_activation: str = option(choices=tuple(ACTIVATIONS))
   dropout_rate: float = option(at_least=0, below=1)
   param_dtype: str = option(choices=DTYPES)
@@ -171,6 +182,13 @@ class TransformerConfig:
     return sum(self.is_moe(i) for i in range(self.num_layers))
 
 
+def for_tokenizer(cfg: TransformerConfig, num_ids: Callable[[], int]) -> TransformerConfig:
+  """model.vocab_size=0 takes the tokenizer's ids, padded to a multiple of 128 so `vocab` splits."""
+  if cfg.vocab_size:
+    return cfg
+  return dataclasses.replace(cfg, vocab_size=tokenizer.padded_vocab_size(num_ids()))
+
+
 def check(cfg: TransformerConfig, seq_len: int) -> None:
   if cfg.rope_scaling == 'llama3' and cfg.rope_high_freq_factor <= cfg.rope_low_freq_factor:
     raise ConfigError(f'model.rope_high_freq_factor={cfg.rope_high_freq_factor} must be above '
@@ -179,6 +197,7 @@ def check(cfg: TransformerConfig, seq_len: int) -> None:
     raise ConfigError(f'model.num_kv_heads={cfg.num_kv_heads} must divide model.num_heads={cfg.num_heads} '
                       '(each key/value head serves the same number of query heads), or be 0 (as many as '
                       'num_heads).')
+  check_window(cfg, seq_len, f'train.seq_len={seq_len}')
   if cfg.num_experts and cfg.experts_per_token > cfg.num_experts:
     raise ConfigError(f'model.experts_per_token={cfg.experts_per_token} must be at most model.num_experts='
                       f'{cfg.num_experts}.')
@@ -191,6 +210,14 @@ def check(cfg: TransformerConfig, seq_len: int) -> None:
     raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} must be 0 (logits, then the loss), a positive '
                       f'divisor of train.seq_len={seq_len} (the fused loss over that many chunks), '
                       'or -1 (auto).')
+
+
+def check_window(cfg: TransformerConfig, length: int, what: str) -> None:
+  """A ConfigError when sequences of `length` positions (`what`) outrun the model's sliding window."""
+  if cfg.sliding_window and length > cfg.sliding_window:
+    raise ConfigError(f'{what} is longer than model.sliding_window={cfg.sliding_window}: the model attends '
+                      'over that many positions only, a window mintrain does not apply; use sequences of at '
+                      f'most {cfg.sliding_window} positions (train.seq_len <= {cfg.sliding_window}).')
 
 
 def for_mesh(cfg: TransformerConfig, platform: str, ways: Ways) -> TransformerConfig:
@@ -232,21 +259,26 @@ def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
   return jnp.asarray(np.where(medium, blended, scaled), jnp.float32)
 
 
-def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_L: jax.Array | None = None) -> jax.Array:
+def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
   """Rotary position embedding on the last dimension (split-half convention, as `transformers`).
 
-  `positions_L` are the absolute positions of the L tokens (default 0..L-1): a
-  decode step passes its offset, so a token is rotated the same as in training.
+  `positions_BL` ((B or 1, L)) are the tokens' positions (default 0..L-1): a decode step passes its
+  offset, so a token is rotated the same as in training; packed rows pass each document's own.
   """
   _, seq_len, _, head_dim = x_BLHK.shape
   half = head_dim // 2
-  if positions_L is None:
-    positions_L = jnp.arange(seq_len)
-  angle_LK = positions_L.astype(jnp.float32)[:, None] * inv_freq_K[None, :]
-  sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
+  if positions_BL is None:
+    positions_BL = jnp.arange(seq_len)[None, :]
+  angle_BLK = positions_BL.astype(jnp.float32)[:, :, None] * inv_freq_K[None, None, :]
+  sin, cos = jnp.sin(angle_BLK)[:, :, None, :], jnp.cos(angle_BLK)[:, :, None, :]
   x = x_BLHK.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
+
+
+def same_segment(segment_ids_BL: jax.Array) -> jax.Array:
+  """bool (B, 1, L, L): whether query l and key m are in the same document of their row (heads broadcast)."""
+  return (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
 
 
 def kv_layout(cfg: TransformerConfig) -> tuple[str | None, ...]:
@@ -275,24 +307,28 @@ class Attention(nnx.Module):
     self.wo_HKD = param(rngs, out_init, (h, k, d), ('heads', 'kv', 'embed'), dtype, rules)
     self.cfg, self.rules = cfg, rules
 
-  def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, None)
+  def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None = None,
+               positions_BL: jax.Array | None = None) -> jax.Array:
+    """Causal attention; with `segment_ids_BL`, also only within each token's document."""
+    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, positions_BL)
     k_BMHK, v_BMHK = self._repeat_kv(k_BMGK), self._repeat_kv(v_BMGK)
+    same_B1LM = None if segment_ids_BL is None else same_segment(segment_ids_BL)
     if self.cfg.attention == 'dot_product':
+      # On cuDNN the mask becomes an additive bias, which its flash attention takes.
       implementation = attention_kernel(self.cfg.platform, q_BLHK.dtype, self.cfg.head_dim)
-      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, is_causal=True,
+      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, mask=same_B1LM, is_causal=True,
                                               scale=self.cfg.head_dim ** -0.5, implementation=implementation)
       return self._project(out_BLHK)
     seq_len = x_BLD.shape[1]
-    causal_LM = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-    return self._attend(q_BLHK, k_BMHK, v_BMHK, causal_LM)
+    visible_LM = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_LM if same_B1LM is None else visible_LM & same_B1LM)
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attention of L new tokens at positions start.. over the cache, which they are written into first."""
     rules = self.rules
     positions_L = start + jnp.arange(x_BLD.shape[1])
-    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L)
+    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L[None, :])
     keys_BSGK, values_BSGK = kv
     layout = kv_layout(self.cfg)
     keys_BSGK = rules.reshard(jax.lax.dynamic_update_slice(
@@ -304,7 +340,7 @@ class Attention(nnx.Module):
     out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS)
     return out_BLD, (keys_BSGK, values_BSGK)
 
-  def _qkv(self, x_BLD: jax.Array, positions_L: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def _qkv(self, x_BLD: jax.Array, positions_BL: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries (BLHK) and keys (BLGK) rotated for their positions, and values (BLGK)."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
     custom_vjp = cfg.linear == 'custom_vjp'
@@ -323,8 +359,8 @@ class Attention(nnx.Module):
       k_BLGK = k_BLGK + gather(self.bk_GK, rules, dtype)
       v_BLGK = v_BLGK + gather(self.bv_GK, rules, dtype)
     inv_freq_K = rope_frequencies(cfg)
-    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_L), BLHK)
-    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_L), layout)
+    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_BL), BLHK)
+    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_BL), layout)
     return q_BLHK, k_BLGK, rules.reshard(v_BLGK, layout)
 
   def _repeat_kv(self, x_BMGK: jax.Array) -> jax.Array:
@@ -339,7 +375,8 @@ class Attention(nnx.Module):
 
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
               visible_LM: jax.Array) -> jax.Array:
-    """Softmax attention of each query over the keys it may see, then the output projection."""
+    """Softmax attention of each query over the keys it may see (`visible_LM`, (L, M) or per row
+    (B, 1, L, M)), then the output projection."""
     cfg, dtype = self.cfg, q_BLHK.dtype
     scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
     scores_BHLM = scores_BHLM * cfg.head_dim ** -0.5
@@ -406,11 +443,16 @@ class Block(nnx.Module):
                 else GatedMLP(cfg, rules=rules, rngs=rngs))
     self.rules, self.dropout_rate, self.moe_layer = rules, cfg.dropout_rate, moe_layer
 
-  def __call__(self, x_BLD: jax.Array, key: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(self, x_BLD: jax.Array, key: jax.Array | None, segment_ids_BL: jax.Array | None = None,
+               positions_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     keys = jax.random.split(key) if key is not None else (None, None)
-    x_BLD = x_BLD + dropout(self.attn(self.attn_norm(x_BLD)), self.dropout_rate, keys[0])
+    attn_BLD = self.attn(self.attn_norm(x_BLD), segment_ids_BL, positions_BL)
+    x_BLD = x_BLD + dropout(attn_BLD, self.dropout_rate, keys[0])
     h_BLD = self.mlp_norm(x_BLD)
-    mlp_BLD, stats = self.mlp(h_BLD) if self.moe_layer else (self.mlp(h_BLD), {})
+    if self.moe_layer:  # Padding (segment 0) neither takes an expert's slot nor counts in the statistics.
+      mlp_BLD, stats = self.mlp(h_BLD, tokens_BL=None if segment_ids_BL is None else segment_ids_BL > 0)
+    else:
+      mlp_BLD, stats = self.mlp(h_BLD), {}
     x_BLD = x_BLD + dropout(mlp_BLD, self.dropout_rate, keys[1])
     return self.rules.reshard(x_BLD, BLD), stats
 
@@ -443,22 +485,34 @@ class Transformer(nnx.Module):
                               ('embed', 'vocab'), dtype, rules)
     self.cfg, self.rules = cfg, rules
 
-  def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+  def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
+               segment_ids_BL: jax.Array | None = None, positions_BL: jax.Array | None = None) -> jax.Array:
+    """Logits; with `segment_ids_BL` and `positions_BL`, of packed documents (see the module doc)."""
     table_VD, x_BLD = self._embed(tokens_BL)
-    return self._logits(self._run_blocks(x_BLD, dropout_key)[0], table_VD)
+    x_BLD = self._run_blocks(x_BLD, dropout_key, segment_ids_BL, positions_BL)[0]
+    return self._logits(x_BLD, table_VD)
 
-  def loss(self, tokens_BL: jax.Array, targets_BL: jax.Array, *,
-           dropout_key: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean cross-entropy of the next-token predictions against `targets_BL`; with MoE layers, also their
-    statistics (`moe_statistics`)."""
-    table_VD, x_BLD = self._embed(tokens_BL)
-    x_BLD, stats = self._run_blocks(x_BLD, dropout_key)
+  def loss(self, batch: dict[str, jax.Array], *, dropout_key: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(mean cross-entropy of the next-token predictions over the targets that count, their count,
+    statistics): with MoE layers, their `moe_statistics` ({} without).
+
+    `batch` holds 'inputs' and 'targets' (B, L) int32 and, from packed or padded rows, 'segment_ids',
+    'positions' (B, L) int32 and 'target_weights' (B, L) float32 (`mintrain.data.pipeline`); without
+    them every target counts and a row is one sequence.
+    """
+    targets_BL = batch['targets']
+    weights_BL = batch.get('target_weights')
+    if weights_BL is None:
+      weights_BL = jnp.ones(targets_BL.shape, jnp.float32, out_sharding=jax.typeof(targets_BL).sharding)
+    table_VD, x_BLD = self._embed(batch['inputs'])
+    x_BLD, stats = self._run_blocks(x_BLD, dropout_key, batch.get('segment_ids'), batch.get('positions'))
     if self.cfg.loss_chunks <= 0:
-      loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL)
+      loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL, weights_BL)
     else:
-      loss = fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, self.rules,
-                                 self.cfg.loss_chunks)
-    return (loss, moe_statistics(self.cfg, stats)) if stats else loss
+      loss = fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, weights_BL,
+                                 self.rules, self.cfg.loss_chunks)
+    return loss, jnp.sum(weights_BL), moe_statistics(self.cfg, stats) if stats else {}
 
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
              start: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -478,20 +532,26 @@ class Transformer(nnx.Module):
   def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
     """Zero keys and values for `max_len` positions in every layer, laid out (under a mesh) as the
     attention's keys and values (batch, length, kv heads, kv), so it is split like what fills it."""
+    check_window(self.cfg, max_len, f'a KV cache of {max_len} positions (prompt and new tokens)')
     shape = (batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
     spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(kv_layout(self.cfg))
     return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
             for _ in range(self.cfg.num_layers)]
 
-  def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None
-                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None,
+                  segment_ids_BL: jax.Array | None = None,
+                  positions_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Every block in turn: unrolled, or one `scan` over the stacked layers; rematerialised as configured.
     Returns the output and the MoE layers' statistics, each stacked on a leading layer axis ({} if none)."""
-    cfg = self.cfg
+    cfg, rules = self.cfg, self.rules
+    if segment_ids_BL is not None:
+      segment_ids_BL = rules.reshard(segment_ids_BL, ('batch', 'length'))
+    if positions_BL is not None:
+      positions_BL = rules.reshard(positions_BL, ('batch', 'length'))
 
     def run(make_block, params, x_BLD: jax.Array, i: jax.Array | int):
       key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None
-      return make_block(params)(x_BLD, key)
+      return make_block(params)(x_BLD, key, segment_ids_BL, positions_BL)
 
     if cfg.remat != 'none':
       # A scan already keeps XLA from merging the recomputation back into the forward pass.
@@ -522,6 +582,7 @@ class Transformer(nnx.Module):
   def _embed(self, tokens_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(table_VD in its compute layout, x_BLD); the table is reused by a tied output layer."""
     rules = self.rules
+    check_window(self.cfg, tokens_BL.shape[1], f'a sequence of {tokens_BL.shape[1]} tokens')
     table_VD = gather(self.embedding_VD, rules, jnp.dtype(self.cfg.compute_dtype))
     x_BLD = table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD))
     if self.cfg.embed_scale:  # Rounded to the compute dtype first, as Gemma's `normalizer`.
@@ -638,6 +699,8 @@ FAMILY = Family(
     for_mesh=for_mesh,
     notes=notes,
     hf=hf_llama,
-    eval_metrics=lambda cfg, loss: {'eval_bits_per_byte': tokenizer.bits_per_byte(loss)},
+    eval_metrics=lambda cfg, loss: {'eval_bits_per_token': loss / math.log(2)},
+    vocab_size=lambda cfg: cfg.vocab_size,
+    for_tokenizer=for_tokenizer,
     check=check,
 )

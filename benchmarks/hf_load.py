@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Loading a Hugging Face checkpoint (`hf.load_params`): time against reading the same file, and memory.
+
+Writes a float32 Llama-shaped safetensors checkpoint (vocab 32000, hidden 1024, 2 layers, tied: 234 MB),
+then times reading the whole file (16 MB `readinto`s) and loading it on 8 CPU devices, in one process
+and in two (`scripts/launch_local.py`, 4 devices each). "cold" evicts the file from the page cache first
+(`posix_fadvise(DONTNEED)` after an fsync), so its bytes come from the disk; "warm" reads them from the
+cache. Each load runs in a fresh process, which reports its time and its peak resident memory growth
+while loading (`VmHWM` after `/proc/self/clear_refs`), against the checkpoint's size.
+
+  python benchmarks/hf_load.py          # ~1 min on 2 CPU cores
+  python benchmarks/hf_load.py --smoke  # a 1 MB checkpoint, fsdp8 in one and two processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+from benchmarks import harness  # noqa: E402
+
+MODEL = {'vocab_size': 32000, 'hidden_size': 1024, 'intermediate_size': 2816, 'num_hidden_layers': 2,
+         'num_attention_heads': 8}
+SMOKE_MODEL = {'vocab_size': 1024, 'hidden_size': 128, 'intermediate_size': 256, 'num_hidden_layers': 1,
+               'num_attention_heads': 8}
+MESHES = {'fsdp8': (1, 8, 1), 'tp8': (1, 1, 8), 'dp4_tp2': (4, 1, 2)}  # (data, fsdp, model).
+# (processes, mesh, page cache) of each load measured; every one in fresh processes.
+LOADS = [(1, 'fsdp8', 'cold'), (1, 'fsdp8', 'warm'), (1, 'tp8', 'warm'), (1, 'dp4_tp2', 'warm'),
+         (2, 'fsdp8', 'cold'), (2, 'fsdp8', 'warm')]
+SMOKE_LOADS = [(1, 'fsdp8', 'warm'), (2, 'fsdp8', 'warm')]
+REPEATS = 3  # Reads of the file per cache state (the median is reported).
+RESULT = 'RESULT '  # The line a measuring process prints.
+# x_read: wall time over the file read's from the same cache; read_MiB: bytes read (the process that read
+# most); peak_growth_MiB: of the process that grew most.
+HEADER = ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'read_MiB',
+          'peak_growth_MiB', 'growth / ckpt']
+
+
+def write_checkpoint(directory: pathlib.Path, model: dict[str, int]) -> int:
+  """A random float32 Llama checkpoint of `model`'s sizes in `directory`; returns the file's bytes."""
+  import numpy as np
+  from safetensors.numpy import save_file
+
+  d, f, layers = model['hidden_size'], model['intermediate_size'], model['num_hidden_layers']
+  shapes = {'model.embed_tokens.weight': (model['vocab_size'], d), 'model.norm.weight': (d,)}
+  for i in range(layers):
+    layer = f'model.layers.{i}.'
+    shapes |= {f'{layer}{n}.weight': (d,) for n in ('input_layernorm', 'post_attention_layernorm')}
+    shapes |= {f'{layer}self_attn.{n}_proj.weight': (d, d) for n in 'qkvo'}
+    shapes |= {f'{layer}mlp.{n}_proj.weight': (f, d) for n in ('gate', 'up')}
+    shapes[f'{layer}mlp.down_proj.weight'] = (d, f)
+  rng = np.random.default_rng(0)
+  path = directory / 'model.safetensors'
+  save_file({n: rng.standard_normal(s, dtype=np.float32) for n, s in shapes.items()}, path,
+            metadata={'format': 'pt'})
+  (directory / 'config.json').write_text(json.dumps({'model_type': 'llama', 'tie_word_embeddings': True,
+                                                     **model}))
+  return path.stat().st_size
+
+
+def evict(path: pathlib.Path) -> None:
+  """Drops the file's pages from the page cache (they are clean after the fsync)."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+  finally:
+    os.close(fd)
+
+
+def read_seconds(path: pathlib.Path, cache: str) -> tuple[float, float]:
+  """(wall, CPU) seconds to read the whole file, from the disk ('cold') or the page cache ('warm')."""
+  if cache == 'cold':
+    evict(path)
+  buffer = bytearray(16 << 20)
+  start, cpu = time.perf_counter(), time.process_time()
+  with open(path, 'rb', buffering=0) as f:
+    while f.readinto(buffer):
+      pass
+  return time.perf_counter() - start, time.process_time() - cpu
+
+
+def status_bytes(key: str) -> int:
+  with open('/proc/self/status') as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def bytes_read() -> int:
+  """Bytes this process has read with read-like system calls (`rchar`; pages of a memory map not counted)."""
+  with open('/proc/self/io') as f:
+    return next(int(line.split()[1]) for line in f if line.startswith('rchar:'))
+
+
+def measure_process(directory: pathlib.Path, mesh_name: str, cache: str) -> None:
+  """One process of a load: prints its load time and peak memory growth (run by `load`)."""
+  from mintrain import distributed
+  from mintrain import mesh as mesh_lib
+
+  settings = distributed.settings()
+  processes = settings.num_processes if settings else 1
+  mesh_lib.simulate_cpu_devices(harness.DEVICES // processes)
+  if settings:
+    distributed.initialize(settings, say=lambda _: None)
+  import jax
+
+  from mintrain import hf
+  from mintrain.build import build
+
+  sizes = dict(zip(('data', 'fsdp', 'model'), MESHES[mesh_name]))
+  run = build(hf.make_config(directory, mesh_sizes=sizes), jax.devices())
+  if cache == 'cold' and jax.process_index() == 0:
+    evict(directory / 'model.safetensors')
+  distributed.barrier('hf_load: the file is evicted')  # Every process starts the load from the same cache.
+  with open('/proc/self/clear_refs', 'w') as f:
+    f.write('5')  # The peak (VmHWM) starts again from the current size.
+  before = status_bytes('VmRSS:')
+  start, cpu, read = time.perf_counter(), time.process_time(), bytes_read()
+  jax.block_until_ready(hf.load_params(directory, run))
+  seconds, cpu, read = time.perf_counter() - start, time.process_time() - cpu, bytes_read() - read
+  print(RESULT + json.dumps({'seconds': seconds, 'cpu': cpu, 'read': read,
+                             'growth': status_bytes('VmHWM:') - before}), flush=True)
+
+
+def load(directory: pathlib.Path, processes: int, mesh_name: str, cache: str) -> list[dict[str, float]]:
+  """The results of every process of one load, each a fresh process."""
+  me = [sys.executable, __file__, '--process', str(directory), mesh_name, cache]
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
+  if processes == 1:
+    command, env['JAX_PLATFORMS'] = me, 'cpu'
+  else:
+    command = [sys.executable, str(REPO / 'scripts' / 'launch_local.py'), '--num_processes', str(processes),
+               '--', *me]
+  proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  results = [json.loads(line.split(RESULT, 1)[1]) for line in proc.stdout.splitlines() if RESULT in line]
+  if proc.returncode != 0 or len(results) != processes:
+    raise RuntimeError(f'the load on {processes} process(es) failed:\n{proc.stdout[-3000:]}'
+                       f'{proc.stderr[-3000:]}')
+  return results
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('--smoke', action='store_true',
+                      help='a 1 MB checkpoint, fsdp8 in one and two processes')
+  parser.add_argument('--process', nargs=3, metavar=('DIR', 'MESH', 'CACHE'), help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.process:
+    measure_process(pathlib.Path(args.process[0]), args.process[1], args.process[2])
+    return 0
+
+  model = SMOKE_MODEL if args.smoke else MODEL
+  with tempfile.TemporaryDirectory(prefix='mintrain_hf_load_') as tmp:
+    directory = pathlib.Path(tmp)
+    size = write_checkpoint(directory, model)
+    path = directory / 'model.safetensors'
+    read = {}
+    for cache in ('cold', 'warm'):
+      times = [read_seconds(path, cache) for _ in range(1 if args.smoke else REPEATS)]
+      read[cache] = tuple(statistics.median(t[i] for t in times) for i in (0, 1))
+    rows = [['read file', '1', '-', cache, f'{wall * 1e3:.1f}', f'{cpu * 1e3:.1f}', '1.00', harness.mib(size),
+             '-', '-'] for cache, (wall, cpu) in read.items()]
+    for processes, mesh_name, cache in SMOKE_LOADS if args.smoke else LOADS:
+      results = load(directory, processes, mesh_name, cache)
+      seconds, cpu = max(r['seconds'] for r in results), max(r['cpu'] for r in results)
+      growth, bytes_in = max(r['growth'] for r in results), max(r['read'] for r in results)
+      rows.append(['hf.load_params', f'{processes} x {harness.DEVICES // processes}', mesh_name, cache,
+                   f'{seconds * 1e3:.1f}', f'{cpu * 1e3:.1f}', f'{seconds / read[cache][0]:.2f}',
+                   harness.mib(bytes_in), harness.mib(growth), f'{growth / size:.2f}'])
+      print(f'measured {processes} process(es), {mesh_name}, {cache}', flush=True)
+  sizes = ', '.join(f'{k}={v}' for k, v in model.items())
+  print(f'\nCheckpoint: {harness.mib(size)} MiB of float32 ({sizes}, tied). A load row is the slowest '
+        'process (wall and CPU time: all its threads) and the largest growth of its processes; reads\n'
+        f'are the median of {1 if args.smoke else REPEATS}.\n')
+  print(harness.table(HEADER, rows))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

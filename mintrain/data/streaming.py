@@ -1,0 +1,388 @@
+"""Streamed corpora and mixtures of them: one packed stream per row of the global batch, checkpointable.
+
+Row g (of G = train.global_batch_size; row r of micro-batch a is g = a * M + r) of every global batch is the
+next sequence of its own stream, so a process builds and reads only the streams of the rows its devices
+hold (`batches.process_rows`), and the state, the position of every row's stream, is the same whatever the
+number of processes: a run restored on another count continues the same global batches.
+
+A row's stream: the corpus's blocks (`records.Blocks`) in an order drawn from the seed for each epoch (a
+permutation of all blocks, new each epoch); row g takes every G-th slot of that endless order (slots g,
+g + G, ...). Its slots are grouped in windows of `data.shuffle_window` blocks whose documents it reads
+together and shuffles with the seed, so memory is a few blocks per row, whatever the size of the corpus.
+Each document is BOS + its ids; the stream packs them as the in-memory pipeline does (windows of
+seq_len + 1 tokens at stride seq_len, documents running on across windows). The eval split keeps its
+blocks in file order, unshuffled.
+
+A mixture (`data.mixture`: (settings, weight) pairs) gives each row one stream per source and draws the
+source of row g at step n from the seed, in proportion to the weights; a source whose blocks run out starts
+a new epoch (said on stdout, at most every 10 s).
+State: {'step': n, 'rows': {g: [window, document, token] per source}}.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from mintrain.data import records, segments, sources, tokenizer
+from mintrain.data.sources import DataError
+
+if TYPE_CHECKING:
+  from mintrain.config import DataConfig
+
+_BLOCK_ORDER, _DOCUMENT_ORDER, _MIX = 0x0B10C, 0xD0C5, 0x313C  # Separate random streams drawn from the seed.
+_BASELINE_TOKENS = 1 << 26  # Tokens of the eval split counted for its unigram entropy.
+_STATE_WIDTH = 3  # (window, document, token) per source.
+_SAY_EVERY_S = 10.0  # At most one "ran out" line per source this often (a small corpus repeats quickly).
+
+
+Encoder = Callable[[str], np.ndarray]  # Text -> int (n,) ids, BOS first: the run's tokenizer.
+
+
+byte_encoder: Encoder = tokenizer.BYTES.document
+
+
+def encoder_for(data_cfg: DataConfig) -> Encoder:
+  """The run's tokenizer (`data.tokenizer`) as an encoder, the one place that picks it: a document's ids
+  with the BOS and EOS its conventions add."""
+  return tokenizer.load(data_cfg.tokenizer or 'byte').document
+
+
+def encode_document(doc: records.Document, encode: Encoder = byte_encoder) -> np.ndarray:
+  """A document's ids, BOS first; token records already hold theirs."""
+  return doc if isinstance(doc, np.ndarray) else encode(doc)
+
+
+def source_settings(data_cfg: DataConfig) -> list[tuple[DataConfig, float]]:
+  """(settings, weight) of each source: the mixture's, each over `data_cfg`, or `data_cfg` alone."""
+  if data_cfg.source != 'mixture':
+    return [(data_cfg, 1.0)]
+  return [(dataclasses.replace(data_cfg, mixture=(), **dict(settings)), float(weight))
+          for settings, weight in data_cfg.mixture]
+
+
+def describe(data_cfg: DataConfig) -> str:
+  return f'{data_cfg.source} {data_cfg.path!r}'
+
+
+class Split:
+  """One source's blocks of one split, and which block fills each slot of the endless block order."""
+
+  def __init__(self, data_cfg: DataConfig, split: str, seed: int, encode: Encoder = byte_encoder,
+               vocab_size: int | None = None):
+    if not 0.0 <= data_cfg.eval_fraction < 1.0:
+      raise DataError(f'data.eval_fraction={data_cfg.eval_fraction} must be in [0, 1).')
+    if split == 'eval' and data_cfg.eval_fraction == 0.0:
+      raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
+    if data_cfg.shuffle_window < 1:
+      raise DataError(f'data.shuffle_window={data_cfg.shuffle_window} must be >= 1.')
+    self.reader, self.encode = records.Reader(data_cfg, vocab_size), encode
+    every = self.reader.all_blocks()
+    in_eval = np.array([sources.in_eval(every.key(i), data_cfg.eval_fraction) for i in range(len(every))])
+    self.split_blocks = every.select(in_eval if split == 'eval' else ~in_eval)
+    if not len(self.split_blocks):
+      raise DataError(f'The {split} split of {describe(data_cfg)} is empty: all {len(every)} block(s) hash '
+                      f'into the other split at data.eval_fraction={data_cfg.eval_fraction}; change it, '
+                      f'lower data.block_bytes or add files.')
+    self.shuffle, self.seed, self.window = split == 'train', seed, data_cfg.shuffle_window
+    self.name, self.epochs_said, self.said_at = describe(data_cfg), 0, -float('inf')
+    self._orders: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # Recent epochs'.
+
+  def block(self, slot: int) -> int:
+    epoch, k = divmod(slot, len(self.split_blocks))
+    if epoch > self.epochs_said and self.shuffle and time.monotonic() - self.said_at > _SAY_EVERY_S:
+      self.epochs_said, self.said_at = epoch, time.monotonic()
+      if jax.process_index() == 0:
+        print(f'data: {self.name} ran out; repeating it (epoch {epoch + 1}).', flush=True)
+    if not self.shuffle:
+      return k
+    if epoch not in self._orders:  # Rows cross an epoch's end at different steps: keep a few.
+      rng = np.random.default_rng([self.seed, _BLOCK_ORDER, epoch])
+      self._orders[epoch] = rng.permutation(len(self.split_blocks))
+      if len(self._orders) > 4:
+        self._orders.popitem(last=False)
+    return int(self._orders[epoch][k])
+
+  def documents(self, row: int, num_rows: int, window: int) -> list[records.Document]:
+    """The documents of `row`'s window `window` (its slots window * W ... + W - 1), shuffled in training."""
+    docs = []
+    for k in range(window * self.window, (window + 1) * self.window):
+      docs += self.reader.read(self.split_blocks, self.block(k * num_rows + row))
+    if self.shuffle:
+      order = np.random.default_rng([self.seed, _DOCUMENT_ORDER, row, window]).permutation(len(docs))
+      docs = [docs[i] for i in order]
+    return docs
+
+
+class RowStream:
+  """Row `row`'s packed sequences of one source; position (window, document, token) of the next one."""
+
+  def __init__(self, split: Split, row: int, num_rows: int, seq_len: int):
+    self.split, self.row, self.num_rows, self.seq_len = split, row, num_rows, seq_len
+    self.position = (0, 0, 0)
+    self._windows: collections.OrderedDict[int, list] = collections.OrderedDict()
+    self._tokens: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
+
+  def _docs(self, window: int) -> list[records.Document]:
+    if window not in self._windows:
+      self._windows[window] = self.split.documents(self.row, self.num_rows, window)
+      if len(self._windows) > 2:  # The current window and the next, which a sequence may reach into.
+        self._windows.popitem(last=False)
+    return self._windows[window]
+
+  def _doc_tokens(self, window: int, doc: int) -> np.ndarray:
+    key = (window, doc)
+    if key not in self._tokens:
+      self._tokens[key] = encode_document(self._docs(window)[doc], self.split.encode)
+      if len(self._tokens) > 4:
+        self._tokens.popitem(last=False)
+    return self._tokens[key]
+
+  def _find(self, window: int, doc: int) -> tuple[int, int]:
+    """The position of the first document at or after (window, doc): windows may hold none."""
+    empty_windows = 0
+    while doc >= len(docs := self._docs(window)):
+      empty_windows = empty_windows + 1 if not docs else 0
+      if empty_windows > 4 * len(self.split.split_blocks) + 16:
+        raise DataError(f'{self.split.name}: no documents left to read in its blocks; check the files '
+                        f'(or the skipped records).')
+      window, doc = window + 1, 0
+    return window, doc
+
+  def _take(self, position: tuple[int, int, int], out: np.ndarray) -> tuple[int, int, int]:
+    """Fills `out` with the tokens from `position` on; the position after them."""
+    window, doc, token = position
+    filled = 0
+    while filled < len(out):
+      window, doc = self._find(window, doc)  # Mid-document (token > 0), it is where it was.
+      ids = self._doc_tokens(window, doc)
+      take = min(len(out) - filled, len(ids) - token)
+      out[filled:filled + take] = ids[token:token + take]
+      filled, token = filled + take, token + take
+      if token == len(ids):
+        doc, token = doc + 1, 0
+    return window, doc, token
+
+  def next_sequence(self) -> np.ndarray:
+    """int32 (seq_len + 1,): the next window; the one after starts at its last token."""
+    out = np.empty(self.seq_len + 1, np.int32)
+    self.position = self._take(self.position, out[:-1])
+    self._take(self.position, out[-1:])
+    return out
+
+  def next_document(self, separators: segments.Separators) -> np.ndarray:
+    """int32 (seq_len + 1,): the next document with a target, alone in its window (`data.packing='pad'`):
+    truncated, PAD past its end; the next document's BOS, where documents start with one, is its last
+    target, as in a packed row."""
+    window, doc, _ = self.position
+    while True:
+      window, doc = self._find(window, doc)
+      ids = self._doc_tokens(window, doc)
+      doc += 1
+      if separators.bos is not None:
+        ids = np.append(ids, separators.bos)
+      if len(ids) >= 2:
+        self.position = (window, doc, 0)
+        return segments.padded_window(ids, self.seq_len)
+
+
+def mixture_choices(weights: Sequence[float], seed: int, step: int, num_rows: int) -> np.ndarray:
+  """int (num_rows,): the source of each row of the global batch of `step`, in proportion to `weights`."""
+  if len(weights) == 1:
+    return np.zeros(num_rows, np.int64)
+  cumulative = np.cumsum(weights) / np.sum(weights)
+  u = np.random.default_rng([seed, _MIX, step]).random(num_rows)
+  return np.minimum(np.searchsorted(cumulative, u, side='right'), len(weights) - 1)
+
+
+def token_fractions(data_cfg: DataConfig, seed: int, num_rows: int, steps: range) -> dict[str, float]:
+  """{'data_fraction_<i>': share of the tokens of `steps` from source i} of a mixture: the draws of
+  `mixture_choices`, the same on every process."""
+  weights = [w for _, w in source_settings(data_cfg)]
+  counts = np.zeros(len(weights), np.int64)
+  for step in steps:
+    counts += np.bincount(mixture_choices(weights, seed, step, num_rows), minlength=len(weights))
+  return {f'data_fraction_{i}': float(c / max(counts.sum(), 1)) for i, c in enumerate(counts)}
+
+
+class RowsIterator:
+  """This process's local batches: its rows of each step, micro-batch by micro-batch."""
+
+  def __init__(self, splits: list[Split], weights: list[float], rows: np.ndarray, num_rows: int,
+               seq_len: int, seed: int, separators: segments.Separators, padded: bool):
+    self.weights, self.rows, self.num_rows, self.seed = weights, rows, num_rows, seed
+    self.separators, self.padded = separators, padded
+    self.streams = {int(g): [RowStream(s, int(g), num_rows, seq_len) for s in splits] for g in rows}
+    self.step = 0
+
+  def __iter__(self) -> RowsIterator:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    choice = mixture_choices(self.weights, self.seed, self.step, self.num_rows)
+    streams = [self.streams[int(g)][choice[g]] for g in self.rows]
+    windows = np.stack([s.next_document(self.separators) if self.padded else s.next_sequence()
+                        for s in streams])
+    self.step += 1
+    return segments.split_inputs_targets(windows, self.separators)
+
+  def get_state(self) -> dict[str, Any]:
+    return {'step': self.step,
+            'rows': {str(g): [p for s in streams for p in s.position] for g, streams in self.streams.items()}}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    missing = [g for g in self.streams if str(g) not in state['rows']]
+    if missing:
+      raise DataError(f"The data state holds no position for row(s) {missing}; it was saved with another "
+                      f'train.global_batch_size or data.mixture.')
+    self.step = int(state['step'])
+    for g, streams in self.streams.items():
+      position = state['rows'][str(g)]
+      if len(position) != _STATE_WIDTH * len(streams):
+        raise DataError(f'The data state of row {g} has {len(position) // _STATE_WIDTH} source(s), this '
+                        f'data.mixture {len(streams)}; it cannot continue it.')
+      for i, stream in enumerate(streams):
+        stream.position = tuple(int(p) for p in position[_STATE_WIDTH * i:_STATE_WIDTH * (i + 1)])
+
+
+class Prefetch:
+  """`ahead` batches of `rows` read on a daemon thread; the state is that of the batches handed out.
+
+  The first batch is read before it returns, so a bad first block stops a run before it writes anything.
+  """
+
+  def __init__(self, rows: RowsIterator, ahead: int):
+    self.rows, self.ahead = rows, ahead
+    self.state = rows.get_state()
+    self.first = (next(rows), rows.get_state())
+    self._start()
+
+  def _start(self) -> None:
+    self.queue: queue.Queue = queue.Queue(maxsize=self.ahead)
+    self.stop = threading.Event()
+    self.thread = threading.Thread(target=self._fill, args=(self.queue, self.stop), daemon=True,
+                                   name='mintrain-data')
+    self.thread.start()
+
+  def _fill(self, out: queue.Queue, stop: threading.Event) -> None:
+    while not stop.is_set():
+      try:
+        item = (next(self.rows), self.rows.get_state())
+      except Exception as e:  # Handed to the reader, which raises it where the batch was wanted.
+        item = e
+      while not stop.is_set():
+        try:
+          out.put(item, timeout=0.1)
+          break
+        except queue.Full:
+          continue
+      if isinstance(item, Exception):
+        return
+
+  def __iter__(self) -> Prefetch:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    item, self.first = self.first or self.queue.get(), None
+    if isinstance(item, Exception):
+      raise item
+    batch, self.state = item
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    return self.state
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    self.stop.set()
+    self.thread.join()
+    self.first = None
+    self.rows.set_state(state)
+    self.state = self.rows.get_state()
+    self._start()
+
+
+def make_iterator(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
+                  micro_batch_size: int, rows: np.ndarray, seed: int, encode: Encoder | None = None,
+                  separators: segments.Separators | None = None,
+                  vocab_size: int | None = None) -> RowsIterator | Prefetch:
+  """This process's endless local batches of a streamed source or mixture (the layout of
+  `pipeline.make_dataset`, packed or padded as `data.packing` says), read `data.prefetch` batches ahead
+  on a thread; text becomes ids by `encode` and documents are told apart by `separators` (default: the
+  tokenizer's, `encoder_for`); token records' ids must be below `vocab_size` (default: the tokenizer's)."""
+  settings = source_settings(data_cfg)
+  encode = encode or encoder_for(data_cfg)
+  splits = [Split(cfg, split, seed, encode, vocab_size) for cfg, _ in settings]
+  accum = global_batch_size // micro_batch_size
+  mine = (np.arange(accum)[:, None] * micro_batch_size + np.asarray(rows)[None, :]).reshape(-1)
+  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer or 'byte'))
+  local = RowsIterator(splits, [w for _, w in settings], mine, global_batch_size, seq_len, seed, separators,
+                       padded=data_cfg.packing == 'pad')
+  return Prefetch(local, data_cfg.prefetch) if data_cfg.prefetch else local
+
+
+def gather_rows(state: dict[str, Any], num_rows: int) -> dict[str, Any]:
+  """The state with every process's rows: each process holds only its own, a checkpoint needs all."""
+  if jax.process_count() == 1:
+    return state
+  from jax.experimental import multihost_utils
+  width = len(next(iter(state['rows'].values())))
+  mine = np.full((num_rows, width), -1, np.int64)
+  for g, position in state['rows'].items():
+    mine[int(g)] = position
+  every = np.asarray(multihost_utils.process_allgather(mine)).max(axis=0)  # Rows held twice agree.
+  return {'step': state['step'], 'rows': {str(g): [int(p) for p in every[g]] for g in range(num_rows)
+                                          if every[g, 0] >= 0}}
+
+
+def _eval_documents(data_cfg: DataConfig, split: str) -> Iterator[tuple[int, Any, np.ndarray]]:
+  """(source index, document, its ids) of the first `_BASELINE_TOKENS` of each source's split, in file
+  order: what the unigram baseline and the bytes per token are measured on."""
+  encode = encoder_for(data_cfg)
+  for source, (cfg, _) in enumerate(source_settings(data_cfg)):
+    part, seen = Split(cfg, split, seed=0, encode=encode), 0
+    for i in range(len(part.split_blocks)):
+      for doc in part.reader.read(part.split_blocks, i):
+        ids = encode_document(doc, encode)
+        seen += len(ids)
+        yield source, doc, ids
+      if seen >= _BASELINE_TOKENS:
+        break
+
+
+def _add(counts: np.ndarray, more: np.ndarray) -> np.ndarray:
+  size = max(len(counts), len(more))
+  return np.pad(counts, (0, size - len(counts))) + np.pad(more, (0, size - len(more)))
+
+
+def unigram_counts(data_cfg: DataConfig, split: str = 'eval') -> np.ndarray:
+  """float64 frequency of each id in each source's measured split (`_eval_documents`), each source's
+  frequencies scaled to its mixture weight."""
+  weights = [w for _, w in source_settings(data_cfg)]
+  counts = [np.zeros(0, np.int64) for _ in weights]
+  for source, _, ids in _eval_documents(data_cfg, split):
+    counts[source] = _add(counts[source], np.bincount(ids))
+  total = np.zeros(0, np.float64)
+  for weight, c in zip(weights, counts):
+    total = _add(total, weight * c / max(c.sum(), 1))
+  return total
+
+
+def bytes_per_token(data_cfg: DataConfig, split: str = 'eval') -> float:
+  """UTF-8 bytes per token of each source's measured split (`_eval_documents`; token records decoded by
+  the tokenizer), averaged over the sources by their mixture weights."""
+  tok = tokenizer.load(data_cfg.tokenizer or 'byte')
+  weights = [w for _, w in source_settings(data_cfg)]
+  num_bytes, num_tokens = np.zeros(len(weights)), np.zeros(len(weights))
+  for source, doc, ids in _eval_documents(data_cfg, split):
+    text = tok.decode(doc) if isinstance(doc, np.ndarray) else doc
+    num_bytes[source] += len(text.encode('utf-8'))
+    num_tokens[source] += len(ids)
+  return float(np.dot(weights, num_bytes / np.maximum(num_tokens, 1)) / sum(weights))

@@ -1,0 +1,130 @@
+"""Rectangular slices of the tensors in a safetensors file, read with positioned reads (`os.preadv`).
+
+safetensors' own `get_slice` reads through a memory map, and every page it touches stays in the
+process's resident memory until the file is closed; a device's column slice of a matrix touches every
+page of it. Here a slice is read in blocks of whole rows of at most `BLOCK_BYTES` into one buffer
+(`Tensor.blocks`), so a reader holds the slice it builds plus one block.
+
+The format: 8 bytes (the header's length, little-endian), a JSON header {name: {dtype, shape,
+data_offsets}}, then the tensors' bytes, row-major, little-endian.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {'F64': '<f8', 'F32': '<f4', 'F16': '<f2', 'BF16': ml_dtypes.bfloat16, 'I64': '<i8', 'I32': '<i4',
+          'I16': '<i2', 'I8': 'i1', 'U8': 'u1', 'BOOL': '?'}
+BLOCK_BYTES = 4 << 20  # The most a column slice reads at once beyond the slice itself.
+MAX_HEADER = 100 << 20  # As safetensors: a larger header is a damaged (or foreign) file.
+
+
+class SafetensorsError(ValueError):
+  """A file that is not a well-formed safetensors file."""
+
+
+class Tensor:
+  """One tensor of an open `File`: `shape`, `dtype`, and `tensor[slices]` read from the file."""
+
+  def __init__(self, fd: int, offset: int, shape: tuple[int, ...], dtype: np.dtype):
+    self.fd, self.offset, self.shape, self.dtype = fd, offset, shape, dtype
+
+  def __getitem__(self, index: slice | tuple[slice, ...]) -> np.ndarray:
+    """The slice `index` (unit-step slices, one per leading dimension) as a new array."""
+    bounds = self._bounds(index if isinstance(index, tuple) else (index,))
+    out = np.empty(tuple(b - a for a, b in bounds), self.dtype)
+    for offset, rows in self.blocks(index):
+      out[offset:offset + len(rows)] = rows
+    return out
+
+  def blocks(self, index: slice | tuple[slice, ...],
+             rows_multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+    """(offset, rows) covering the slice `index` in order: `rows` are its rows offset, offset+1, ..., a
+    multiple of `rows_multiple` of them but the last, read into one buffer (of at most `BLOCK_BYTES`, or
+    `rows_multiple` rows) that the next block overwrites."""
+    bounds = self._bounds(index if isinstance(index, tuple) else (index,))
+    (first, last), inner = bounds[0], bounds[1:]
+    row_shape = self.shape[1:]
+    row_bytes = math.prod(row_shape) * self.dtype.itemsize
+    per_block = max(1, BLOCK_BYTES // (row_bytes * rows_multiple)) * rows_multiple
+    buffer = np.empty((min(per_block, last - first), *row_shape), self.dtype)
+    inner_slices = (slice(None), *(slice(a, b) for a, b in inner))
+    for start in range(first, last, per_block):
+      rows = buffer[:min(per_block, last - start)]
+      self._read(rows.reshape(-1).view(np.uint8), self.offset + start * row_bytes)
+      yield start - first, rows[inner_slices]
+
+  def _bounds(self, index: tuple[slice, ...]) -> list[tuple[int, int]]:
+    unit_steps = all(isinstance(s, slice) and s.step in (None, 1) for s in index)
+    if not self.shape or len(index) > len(self.shape) or not unit_steps:
+      raise IndexError(f'{index}: a tensor of shape {self.shape} reads unit-step slices, one per dimension.')
+    index = index + (slice(None),) * (len(self.shape) - len(index))
+    return [s.indices(n)[:2] for s, n in zip(index, self.shape)]
+
+  def _read(self, buffer: np.ndarray, offset: int) -> None:
+    view, done = memoryview(buffer), 0
+    while done < len(view):
+      n = os.preadv(self.fd, [view[done:]], offset + done)
+      if n == 0:
+        raise SafetensorsError(f'the file ends {len(view) - done} bytes before its tensor data does.')
+      done += n
+
+
+class File:
+  """An open safetensors file: `tensors` by name; a context manager that closes it."""
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = os.fspath(path)
+    self.fd = os.open(self.path, os.O_RDONLY)
+    try:
+      self.tensors = self._header()
+    except BaseException:
+      os.close(self.fd)
+      raise
+
+  def _header(self) -> dict[str, Tensor]:
+    size = os.fstat(self.fd).st_size
+    prefix = os.pread(self.fd, 8, 0)
+    length = struct.unpack('<Q', prefix)[0] if len(prefix) == 8 else -1
+    if not 0 < length <= min(MAX_HEADER, size - 8):
+      raise SafetensorsError(f'{self.path} is not a safetensors file (no valid header length).')
+    try:
+      header = json.loads(os.pread(self.fd, length, 8))
+    except ValueError as e:
+      raise SafetensorsError(f'{self.path} is not a safetensors file: its header is not JSON ({e}).'
+                             ) from None
+    data = 8 + length
+    tensors = {}
+    for name, info in header.items():
+      if name == '__metadata__':
+        continue
+      tensors[name] = self._tensor(name, info, data, size)
+    return tensors
+
+  def _tensor(self, name: str, info: Any, data: int, size: int) -> Tensor:
+    try:
+      dtype, shape, (begin, end) = np.dtype(DTYPES[info['dtype']]), tuple(info['shape']), info['data_offsets']
+    except (KeyError, TypeError, ValueError):
+      raise SafetensorsError(f'{self.path}: tensor {name!r} has an unreadable entry {info!r} (dtypes read: '
+                             f'{", ".join(DTYPES)}).') from None
+    if end - begin != math.prod(shape) * dtype.itemsize or data + end > size:
+      raise SafetensorsError(f'{self.path}: tensor {name!r} of shape {shape} ({info["dtype"]}) does not fit '
+                             f'its {end - begin} bytes at {begin} (the file is damaged or cut short).')
+    return Tensor(self.fd, data + begin, shape, dtype)
+
+  def close(self) -> None:
+    os.close(self.fd)
+
+  def __enter__(self) -> File:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()

@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Pre-tokenize a corpus with the run's tokenizer, one output file per input file, in parallel.
+
+  python scripts/tokenize_corpus.py --config configs/dp4_tp2.py --config.data.source=jsonl \\
+      --config.data.path='corpus/*.jsonl.gz' --out corpus_tokens
+  python scripts/tokenize_corpus.py ... --format tokens   # flat token files, for data.source=tokens
+
+The input is read as training reads it (data.source jsonl, parquet or arrayrecord; data.path,
+data.text_field, data.skip_bad_records); each document becomes BOS + its ids. `--format arrayrecord` (the
+default) writes one record per document of data.token_dtype ids, read back with
+data.source=arrayrecord data.record_format=tokens; `--format tokens` writes the documents end to end.
+Progress goes to stderr; the last line on stdout is the setting that trains on the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import pathlib
+import sys
+import time
+
+import _bootstrap
+import numpy as np
+
+from mintrain import config as config_lib
+from mintrain.data import records, sources, streaming
+from mintrain.data.sources import DataError
+
+SUFFIXES = ('.jsonl.gz', '.jsonl', '.parquet', '.arrayrecord')
+OUTPUT_SUFFIX = {'arrayrecord': '.arrayrecord', 'tokens': '.bin'}
+
+
+def output_path(key: str, out: pathlib.Path, fmt: str) -> pathlib.Path:
+  """OUT/<the file's path under the glob's fixed prefix, its suffix replaced>."""
+  stem = next((key[:-len(s)] for s in SUFFIXES if key.endswith(s)), key)
+  return out / (stem + OUTPUT_SUFFIX[fmt])
+
+
+def tokenize_file(data_cfg: config_lib.DataConfig, path: pathlib.Path, target: pathlib.Path,
+                  fmt: str) -> tuple[int, int, int, int]:
+  """Writes `path`'s documents as ids to `target` (through a temporary name); (documents, tokens, bytes
+  read, records skipped)."""
+  reader = records.Reader(dataclasses.replace(data_cfg, path=str(path)))
+  blocks = reader.all_blocks()
+  dtype = np.dtype(data_cfg.token_dtype)
+  target.parent.mkdir(parents=True, exist_ok=True)
+  partial = target.with_name(target.name + '.partial')
+  docs = tokens = 0
+  encode = streaming.encoder_for(data_cfg)
+  if fmt == 'arrayrecord':
+    from array_record.python.array_record_module import ArrayRecordWriter
+    writer = ArrayRecordWriter(str(partial), 'group_size:1')
+    write, close = (lambda ids: writer.write(ids.tobytes())), writer.close
+  else:
+    handle = open(partial, 'wb')
+    write, close = (lambda ids: handle.write(ids.tobytes())), handle.close
+  try:
+    for i in range(len(blocks)):
+      for doc in reader.read(blocks, i):
+        ids = streaming.encode_document(doc, encode)
+        if ids.max(initial=0) > np.iinfo(dtype).max:
+          raise DataError(f'{path}: token id {int(ids.max())} does not fit data.token_dtype='
+                          f'{dtype.name!r}; use uint32.')
+        write(ids.astype(dtype))
+        docs, tokens = docs + 1, tokens + len(ids)
+    close()
+  except BaseException:
+    close()
+    partial.unlink(missing_ok=True)
+    raise
+  os.replace(partial, target)
+  return docs, tokens, path.stat().st_size, reader.bad.count
+
+
+class Progress:
+  """A one-line bar on stderr, redrawn in place on a terminal and printed per file elsewhere."""
+
+  def __init__(self, total_files: int, total_bytes: int):
+    self.files, self.total_files, self.total_bytes = 0, total_files, total_bytes
+    self.docs = self.tokens = self.bytes = self.skipped = 0
+    self.start = time.perf_counter()
+    self.tty = sys.stderr.isatty()
+
+  def add(self, docs: int, tokens: int, size: int, skipped: int) -> None:
+    self.files, self.docs, self.tokens = self.files + 1, self.docs + docs, self.tokens + tokens
+    self.bytes, self.skipped = self.bytes + size, self.skipped + skipped
+    done = self.bytes / max(self.total_bytes, 1)
+    rate = self.bytes / max(time.perf_counter() - self.start, 1e-9) / 1e6
+    bar = '#' * int(30 * done) + '.' * (30 - int(30 * done))
+    line = (f'[{bar}] {self.files}/{self.total_files} files, {self.docs:,} documents, '
+            f'{self.tokens:,} tokens, {rate:.1f} MB/s')
+    line += f', {self.skipped} bad records skipped' if self.skipped else ''
+    print(('\r' if self.tty else '') + line, end='' if self.tty else '\n', file=sys.stderr, flush=True)
+
+  def close(self) -> None:
+    if self.tty:
+      print(file=sys.stderr)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('--config', default=str(config_lib.BASE), help='the run config whose data and '
+                      'tokenizer to use (default configs/base.py), with --config.key=value overrides')
+  parser.add_argument('--out', required=True, help='the directory to write the tokenized files to')
+  parser.add_argument('--format', default='arrayrecord', choices=tuple(OUTPUT_SUFFIX))
+  parser.add_argument('--workers', type=int, default=os.cpu_count(), help='files tokenized at once')
+  args, config = _bootstrap.parse(parser)
+  data_cfg = config.data
+  if data_cfg.source not in records.FORMATS:
+    _bootstrap.fail(f'data.source={data_cfg.source!r}: tokenize_corpus.py reads {records.FORMATS}; set '
+                    f'--config.data.source and --config.data.path.')
+  if args.workers < 1:
+    _bootstrap.fail(f'--workers={args.workers} must be >= 1.')
+  out = pathlib.Path(args.out)
+  try:
+    files = sources.glob_files(data_cfg.path)
+    progress = Progress(len(files), sum(path.stat().st_size for _, path in files))
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(args.workers, len(files))) as pool:
+      pending = [pool.submit(tokenize_file, data_cfg, path, output_path(key, out, args.format), args.format)
+                 for key, path in files]
+      for future in concurrent.futures.as_completed(pending):
+        progress.add(*future.result())
+    progress.close()
+  except (DataError, OSError) as e:
+    _bootstrap.fail(str(e).splitlines()[0])
+  read_back = (f'--config.data.source=arrayrecord --config.data.record_format=tokens '
+               f"--config.data.path='{out}/**/*.arrayrecord'" if args.format == 'arrayrecord' else
+               f"--config.data.source=tokens --config.data.path='{out}/**/*.bin'")
+  print(f'Wrote {progress.files} files ({progress.docs:,} documents, {progress.tokens:,} tokens) to {out}; '
+        f'train on them with {read_back} --config.data.token_dtype={data_cfg.token_dtype}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,372 @@
+"""Streamed sources (JSONL, JSONL.gz, Parquet, ArrayRecord) and mixtures, on corpora the tests write."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import json
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+from mintrain import config as config_lib
+from mintrain.data import pipeline, records, streaming, tokenizer
+from mintrain.data.sources import DataError
+
+BASE_DATA = config_lib.validate(config_lib.defaults()).data
+WORDS = ('alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta', 'eta', 'theta', 'iota', 'kappa')
+
+
+def data_cfg(**values) -> config_lib.DataConfig:
+  """configs/base.py's data section with `values` set, unchecked, so the data layer's own errors show."""
+  return dataclasses.replace(BASE_DATA, **{'prefetch': 0, **values})
+
+
+def documents(n: int, seed: int = 0, tag: str = 'doc') -> list[str]:
+  """Distinct documents of 2-60 words, each naming itself first."""
+  rng = np.random.default_rng(seed)
+  return [f'<{tag} {i}> ' + ' '.join(rng.choice(WORDS, size=rng.integers(2, 60))) for i in range(n)]
+
+
+def write_jsonl(root: pathlib.Path, docs: list[str], files: int = 3, gz: bool = False) -> str:
+  root.mkdir(parents=True, exist_ok=True)
+  for f in range(files):
+    lines = ''.join(json.dumps({'id': i, 'text': d}) + '\n' for i, d in enumerate(docs) if i % files == f)
+    if gz:
+      with gzip.open(root / f'part{f}.jsonl.gz', 'wt') as out:
+        out.write(lines)
+    else:
+      (root / f'part{f}.jsonl').write_text(lines)
+  return str(root / ('*.jsonl.gz' if gz else '*.jsonl'))
+
+
+def write_parquet(root: pathlib.Path, docs: list[str], files: int = 2, row_group: int = 16,
+                  column: str = 'text') -> str:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  root.mkdir(parents=True, exist_ok=True)
+  for f in range(files):
+    mine = [d for i, d in enumerate(docs) if i % files == f]
+    pq.write_table(pa.table({column: mine, 'n': list(range(len(mine)))}), root / f'part{f}.parquet',
+                   row_group_size=row_group)
+  return str(root / '*.parquet')
+
+
+def write_array_records(root: pathlib.Path, docs: list[str], files: int = 2) -> str:
+  from array_record.python.array_record_module import ArrayRecordWriter
+  root.mkdir(parents=True, exist_ok=True)
+  for f in range(files):
+    writer = ArrayRecordWriter(str(root / f'part{f}.arrayrecord'), 'group_size:1')
+    for i, d in enumerate(docs):
+      if i % files == f:
+        writer.write(d.encode('utf-8'))
+    writer.close()
+  return str(root / '*.arrayrecord')
+
+
+FORMATS = {
+    'jsonl': lambda root, docs: data_cfg(source='jsonl', path=write_jsonl(root, docs), block_bytes=1500),
+    'jsonl.gz': lambda root, docs: data_cfg(source='jsonl', path=write_jsonl(root, docs, files=12, gz=True)),
+    'parquet': lambda root, docs: data_cfg(source='parquet', path=write_parquet(root, docs)),
+    'arrayrecord': lambda root, docs: data_cfg(source='arrayrecord', path=write_array_records(root, docs),
+                                               block_bytes=1500),
+}
+
+
+def rows_iter(cfg, *, rows=range(8), batch=8, seq_len=16, seed=0, split='train', micro=None):
+  return pipeline.make_iterator(cfg, split=split, seq_len=seq_len, global_batch_size=batch,
+                                micro_batch_size=micro or batch, rows=np.asarray(list(rows)), seed=seed)
+
+
+def take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def stream_text(batches, row=0) -> str:
+  """Row `row`'s packed stream as text, each window's shared last token counted once."""
+  ids = [b['inputs'][row] for b in batches] + [batches[-1]['targets'][row][-1:]]
+  return ''.join(chr(i) if i < 256 else '\x00' for i in np.concatenate(ids))
+
+
+def docs_of(text: str) -> list[str]:
+  return [d for d in text.split('\x00') if d]
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_every_document_once_per_epoch_then_again_in_a_new_order(tmp_path, fmt):
+  docs = documents(60)
+  cfg = dataclasses.replace(FORMATS[fmt](tmp_path, docs), eval_fraction=0.0, shuffle_window=1)
+  total = sum(len(d) + 1 for d in docs)
+  seq_len = 16
+  batches = take(rows_iter(cfg, rows=[0], batch=1, seq_len=seq_len), 2 * total // seq_len + 2)
+  got = docs_of(stream_text(batches))
+  # Row 0 of a 1-row batch reads every block in turn: whole documents, the first epoch all of them once.
+  first = got[:len(docs)]
+  assert sorted(first) == sorted(docs)
+  second = got[len(docs):2 * len(docs)]
+  assert second != first and first != docs
+
+
+def test_formats_hold_the_same_documents_block_by_block(tmp_path):
+  docs = documents(50)
+  for fmt, make in FORMATS.items():
+    cfg = make(tmp_path / fmt.replace('.', '_'), docs)
+    reader = records.Reader(cfg)
+    blocks = reader.all_blocks()
+    read = [d for i in range(len(blocks)) for d in reader.read(blocks, i)]
+    assert sorted(read) == sorted(docs), fmt
+    assert len(blocks) > 1, fmt
+
+
+def test_jsonl_blocks_split_at_line_starts_whatever_the_block_size(tmp_path):
+  docs = documents(40)
+  path = write_jsonl(tmp_path, docs, files=1)
+  for block_bytes in (1, 7, 100, 1 << 20):
+    reader = records.Reader(data_cfg(source='jsonl', path=path, block_bytes=block_bytes))
+    blocks = reader.all_blocks()
+    assert [d for i in range(len(blocks)) for d in reader.read(blocks, i)] == docs
+
+
+@pytest.mark.parametrize('fmt', ['jsonl', 'parquet'])
+def test_processes_holding_some_rows_get_those_rows_of_the_one_process_batch(tmp_path, fmt):
+  cfg = FORMATS[fmt](tmp_path, documents(80))
+  whole = take(rows_iter(cfg), 5)
+  for part in ([0, 1, 2, 3], [4, 5, 6, 7], [1, 6]):
+    local = take(rows_iter(cfg, rows=part), 5)
+    for a, b in zip(whole, local):
+      assert np.array_equal(a['inputs'][part], b['inputs'])
+      assert np.array_equal(a['targets'][part], b['targets'])
+
+
+def test_micro_batches_are_rows_of_the_global_batch(tmp_path):
+  cfg = FORMATS['jsonl'](tmp_path, documents(80))
+  whole = take(rows_iter(cfg), 3)
+  accum = take(rows_iter(cfg, rows=[1, 3], micro=4), 3)  # Rows 1, 3 of micro-batches 0 and 1: 1, 3, 5, 7.
+  for a, b in zip(whole, accum):
+    assert np.array_equal(a['inputs'][[1, 3, 5, 7]], b['inputs'])
+
+
+def test_a_process_reads_only_the_blocks_of_its_rows(tmp_path, monkeypatch):
+  cfg = data_cfg(source='jsonl', path=write_jsonl(tmp_path, documents(400), files=4), block_bytes=600,
+                 eval_fraction=0.0, shuffle_window=1)
+  read = collections.defaultdict(set)
+  original = records.Reader.read
+
+  def spy(self, blocks, i):
+    read[self.tag].add(i)
+    return original(self, blocks, i)
+
+  monkeypatch.setattr(records.Reader, 'read', spy)
+  for name, rows in (('low', range(4)), ('high', range(4, 8)), ('all', range(8))):
+    monkeypatch.setattr(records.Reader, 'tag', name, raising=False)
+    take(rows_iter(cfg, rows=rows), 4)
+  assert read['low'] and read['high'] and not read['low'] & read['high']
+  assert read['low'] | read['high'] == read['all']
+  assert len(read['all']) < len(records.Reader(cfg).all_blocks())
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_state_resumes_exactly_on_any_split_of_the_rows(tmp_path, fmt):
+  cfg = FORMATS[fmt](tmp_path, documents(80))
+  straight = rows_iter(cfg, rows=range(4))
+  take(straight, 7)
+  upper = rows_iter(cfg, rows=range(4, 8))
+  take(upper, 7)
+  saved = json.loads(json.dumps({'step': 7, 'rows': {**straight.get_state()['rows'],
+                                                     **upper.get_state()['rows']}}))
+  expected = take(rows_iter(cfg), 12)[7:]
+  for part in (range(8), [0, 5], [7]):
+    resumed = rows_iter(cfg, rows=part)
+    resumed.set_state(saved)
+    for want, got in zip(expected, take(resumed, 5)):
+      assert np.array_equal(want['inputs'][list(part)], got['inputs'])
+
+
+def test_prefetching_reports_the_position_of_the_batches_handed_out(tmp_path):
+  cfg = FORMATS['jsonl'](tmp_path, documents(80))
+  plain, ahead = rows_iter(cfg), rows_iter(dataclasses.replace(cfg, prefetch=3))
+  for a, b in zip(take(plain, 4), take(ahead, 4)):
+    assert np.array_equal(a['inputs'], b['inputs'])
+  assert plain.get_state() == ahead.get_state()
+  ahead.set_state(rows_iter(cfg).get_state())
+  assert np.array_equal(next(ahead)['inputs'], next(rows_iter(cfg))['inputs'])
+
+
+def test_order_is_a_function_of_the_seed_and_eval_is_in_file_order(tmp_path):
+  cfg = dataclasses.replace(FORMATS['jsonl'](tmp_path, documents(200)), eval_fraction=0.3)
+  a, b, c = (take(rows_iter(cfg, seed=s), 3) for s in (0, 0, 1))
+  assert all(np.array_equal(x['inputs'], y['inputs']) for x, y in zip(a, b))
+  assert not np.array_equal(a[0]['inputs'], c[0]['inputs'])
+  e0, e1 = (take(rows_iter(cfg, seed=s, split='eval', rows=[0], batch=1), 10) for s in (0, 1))
+  assert all(np.array_equal(x['inputs'], y['inputs']) for x, y in zip(e0, e1))
+  evaluated = docs_of(stream_text(e0))
+  split = streaming.Split(cfg, 'eval', seed=0)
+  blocks = split.split_blocks
+  in_file_order = [d for i in range(len(blocks)) for d in split.reader.read(blocks, i)]
+  assert evaluated[:-1] == in_file_order[:len(evaluated) - 1]
+  train_docs = set(docs_of(stream_text(take(rows_iter(cfg, rows=[0], batch=1), 60))))
+  assert not set(evaluated[1:-1]) & train_docs  # Whole blocks go to one split.
+
+
+def test_token_fractions_follow_the_weights_and_are_the_draws():
+  mix = data_cfg(source='mixture', mixture=(((('path', 'a'), ('source', 'jsonl')), 3.0),
+                                            ((('path', 'b'), ('source', 'parquet')), 1.0)))
+  fractions = streaming.token_fractions(mix, 0, 64, range(200))
+  assert abs(fractions['data_fraction_0'] - 0.75) < 0.02 and abs(sum(fractions.values()) - 1) < 1e-9
+  draws = streaming.mixture_choices([3.0, 1.0], 0, 5, 64)
+  assert streaming.token_fractions(mix, 0, 64, range(5, 6))['data_fraction_1'] == draws.mean()
+
+
+def test_mixture_rows_come_from_the_drawn_source_and_resume_exactly(tmp_path):
+  a = write_jsonl(tmp_path / 'a', documents(80, tag='jsonl'))
+  b = write_parquet(tmp_path / 'b', documents(80, seed=1, tag='parquet'))
+  mix = data_cfg(source='mixture', mixture=(((('path', a), ('source', 'jsonl')), 1.0),
+                                            ((('path', b), ('source', 'parquet')), 1.0)),
+                 block_bytes=1500)
+  it = rows_iter(mix)
+  first = take(it, 6)
+  for step, batch in enumerate(first):
+    choice = streaming.mixture_choices([1.0, 1.0], 0, step, 8)
+    for row in range(8):
+      text = ''.join(chr(i) for i in batch['inputs'][row] if i < 256)
+      if '<' in text:  # A document's start names its source.
+        assert ('<jsonl' in text) == (choice[row] == 0) and ('<parquet' in text) == (choice[row] == 1)
+  state = json.loads(json.dumps(it.get_state()))
+  assert len(state['rows']['0']) == 6  # A (window, document, token) position per source.
+  expected = take(it, 4)
+  resumed = rows_iter(mix, rows=[2, 5])
+  resumed.set_state(state)
+  for want, got in zip(expected, take(resumed, 4)):
+    assert np.array_equal(want['inputs'][[2, 5]], got['inputs'])
+
+
+def test_a_source_that_runs_out_repeats_and_says_so(tmp_path, capsys):
+  docs = documents(6)
+  cfg = data_cfg(source='jsonl', path=write_jsonl(tmp_path, docs, files=1), eval_fraction=0.0,
+                 shuffle_window=1)
+  batches = take(rows_iter(cfg, rows=[0], batch=1), sum(len(d) + 1 for d in docs) // 16 + 4)
+  assert 'ran out; repeating it (epoch 2)' in capsys.readouterr().out
+  assert len(docs_of(stream_text(batches))) > len(docs)
+
+
+def test_unigram_baseline_of_a_streamed_source_counts_its_eval_split(tmp_path):
+  cfg = data_cfg(source='jsonl', path=write_jsonl(tmp_path, ['ab' * 50] * 20, files=1), eval_fraction=0.5,
+                 block_bytes=200)
+  # Documents of 'a' and 'b' in equal numbers and one BOS per 100: entropy just above 1 bit.
+  p = np.array([50, 50, 1]) / 101
+  assert pipeline.unigram_bits_per_token(cfg) == pytest.approx(float(-(p * np.log2(p)).sum()))
+
+
+# Bad input.
+
+def first_batch(cfg):
+  return next(rows_iter(dataclasses.replace(cfg, eval_fraction=0.0), rows=[0], batch=1, seq_len=8))
+
+
+def bad_jsonl(tmp_path, line: str) -> config_lib.DataConfig:
+  lines = [json.dumps({'text': 'fine'})] * 3 + [line] + [json.dumps({'text': 'fine too'})]
+  (tmp_path / 'a.jsonl').write_text('\n'.join(lines) + '\n')
+  return data_cfg(source='jsonl', path=str(tmp_path / 'a.jsonl'), block_bytes=20)
+
+
+@pytest.mark.parametrize('line, says', [
+    ('{"text": "cut', 'a.jsonl:4: not valid JSON'),
+    ('{"body": "x"}', "a.jsonl:4: no field 'text' (data.text_field)"),
+    ('{"text": 3}', "a.jsonl:4: field 'text' (data.text_field) is int, not a string"),
+])
+def test_a_bad_jsonl_line_names_file_and_line(tmp_path, line, says):
+  with pytest.raises(DataError, match=re.escape(says) + '.*data.skip_bad_records=True') as e:
+    first_batch(bad_jsonl(tmp_path, line))
+  assert '\n' not in str(e.value)
+
+
+def test_skip_bad_records_leaves_out_only_the_bad_line_and_counts_it(tmp_path, capsys):
+  cfg = dataclasses.replace(bad_jsonl(tmp_path, '{"text": "cut'), skip_bad_records=True)
+  reader = records.Reader(cfg)
+  blocks = reader.all_blocks()
+  assert [d for i in range(len(blocks)) for d in reader.read(blocks, i)] == ['fine'] * 3 + ['fine too']
+  assert 'warning: data.skip_bad_records: skipped ' in capsys.readouterr().err and reader.bad.count == 1
+
+
+def test_skip_bad_records_leaves_out_bad_files_with_a_warning_each(tmp_path, capsys):
+  docs = documents(30)
+  write_parquet(tmp_path, docs)
+  (tmp_path / 'broken.parquet').write_bytes(b'PAR1 not really')
+  (tmp_path / 'empty.parquet').write_bytes(b'')
+  reader = records.Reader(data_cfg(source='parquet', path=str(tmp_path / '*.parquet'), skip_bad_records=True))
+  blocks = reader.all_blocks()
+  assert sorted(d for i in range(len(blocks)) for d in reader.read(blocks, i)) == sorted(docs)
+  err = capsys.readouterr().err
+  assert reader.bad.count == 2 and 'broken.parquet is not a readable Parquet file' in err
+  assert 'empty.parquet is empty (2 skipped so far)' in err
+
+
+def test_bad_files_are_named(tmp_path):
+  (tmp_path / 'empty.jsonl').write_text('')
+  with pytest.raises(DataError, match=r'empty.jsonl is empty'):
+    first_batch(data_cfg(source='jsonl', path=str(tmp_path / 'empty.jsonl')))
+  (tmp_path / 'bad.parquet').write_bytes(b'PAR1 not really')
+  with pytest.raises(DataError, match=r'bad.parquet is not a readable Parquet file'):
+    first_batch(data_cfg(source='parquet', path=str(tmp_path / 'bad.parquet')))
+  path = write_parquet(tmp_path / 'other', documents(10), column='content')
+  with pytest.raises(DataError, match=r"part0.parquet has no column 'text' \(data.text_field; its columns: "
+                                      r'content, n\)'):
+    first_batch(data_cfg(source='parquet', path=path))
+  (tmp_path / 'bad.arrayrecord').write_bytes(b'\0' * 100)
+  with pytest.raises(DataError, match=r'bad.arrayrecord is not a readable ArrayRecord file'):
+    first_batch(data_cfg(source='arrayrecord', path=str(tmp_path / 'bad.arrayrecord')))
+  with gzip.open(tmp_path / 'cut.jsonl.gz', 'wt') as f:
+    f.write(json.dumps({'text': 'x' * 5000}) + '\n')
+  (tmp_path / 'cut.jsonl.gz').write_bytes((tmp_path / 'cut.jsonl.gz').read_bytes()[:40])
+  with pytest.raises(DataError, match=r'cannot read .*cut.jsonl.gz'):
+    first_batch(data_cfg(source='jsonl', path=str(tmp_path / 'cut.jsonl.gz')))
+
+
+def test_token_records_outside_the_vocabulary_are_named(tmp_path):
+  from array_record.python.array_record_module import ArrayRecordWriter
+  writer = ArrayRecordWriter(str(tmp_path / 'ids.arrayrecord'), 'group_size:1')
+  writer.write(np.array([tokenizer.BOS, 65, 66], np.uint16).tobytes())
+  writer.write(np.array([tokenizer.BOS, 999], np.uint16).tobytes())
+  writer.close()
+  cfg = data_cfg(source='arrayrecord', record_format='tokens', path=str(tmp_path / 'ids.arrayrecord'))
+  with pytest.raises(DataError, match=r'ids.arrayrecord record 1: token id 999 is outside the vocabulary'):
+    first_batch(cfg)
+
+
+@pytest.mark.parametrize('entry, says', [
+    ("({'source': 'jsonl', 'path': 'a'}, 0)", r'data.mixture\[0\]: weight=0 must be a finite number > 0'),
+    ("({'source': 'jsonl', 'path': 'a'}, -1.5)", r'weight=-1.5 must be'),
+    ("({'source': 'csv', 'path': 'a'}, 1)", r"source='csv' is not a source a mixture can draw from"),
+    ("({'source': 'jsonl', 'prefetch': 2}, 1)", r"'prefetch' is not an option a mixture source may set"),
+    ("({'source': 'jsonl', 'block_bytes': 0}, 1)", r'data.mixture\[0\].block_bytes=0 must be'),
+])
+def test_bad_mixture_entries_are_config_errors(entry, says):
+  from conftest import load_config
+  with pytest.raises(config_lib.ConfigError, match=says):
+    load_config('single', 'data.source=mixture', f'data.mixture=[{entry}]')
+
+
+def test_mixture_and_source_go_together():
+  from conftest import load_config
+  with pytest.raises(config_lib.ConfigError, match="data.source='mixture' and a non-empty data.mixture"):
+    load_config('single', 'data.source=mixture')
+  with pytest.raises(config_lib.ConfigError, match="data.source='mixture' and a non-empty data.mixture"):
+    load_config('single', "data.mixture=[({'source': 'jsonl', 'path': 'a'}, 1)]")
+
+
+def test_a_streamed_source_reads_with_the_runs_tokenizer_and_measures_its_bytes_per_token(tmp_path,
+                                                                                            bpe_tokenizer):
+  from mintrain.data import tokenizer
+  docs = documents(40)
+  cfg = data_cfg(source='jsonl', path=write_jsonl(tmp_path, docs, files=1), tokenizer=str(bpe_tokenizer),
+                 eval_fraction=0.0, block_bytes=1 << 20, shuffle_window=1)
+  tok = tokenizer.load(str(bpe_tokenizer))
+  first = next(rows_iter(cfg, rows=[0], batch=1, seq_len=32))
+  whole = np.concatenate([tok.document(d) for d in docs])
+  window = np.concatenate([first['inputs'][0], first['targets'][0][-1:]])
+  assert any(np.array_equal(whole[i:i + 33], window) for i in range(len(whole) - 32))  # BPE ids, in order.
+  measured = streaming.bytes_per_token(dataclasses.replace(cfg, eval_fraction=0.5))
+  assert 1.1 < measured < 6  # A BPE token is often several bytes; a byte token (with BOS) is under 1.
