@@ -45,8 +45,8 @@ SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.
 # The hand-written step: plain JAX and optax. Shape letters: B batch, L length, D embed, F mlp, H heads,
 # K head dim, V vocab. `hp` is a plain dict of the model and optimizer hyperparameters.
 # ---------------------------------------------------------------------------------------------------------
-MESH_AXES = ('data', 'fsdp', 'model')
-BATCH = ('data', 'fsdp')
+MESH_AXES = ('data', 'fsdp', 'expert', 'context', 'model')
+BATCH = ('data', 'fsdp', 'expert')
 BLOCK_SPECS = {  # Megatron column/row pairs on `model`; FSDP splits the embed dimension at rest.
     'attn_norm': P('fsdp'), 'wq_DHK': P('fsdp', 'model', None), 'wk_DHK': P('fsdp', 'model', None),
     'wv_DHK': P('fsdp', 'model', None), 'wo_HKD': P('model', None, 'fsdp'), 'mlp_norm': P('fsdp'),
@@ -192,7 +192,8 @@ def main() -> int:
   batches = harness.device_batches(built, 2)
   ours = harness.compile_step(built, batches[0])
   hand_mesh = jax.make_mesh(tuple(built.mesh.shape.values()), MESH_AXES,
-                            axis_types=(AxisType.Auto,) * 3, devices=built.mesh.devices.flatten())
+                            axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                            devices=built.mesh.devices.flatten())
   params = copy_params(ours.state.params, hp, hand_mesh)
   hand_step, opt_state = make_hand_step(hp, hand_mesh, params)
   data_sh = NamedSharding(hand_mesh, P(BATCH, None))

@@ -10,6 +10,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 4  # Data-parallel ways (batch split, params replicated). -1: all remaining devices.
   c.mesh.fsdp = 1  # Fully-sharded data-parallel ways (batch split, params split on `embed`).
+  c.mesh.expert = 1  # Expert-parallel ways: MoE layers' experts split, the batch split everywhere else.
   c.mesh.context = 1  # Context-parallel ways (the sequence's `length` split; attention gathers keys).
   c.mesh.model = 2  # Tensor-parallel ways (heads, mlp and vocab split).
   # Multi-slice: how many of the data (fsdp) ways go across slices or hosts over the data-centre network;
@@ -22,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   # order, as t5x and MaxText (flax.linen.logical_to_mesh_axes). None means replicated; a name with
   # no rule is an error.
   c.partitioning.rules = [
-      ('batch', ('data', 'fsdp')),
+      ('batch', ('data', 'fsdp', 'expert')),  # `expert` too: its devices hold other rows outside MoE layers.
       ('length', 'context'),  # Never a parameter's axis; a dimension of size 1 (a decode step) stays whole.
       ('embed', None),
       ('mlp', 'model'),
@@ -30,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
       ('kv_heads', 'model'),  # Grouped key/value heads (model.num_kv_heads); replicated if too few.
       ('kv', None),
       ('vocab', 'model'),
+      ('expert', 'expert'),  # The experts of a mixture-of-experts layer (model.num_experts).
       ('classes', None),
       ('layers', None),
   ]
@@ -75,6 +77,17 @@ def get_config() -> ml_collections.ConfigDict:
   # Weight matmuls' gradients: 'custom_vjp' transposes the smaller operand (measured faster on CPU),
   # 'einsum' leaves it to autodiff; 'auto': custom_vjp on CPU, einsum elsewhere.
   c.model.linear = 'auto'
+  # Mixture of experts (mintrain/models/moe.py): every moe_every-th block's MLP becomes num_experts gated MLPs
+  # of width expert_mlp_dim, experts split over mesh.expert, each token routed to experts_per_token of them.
+  c.model.num_experts = 0  # Experts per MoE layer (E); 0: every MLP dense.
+  c.model.experts_per_token = 2  # Top-k experts each token goes to.
+  c.model.moe_every = 1  # Every N-th block is MoE (1: all; 2: blocks 1, 3, ...), the others dense.
+  c.model.expert_mlp_dim = 0  # Hidden width of each expert; 0: mlp_dim.
+  c.model.shared_expert_dim = 0  # Width of a sigmoid-gated expert every token takes (Qwen2-MoE); 0: none.
+  c.model.capacity_factor = 0.0  # Slots per expert: factor * seq_len * k / E (the rest dropped); 0: dropless.
+  c.model.router_norm_topk = True  # Top-k router weights renormalised to sum 1 (Mixtral; Qwen2-MoE: False).
+  c.model.router_z_loss_weight = 1e-3  # Weight of the router z-loss, mean(logsumexp(logits)^2), in the loss.
+  c.model.load_balance_loss_weight = 1e-2  # Weight of the balancing loss E * sum_e f_e * p_e (1: balanced).
 
   c.data = ml_collections.ConfigDict()
   # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of

@@ -40,6 +40,7 @@ def _mesh_size(value: int) -> str | None:
 class MeshConfig:
   data: int = option(check=_mesh_size)
   fsdp: int = option(check=_mesh_size)
+  expert: int = option(check=_mesh_size)
   context: int = option(check=_mesh_size)
   model: int = option(check=_mesh_size)
   # Of those ways, how many go across slices (multi-slice); only the axes in mesh.SPANS_SLICES have one.

@@ -11,7 +11,9 @@ time from process 0, in shards of at most `max_shard_size` bytes.
 
 The family names its tensors for layers held one by one (`blocks.<i>.X`); with `model.scan_layers`, a
 parameter stacked on a leading `layers` axis (`blocks.X`) is layer i's tensor at index i, found as
-`layers.Relayout` finds it for Orbax checkpoints.
+`layers.Relayout` finds it for Orbax checkpoints. A family may also name a tuple of tensors for one
+parameter, stacked on its first axis (a mixture's experts, one tensor each); scanned, such a parameter
+is (layers, experts, ...) of one tensor per layer and expert.
 """
 
 from __future__ import annotations
@@ -102,9 +104,15 @@ class _Tensors(contextlib.ExitStack):
 @dataclasses.dataclass(frozen=True)
 class _Source:
   """Where one mintrain parameter lives in a Hugging Face checkpoint."""
-  names: tuple[str, ...]  # Its tensor; with `stacked`, layer i's tensor at index i.
-  kind: Any  # How the family reshapes it (e.g. `hf_llama.Kind`).
-  stacked: bool  # Stacked on a leading `layers` axis (scan_layers).
+  names: tuple[str, ...]  # Its tensors: per layer (with `layers`), then per part (with `parts`), row-major.
+  kind: Any  # How the family reshapes each (e.g. `hf_llama.Kind`).
+  layers: int  # Stacked on a leading `layers` axis (scan_layers): that many layers; 0 when not.
+  parts: int  # Stacked from that many tensors on its next axis (a mixture's experts); 0 for one tensor.
+
+  @property
+  def lead(self) -> tuple[int, ...]:
+    """The sizes of the leading axes whose every index is a tensor of its own."""
+    return tuple(n for n in (self.layers, self.parts) if n)
 
 
 def _sources(conversion: Any, cfg: Any, params: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
@@ -114,10 +122,13 @@ def _sources(conversion: Any, cfg: Any, params: dict[str, tuple[tuple[int, ...],
   stacked = Relayout.plan(params, dict.fromkeys(names)).stack
   out = {}
   for ours in params:
-    per_layer = [names[p] for p in stacked[ours]] if ours in stacked else [names.get(ours)]
+    per_layer = [names.get(p) for p in stacked[ours]] if ours in stacked else [names.get(ours)]
     if None in per_layer:
       raise ConfigError(f'mintrain parameter {ours} has no Hugging Face tensor.')
-    out[ours] = _Source(tuple(name for name, _ in per_layer), per_layer[0][1], ours in stacked)
+    parts = [name if isinstance(name, tuple) else (name,) for name, _ in per_layer]
+    out[ours] = _Source(tuple(name for part in parts for name in part), per_layer[0][1],
+                        len(per_layer) if ours in stacked else 0,
+                        len(parts[0]) if isinstance(per_layer[0][0], tuple) else 0)
   return out
 
 
@@ -155,7 +166,7 @@ def _checked(tensors: _Tensors, run: Run,
   for key, var in leaves:
     ours, shape = train_state.path_str(key), jax.tree.leaves(var)[0].shape
     source = where[ours]
-    their_shape = tuple(conversion.their_shape(source.kind, shape[source.stacked:]))
+    their_shape = tuple(conversion.their_shape(source.kind, shape[len(source.lead):]))
     out.append((var, source, [tensors.get(name, ours, their_shape) for name in source.names]))
   return out
 
@@ -172,14 +183,13 @@ def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tenso
       slices[bounds] = _adoptable_empty(tuple(b - a for a, b in bounds), dtype)
     devices.append((device, bounds))
   targets = [(tuple(slice(a, b) for a, b in bounds), out) for bounds, out in slices.items()]
-  if not source.stacked:
-    conversion.read(source.kind, files[0], targets, head_dim)
-  else:  # Layer i's tensor fills index i - start of each slice whose layers hold it.
-    for i in range(len(files)):
-      layer = [(index[1:], out[i - index[0].start]) for index, out in targets
-               if index[0].start <= i < index[0].stop]
-      if layer:
-        conversion.read(source.kind, files[i], layer, head_dim)
+  n = len(source.lead)
+  # The tensor at leading index `at` (a layer's, an expert's) fills `at - start` of each slice holding it.
+  for file, at in zip(files, np.ndindex(*source.lead)):
+    part = [(index[n:], out[tuple(i - s.start for i, s in zip(at, index))] if n else out)
+            for index, out in targets if all(s.start <= i < s.stop for i, s in zip(at, index))]
+    if part:
+      conversion.read(source.kind, file, part, head_dim)
   arrays, taken = [], set()
   for device, bounds in devices:  # A replica gets a copy of its own (a device buffer is never shared).
     host = slices[bounds] if bounds not in taken else _copy(slices[bounds])
@@ -263,16 +273,20 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
 
   for path, var in variables.items():
     source = where[path]
-    for i, name in enumerate(source.names):
-      # Every process takes part in the gather of one tensor (one layer's); process 0 keeps it.
-      host = _host(var[i] if source.stacked else var[...])
+    per_layer = len(source.names) // max(source.layers, 1)
+    for layer in range(max(source.layers, 1)):
+      # Every process takes part in the gather of one layer's tensors; process 0 keeps them. A layer's
+      # parts (experts) are split on the host: indexing the device array would cross their mesh axis.
+      host = _host(var[layer] if source.layers else var[...])
       if not is_main:
         continue
-      tensor = family.hf.write(source.kind, host).astype(out_dtype)
-      if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_size:
-        flush()
-      shard[name] = tensor
-      total += tensor.nbytes
+      names = source.names[layer * per_layer:(layer + 1) * per_layer]
+      for name, value in zip(names, host if source.parts else [host]):
+        tensor = family.hf.write(source.kind, value).astype(out_dtype)
+        if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_size:
+          flush()
+        shard[name] = tensor
+        total += tensor.nbytes
   if not is_main:
     return []
   flush()

@@ -1,16 +1,19 @@
-"""The device mesh: axes `data`, `fsdp`, `context`, `model`, all of explicit axis type.
+"""The device mesh: axes `data`, `fsdp`, `expert`, `context`, `model`, all of explicit axis type.
 
 With Explicit axes, shardings are part of array types and propagate through
 jitted code; a mismatch is a trace-time error rather than a silent relayout.
 The last axis (`model`) is the innermost, so it stays within a host; `context` (the sequence split
-over devices, context parallelism) is next to it, as its attention passes keys and values every layer.
-A mapping of sizes may leave an axis out: it has size 1 (meshes saved before an axis existed).
+over devices, context parallelism) is next to it, as its attention passes keys and values every layer,
+then `expert` (mixture-of-experts layers' experts, and data elsewhere), whose all-to-alls run in every
+MoE layer. A mapping of sizes may leave an axis out: it has size 1 (meshes saved before an axis existed),
+and `describe` names `expert` and `context` only where they split, so such meshes read as before.
 
 Multi-slice (MaxText's `dcn_*`): a mesh may span several slices (TPU slices; elsewhere, processes
 stand for hosts) joined by the slower data-centre network (DCN). `slices` says how many ways of each
 axis go across them; the rest of each axis stays on the fast interconnect (ICI, NVLink) within a
 slice. Only the axes in SPANS_SLICES may cross: their collectives (the gradient all-reduce, FSDP's
-gathers) are few per step, while `model` talks every layer. The device grid is JAX's hybrid mesh.
+gathers) are few per step, while `model` talks every layer and `expert` exchanges tokens (all-to-all)
+twice in every MoE layer. The device grid is JAX's hybrid mesh.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from jax.sharding import AxisType, Mesh
 
 from mintrain import host_allocator
 
-AXES = ('data', 'fsdp', 'context', 'model')
+AXES = ('data', 'fsdp', 'expert', 'context', 'model')
+NAMED_IF_SPLIT = ('expert', 'context')  # Axes that `describe` leaves out at size 1.
 SPANS_SLICES = ('data', 'fsdp')  # Axes whose ways may go across slices (`slices` of make_mesh).
 _XLA_CPU_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
@@ -36,9 +40,9 @@ class MeshError(ValueError):
 
 
 def mesh_shape(sizes: Mapping[str, int], num_devices: int, platform: str = '') -> tuple[int, ...]:
-  """Sizes in AXES order, with one -1 filled by the remaining devices."""
+  """Sizes in AXES order (a missing axis is 1), with one -1 filled by the remaining devices."""
   shape = [int(sizes.get(a, 1)) for a in AXES]
-  described = ', '.join(f'{a}={s}' for a, s in zip(AXES, shape))
+  described = describe(dict(zip(AXES, shape))).replace(' x ', ', ')
   where = f'{num_devices} {platform} devices'.replace('  ', ' ')
   if -1 in shape:
     fixed = math.prod(s for s in shape if s != -1)
@@ -188,8 +192,11 @@ def levels(mesh: Mesh) -> tuple[str, int, dict[str, int]] | None:
 
 
 def describe(shape: Mapping[str, int]) -> str:
-  """`data=4 x fsdp=1 x model=2` for a mesh's `shape`, or the sizes a checkpoint saved."""
-  return ' x '.join(f'{name}={size}' for name, size in shape.items())
+  """`data=4 x fsdp=1 x model=2` for a mesh's `shape`, or the sizes a checkpoint saved; `expert` and
+  `context` are named only when they split (`data=2 x fsdp=1 x expert=4 x model=1`), so meshes without
+  them read as before."""
+  return ' x '.join(f'{name}={size}' for name, size in shape.items()
+                    if name not in NAMED_IF_SPLIT or size != 1)
 
 
 def _count(n: int, kind: str) -> str:

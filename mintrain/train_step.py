@@ -4,7 +4,8 @@ The batch is (grad_accum_steps, micro_batch, ...), a dict of arrays the model fa
 (`loss(batch)`: 'inputs', 'targets', and whatever else its data gives). The family's loss is a mean
 over the targets that count, with their count; micro-batches are weighted by their counts, so the
 step's loss and gradients are the mean over every counted target of the whole batch (padded rows
-count fewer), which equals one step on the whole batch.
+count fewer), which equals one step on the whole batch. The family's statistics (e.g. an MoE layer's
+routing) join the metrics, weighted the same way; their `aux_loss` joins the objective.
 Dropout keys are folded from the state's key, the step and the micro-batch
 index, so they do not depend on the mesh.
 """
@@ -23,11 +24,14 @@ from mintrain.train_state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch,
-            dropout_key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """(mean loss over the batch's counted targets, their count), as the model family computes them."""
-  loss, count = nnx.merge(graphdef, params).loss(batch, dropout_key=dropout_key)
-  return loss, jnp.asarray(count, jnp.float32)
+def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, dropout_key: jax.Array | None
+            ) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
+  """(objective, (count, metrics)), as the model family computes them: the objective is its mean loss
+  over the batch's counted targets, plus its statistics' `aux_loss` if any (an MoE router's balancing
+  losses); the metrics are that mean loss as `loss` and every statistic."""
+  loss, count, stats = nnx.merge(graphdef, params).loss(batch, dropout_key=dropout_key)
+  objective = loss + stats['aux_loss'] if 'aux_loss' in stats else loss
+  return objective, (jnp.asarray(count, jnp.float32), {'loss': loss, **stats})
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
@@ -39,23 +43,26 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro_step(carry, xs):
-      loss_sum, count_sum, grad_sum = carry
+      metric_sum, count_sum, grad_sum = carry
       index, micro_batch = xs
       key = jax.random.fold_in(step_key, index) if use_dropout else None
-      (loss, count), grads = grad_fn(state.params, graphdef, micro_batch, key)
+      (_, (count, metrics)), grads = grad_fn(state.params, graphdef, micro_batch, key)
       grad_sum = jax.tree.map(lambda total, g: total + g * count, grad_sum, grads)
-      return (loss_sum + loss * count, count_sum + count, grad_sum), None
+      metric_sum = jax.tree.map(lambda total, m: total + m * count, metric_sum, metrics)
+      return (metric_sum, count_sum + count, grad_sum), None
 
     accum = jax.tree.leaves(batch)[0].shape[0]
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    scalar = jnp.zeros((), jnp.float32)
-    (loss_sum, count, grad_sum), _ = jax.lax.scan(
-        micro_step, (scalar, scalar, zeros), (jnp.arange(accum), batch))
-    loss = loss_sum / count
+    first = jax.tree.map(lambda x: x[0], batch)
+    metric_zeros = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype),
+                                jax.eval_shape(loss_fn, state.params, graphdef, first, None)[1][1])
+    (metric_sum, count, grad_sum), _ = jax.lax.scan(
+        micro_step, (metric_zeros, jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), batch))
+    model_metrics = jax.tree.map(lambda m: m / count, metric_sum)
     grads = jax.tree.map(lambda g: g / count, grad_sum)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads), 'param_norm': optax.tree.norm(params),
+    metrics = {**model_metrics, 'grad_norm': optax.tree.norm(grads), 'param_norm': optax.tree.norm(params),
                'learning_rate': schedule(state.step)}
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
@@ -67,6 +74,9 @@ def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, Batch], tuple
   """Jitted (summed loss, count) of params over the counted targets of one (accum, micro, ...) batch;
   no gradients, no dropout. Summed, so that batches with fewer counted targets weigh less."""
   def eval_fn(params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    losses, counts = jax.lax.map(lambda micro: loss_fn(params, graphdef, micro, None), batch)
+    def micro(micro_batch: Batch) -> tuple[jax.Array, jax.Array]:
+      _, (count, metrics) = loss_fn(params, graphdef, micro_batch, None)
+      return metrics['loss'], count
+    losses, counts = jax.lax.map(micro, batch)
     return jnp.sum(losses * counts), jnp.sum(counts)
   return jax.jit(eval_fn)

@@ -22,6 +22,15 @@ SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train
          'train.seq_len=32', 'train.log_every=1', 'optimizer.warmup_steps=2', 'checkpoint.keep=5')
 N = 4
 TWO_BY_FOUR = ('mesh.data=2', 'mesh.fsdp=1', 'mesh.model=4')  # A mesh no config file names.
+# Targets that are a config file on another mesh: (config, mesh overrides). The MoE model (8 experts) out
+# of its expert 4 x data 2 split onto one device and onto expert 2 x model 2 x fsdp 2; a dense model into
+# an expert split (its batch over `expert` too).
+TARGETS = {
+    '2x4': ('dp4_tp2', TWO_BY_FOUR),
+    'moe_single': ('moe_ep4_dp2', ('mesh.data=1', 'mesh.expert=1')),
+    'moe_ep2_tp2_fsdp2': ('moe_ep4_dp2', ('mesh.data=1', 'mesh.fsdp=2', 'mesh.expert=2', 'mesh.model=2')),
+    'dense_ep4_dp2': ('dp4_tp2', ('mesh.data=2', 'mesh.expert=4', 'mesh.model=1')),
+}
 
 
 def small(name, *overrides):
@@ -102,7 +111,7 @@ def test_checkpoint_holds_state_data_position_and_metadata(sources):
   checkpoints = ckpt_lib.Checkpoints(source.workdir / 'checkpoints', read_only=True)
   assert checkpoints.steps() == [N, 2 * N]
   meta = checkpoints.metadata(N)
-  assert meta['mesh'] == {'data': 4, 'fsdp': 1, 'context': 1, 'model': 2}
+  assert meta['mesh'] == {'data': 4, 'fsdp': 1, 'expert': 1, 'context': 1, 'model': 2}
   assert meta['config']['model']['embed_dim'] == 64 and meta['config']['train']['steps'] == 2 * N
   assert set(meta['versions']) >= {'mintrain', 'jax', 'flax', 'optax', 'orbax-checkpoint'}
   data_file = checkpoints.step_dir(N) / 'data' / 'metadata'
@@ -113,16 +122,20 @@ def test_checkpoint_holds_state_data_position_and_metadata(sources):
   assert {'step', 'rng', 'opt_state.1.0.count'} <= set(arrays)
 
 
-# Into fsdp, onto a mesh no config file names, from a mixed mesh, and onto and from a mesh with `context`;
-# the slow set has every other pair.
+# Into fsdp, onto a mesh no config file names, from a mixed mesh, onto and from a mesh with `context`, and an
+# MoE model out of its expert split; the slow set has every other pair.
 REPRESENTATIVE = [('dp4_tp2', 'fsdp8'), ('dp4_tp2', '2x4'), ('fsdp4_tp2', 'dp8'), ('dp4_tp2', 'cp2_dp2_tp2'),
-                  ('cp2_dp2_tp2', 'dp4_tp2')]
+                  ('cp2_dp2_tp2', 'dp4_tp2'), ('moe_ep4_dp2', 'moe_single')]
 ALL_PAIRS = [pair for pair in itertools.permutations(MESH_CONFIGS + ('2x4',), 2)
              if pair[0] != '2x4' and pair not in REPRESENTATIVE]
+ALL_PAIRS += [('moe_ep4_dp2', 'moe_ep2_tp2_fsdp2'), ('dp4_tp2', 'dense_ep4_dp2')]
 
 
 def _target(name, *overrides):
-  return small('dp4_tp2', *TWO_BY_FOUR, *overrides) if name == '2x4' else small(name, *overrides)
+  if name in TARGETS:
+    config, mesh = TARGETS[name]
+    return small(config, *mesh, *overrides)
+  return small(name, *overrides)
 
 
 def check_restore_onto(sources, source_name, target_name):

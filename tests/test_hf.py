@@ -44,7 +44,15 @@ FAMILIES = {
     'mistral': ('MistralConfig', {'num_key_value_heads': 4, 'head_dim': 8, 'sliding_window': 4096}),
     'qwen2': ('Qwen2Config', {'num_key_value_heads': 2, 'tie_word_embeddings': True}),
     'gemma': ('GemmaConfig', {'num_key_value_heads': 1, 'head_dim': 16}),  # Multi-query, as Gemma 2B.
+    # Mixtures of experts: 4 experts, 2 per token, in every block; Qwen2-MoE's every second block, with a
+    # dense MLP between, a shared expert and top-k weights not renormalised.
+    'mixtral': ('MixtralConfig', {'num_key_value_heads': 2, 'num_local_experts': 4,
+                                  'num_experts_per_tok': 2}),
+    'qwen2_moe': ('Qwen2MoeConfig', {'num_key_value_heads': 2, 'num_experts': 4, 'num_experts_per_tok': 2,
+                                     'moe_intermediate_size': 48, 'shared_expert_intermediate_size': 80,
+                                     'decoder_sparse_step': 2, 'norm_topk_prob': False}),
 }
+MOE = ('mixtral', 'qwen2_moe')
 
 
 def random_model(family, directory, **changes):
@@ -55,7 +63,7 @@ def random_model(family, directory, **changes):
   model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
   with torch.no_grad():  # Norm weights are drawn as ones (zeros for Gemma); make them matter.
     for param_name, param in model.named_parameters():
-      if param_name.endswith('norm.weight') or param_name.endswith('bias'):
+      if param_name.endswith(('norm.weight', 'bias', '.gate.weight')):  # A router drawn as zeros ties.
         param.add_(0.1 * torch.randn_like(param))
   model.save_pretrained(directory)
   return model
@@ -72,6 +80,13 @@ def torch_logits(model, tokens):
 @pytest.fixture(scope='module', params=list(FAMILIES))
 def reference(request, tmp_path_factory):
   """(directory, tokens, transformers' float32 logits) of one tiny random model."""
+  directory = tmp_path_factory.mktemp(request.param)
+  return directory, TOKENS, torch_logits(random_model(request.param, directory), TOKENS)
+
+
+@pytest.fixture(scope='module', params=MOE)
+def moe_reference(request, tmp_path_factory):
+  """As `reference`, of the mixtures of experts alone."""
   directory = tmp_path_factory.mktemp(request.param)
   return directory, TOKENS, torch_logits(random_model(request.param, directory), TOKENS)
 
@@ -100,6 +115,39 @@ def test_a_loaded_checkpoint_gives_the_logits_of_transformers(reference, mesh_na
     model = hf.from_pretrained(directory)
     logits = mintrain_logits(model, tokens)
   assert np.abs(logits - expected).max() <= 1e-4
+
+
+@pytest.mark.parametrize('mesh', [
+    pytest.param(('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1'), id='expert4_data2',
+                 marks=pytest.mark.slow),
+    pytest.param(('mesh.data=1', 'mesh.fsdp=2', 'mesh.expert=2', 'mesh.model=2'), id='expert2_model2_fsdp2')])
+def test_a_mixture_gives_the_logits_of_transformers_with_its_experts_split(moe_reference, mesh):
+  directory, tokens, expected = moe_reference
+  config = load_config('dp4_tp2', *mesh)
+  with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
+    model = hf.from_pretrained(directory)
+    assert tuple(jax.typeof(model.blocks[1].mlp.wi_gate_EDF[...]).sharding.spec)[0] == 'expert'
+    logits = mintrain_logits(model, tokens)
+  assert np.abs(logits - expected).max() <= 1e-4
+
+
+def test_a_scanned_mixture_with_its_experts_split_gives_the_logits_and_saves_back_the_same_tensors(tmp_path):
+  """Scanned layers and stacked experts together: a parameter (layers, experts, ...) of one tensor each."""
+  reference = random_model('mixtral', tmp_path / 'in')
+  config = load_config('dp4_tp2', 'mesh.data=1', 'mesh.fsdp=2', 'mesh.expert=2', 'mesh.model=2')
+  with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
+    model = hf.from_pretrained(tmp_path / 'in', base=base('model.scan_layers=True'))
+    assert model.blocks.mlp.wi_gate_EDF.shape == (2, 4, 64, 96)  # (layers, experts, D, F).
+    logits = mintrain_logits(model, TOKENS)
+    hf.save_pretrained(model, tmp_path / 'out', max_shard_size=100_000)
+  assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
+  saved = {}
+  for file in (tmp_path / 'out').glob('*.safetensors'):
+    saved |= load_file(file)
+  original = load_file(tmp_path / 'in' / hf.SINGLE)
+  assert saved.keys() == original.keys()
+  for name, tensor in original.items():
+    np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
 
 
 def test_greedy_generation_with_the_kv_cache_equals_transformers_generate(reference):
@@ -176,7 +224,7 @@ def test_with_each_model_option_the_logits_loss_and_gradients_are_those_of_trans
     graphdef, state = nnx.split(model)
     logits = mintrain_logits(model, TOKENS)
     batch = {'inputs': TOKENS, 'targets': TARGETS}  # Split over the batch axes, as the loop gives it.
-    batch = {k: jax.device_put(v, jax.P(('data', 'fsdp'))) for k, v in batch.items()}
+    batch = {k: jax.device_put(v, jax.P(('data', 'fsdp', 'expert'))) for k, v in batch.items()}
     loss, grads = jax.jit(jax.value_and_grad(lambda state: nnx.merge(graphdef, state).loss(batch)[0]))(state)
     hf.save_pretrained(nnx.merge(graphdef, grads), tmp_path)  # The gradients in transformers' names.
   assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
@@ -247,7 +295,7 @@ def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
   with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
-                                        r'gemma, llama, mistral, qwen2; convert'):
+                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe; convert'):
     hf.from_pretrained(tmp_path)
   config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))

@@ -26,6 +26,9 @@ EXPECTED = {
     ('mlp', 'classes'): P('model', None),
     ('mlp',): P('model'),
     ('classes',): P(None),
+    ('embed', None): P('fsdp'),  # An MoE router (its experts' dimension whole on every device).
+    ('expert', 'embed', 'mlp'): P('expert', 'fsdp', 'model'),  # MoE experts.
+    ('expert', 'mlp', 'embed'): P('expert', 'model', 'fsdp'),
 }
 CONFIGS = sorted(p.stem for p in (REPO / 'configs').glob('*.py') if p.stem not in ('base', '__init__'))
 
@@ -38,7 +41,8 @@ def _strip(spec: P) -> tuple:
 
 
 def test_every_shipped_config_is_covered():
-  assert {'single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2', 'mlp_dp4_tp2'} <= set(CONFIGS)
+  shipped = {'single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2', 'mlp_dp4_tp2', 'moe_ep4_dp2'}
+  assert shipped <= set(CONFIGS)
 
 
 @pytest.mark.parametrize('name', CONFIGS)
@@ -98,7 +102,7 @@ def test_indivisible_dimension_fails_before_compiling_and_names_the_parameter():
 def test_batch_that_does_not_split_over_the_batch_axes_is_an_error():
   from mintrain.config import ConfigError
   config = load_config('dp8', 'train.global_batch_size=12')
-  with pytest.raises(ConfigError, match=r'micro-batch of 12.*`data` x `fsdp` = 8 devices'):
+  with pytest.raises(ConfigError, match=r'micro-batch of 12.*`data` x `fsdp` x `expert` = 8 devices'):
     build(config)
 
 

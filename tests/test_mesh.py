@@ -10,17 +10,36 @@ from conftest import load_config
 from jax.sharding import AxisType
 
 from mintrain.fields import ConfigError
-from mintrain.mesh import MeshError, describe_levels, device_grid, make_mesh, mesh_shape, slice_shape
+from mintrain.mesh import (
+  MeshError,
+  describe,
+  describe_levels,
+  device_grid,
+  make_mesh,
+  mesh_shape,
+  slice_shape,
+)
 
 
-def test_sizes_are_taken_in_data_fsdp_context_model_order():
-  mesh = make_mesh({'data': 2, 'fsdp': 1, 'context': 2, 'model': 2})
-  assert dict(mesh.shape) == {'data': 2, 'fsdp': 1, 'context': 2, 'model': 2}
+def test_sizes_are_taken_in_data_fsdp_expert_context_model_order():
+  mesh = make_mesh({'data': 1, 'fsdp': 2, 'expert': 2, 'context': 1, 'model': 2})
+  assert mesh.axis_names == ('data', 'fsdp', 'expert', 'context', 'model')
+  assert dict(mesh.shape) == {'data': 1, 'fsdp': 2, 'expert': 2, 'context': 1, 'model': 2}
+  assert [d.id for d in mesh.devices.flat] == list(range(8))
 
 
-def test_an_axis_left_out_has_size_one():  # As in the mesh a checkpoint saved before `context` existed.
+def test_an_axis_left_out_has_size_one():  # As in the mesh a checkpoint saved before an axis existed.
   mesh = make_mesh({'data': 2, 'fsdp': 2, 'model': 2})
-  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'context': 1, 'model': 2}
+  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'model': 2}
+
+
+def test_a_mesh_without_expert_or_context_reads_as_before():
+  assert (describe({'data': 4, 'fsdp': 1, 'expert': 1, 'context': 1, 'model': 2})
+          == 'data=4 x fsdp=1 x model=2')
+  assert (describe({'data': 2, 'fsdp': 1, 'expert': 4, 'context': 1, 'model': 1})
+          == 'data=2 x fsdp=1 x expert=4 x model=1')
+  assert (describe({'data': 2, 'fsdp': 1, 'expert': 1, 'context': 2, 'model': 2})
+          == 'data=2 x fsdp=1 x context=2 x model=2')
 
 
 def test_all_axes_are_explicit():
@@ -39,7 +58,7 @@ def test_a_subset_of_devices_gives_a_smaller_mesh():
 
 
 def test_wrong_product_names_mesh_device_count_and_platform():
-  with pytest.raises(MeshError, match=r'data=4, fsdp=1, context=1, model=4.*needs 16 devices.*8 cpu devices'):
+  with pytest.raises(MeshError, match=r'data=4, fsdp=1, model=4.*needs 16 devices.*8 cpu devices'):
     make_mesh({'data': 4, 'fsdp': 1, 'model': 4})
 
 
@@ -55,10 +74,10 @@ def fake_slices(num_slices: int, per_slice: int) -> list:
                                 platform='cpu', device_kind='cpu') for i in range(num_slices * per_slice)]
 
 
-@pytest.mark.parametrize('dcn', [(2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1)])
+@pytest.mark.parametrize('dcn', [(2, 1, 1, 1, 1), (1, 2, 1, 1, 1), (2, 2, 1, 1, 1)])
 def test_a_multi_slice_grid_keeps_each_slice_whole_and_makes_it_the_outer_factor_of_its_axes(dcn):
   devices = fake_slices(math.prod(dcn), 8)
-  shape = tuple(k * n for k, n in zip((2, 2, 1, 2), dcn))  # 2 x 2 x 1 x 2 devices within each slice.
+  shape = tuple(k * n for k, n in zip((2, 2, 1, 1, 2), dcn))  # 2 x 2 x 1 x 1 x 2 devices within each slice.
   grid = device_grid(shape, dcn, devices)
   assert grid.shape == shape
   slice_of = np.vectorize(lambda d: d.slice_index)(grid)
@@ -79,11 +98,13 @@ def test_a_mesh_that_asks_for_more_slices_than_the_devices_have_names_both_count
 
 def test_only_data_and_fsdp_may_span_slices():
   with pytest.raises(MeshError, match='not model'):
-    slice_shape((4, 1, 1, 2), {'model': 2})
+    slice_shape((4, 1, 1, 1, 2), {'model': 2})
   with pytest.raises(MeshError, match='not context'):
-    slice_shape((4, 1, 2, 1), {'context': 2})
+    slice_shape((4, 1, 1, 2, 1), {'context': 2})
+  with pytest.raises(MeshError, match='not expert'):  # Its all-to-alls run in every MoE layer.
+    slice_shape((4, 1, 2, 1, 1), {'expert': 2})
   with pytest.raises(MeshError, match=r'mesh.data=6 cannot go 4 ways.*mesh.dcn_data=4'):
-    slice_shape((6, 1, 1, 1), {'data': 4})
+    slice_shape((6, 1, 1, 1, 1), {'data': 4})
 
 
 def test_a_single_process_run_with_one_slice_is_todays_mesh():

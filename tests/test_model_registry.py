@@ -52,7 +52,7 @@ class Bigram(nnx.Module):
     x_BLD = table_VD.at[tokens_BL].get(out_sharding=self.rules.activation_spec(('batch', 'length', 'embed')))
     logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, gather(self.out_DV, self.rules, jnp.float32))
     logits_BLV = self.rules.reshard(logits_BLV, ('batch', 'length', 'vocab'))
-    return cross_entropy(logits_BLV, targets_BL), jnp.float32(targets_BL.size)
+    return cross_entropy(logits_BLV, targets_BL), jnp.float32(targets_BL.size), {}
 
 
 def synthetic_rows(cfg, seed, step, rows, seq_len):

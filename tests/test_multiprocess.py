@@ -73,8 +73,8 @@ def test_two_processes_standing_in_for_slices_train_with_the_losses_of_one(tmp_p
             '--config.mesh.dcn_fsdp=2', '--config.train.steps=4', '--config.checkpoint.keep=0']
   code, out = run_launch(2, tmp_path / 'two', *slices)
   assert code == 0, out
-  assert ('[0] across 2 processes (DCN): data=1 x fsdp=2 x context=1 x model=1; within each (ICI): data=1 x '
-          'fsdp=2 x context=1 x model=2') in out
+  assert ('[0] across 2 processes (DCN): data=1 x fsdp=2 x model=1; within each (ICI): data=1 x '
+          'fsdp=2 x model=2') in out
   config = load_config('dp4_tp2', *overrides(SMALL), *overrides(slices), 'mesh.dcn_fsdp=1')
   one = train_loop.run(config, tmp_path / 'one', devices=mesh_devices(config), print_fn=quiet)
   np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)

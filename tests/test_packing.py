@@ -206,7 +206,7 @@ def test_each_document_of_a_packed_row_has_the_loss_it_has_alone(host_params, pa
       losses = []
       for r, s in documents:  # The packed batch as it is; only that document's targets counted.
         only = dict(batch, target_weights=only_document(batch, r, s))
-        value, count = loss(params, {k: jax.device_put(v, layout) for k, v in only.items()})
+        value, (count, _) = loss(params, {k: jax.device_put(v, layout) for k, v in only.items()})
         assert count == np.sum(only['target_weights'])
         losses.append(float(value))
     np.testing.assert_allclose(losses, alone_losses, rtol=2e-5, err_msg=name)

@@ -122,7 +122,7 @@ def test_sample_script_continues_the_prompt_from_the_newest_checkpoint(trained_r
                     '--max_new_tokens', '40')
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith('def ') and len(proc.stdout) > len('def \n')
-  assert 'Sampling step 2 of' in proc.stderr and 'data=1 x fsdp=1 x context=1 x model=1' in proc.stderr
+  assert 'Sampling step 2 of' in proc.stderr and 'data=1 x fsdp=1 x model=1' in proc.stderr
   assert 'more than the 32 the model was trained on' in proc.stderr
 
 
@@ -131,7 +131,7 @@ def test_sample_script_samples_on_the_mesh_of_a_given_config(trained_run):
                     '--max_new_tokens', '8', '--temperature', '0', '--num_samples', '2',
                     '--config', 'configs/dp4_tp2.py')
   assert proc.returncode == 0, proc.stderr
-  assert 'data=4 x fsdp=1 x context=1 x model=2' in proc.stderr
+  assert 'data=4 x fsdp=1 x model=2' in proc.stderr
   assert 'replicating the batch' in proc.stderr  # 2 samples do not split 4 ways.
   samples = proc.stdout.split('--- sample 2 ---\n')
   assert samples[0].removeprefix('--- sample 1 ---\n') == samples[1]  # Greedy: the same twice.

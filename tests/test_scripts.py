@@ -42,7 +42,7 @@ def test_any_mesh_shape_gets_the_simulated_devices_it_needs():
                     '--config.mesh.fsdp=2', '--config.mesh.model=4')
   assert proc.returncode == 0, proc.stderr
   assert 'simulating 16 CPU devices' in proc.stdout
-  assert 'data=2 x fsdp=2 x context=1 x model=4 (16 devices)' in proc.stdout
+  assert 'data=2 x fsdp=2 x model=4 (16 devices)' in proc.stdout
 
 
 def test_show_sharding_prints_one_row_per_parameter_and_totals():

@@ -51,9 +51,11 @@ def _ignore_tokenizer(cfg: Any, num_ids: Callable[[], int]) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Family:
   config: type  # Frozen dataclass of the `model` section's options.
-  # The module, with `loss(batch, *, dropout_key) -> (mean loss, count of what it averages over)`: the
-  # batch is a dict of arrays ('inputs', 'targets' and whatever else the data gives, such as packed rows'
-  # 'segment_ids'); a family reads the keys it knows. Micro-batches are weighted by their counts.
+  # The module, with `loss(batch, *, dropout_key) -> (mean loss, count of what it averages over,
+  # statistics)`: the batch is a dict of arrays ('inputs', 'targets' and whatever else the data gives, such
+  # as packed rows' 'segment_ids'); a family reads the keys it knows. The statistics ({} if none) are scalar
+  # metrics; their `aux_loss` (e.g. an MoE router's balancing losses) joins the objective. Micro-batches
+  # are weighted by their counts, in the loss, the gradients and the statistics alike.
   make: Callable[[Any, AxisRules, nnx.Rngs], nnx.Module]
   param_count: Callable[[Any], int]
   train_flops_per_row: Callable[[Any, int, bool], float]  # (cfg, seq_len, causal_half): forward + backward.

@@ -6,12 +6,17 @@ One table per direction, read by `mintrain.hf`, which knows nothing of any archi
            checks: a sequence longer than the window is an error (within it, attention is the same)
   qwen2    biases on the query, key and value projections
   gemma    (first generation) norms scaling by (1 + w), embeddings times sqrt(hidden), GeGLU, tied output
+  mixtral    Mistral with a mixture of experts in every block (dropless, top-k renormalised)
+  qwen2_moe  Qwen2 with mixtures of experts every `decoder_sparse_step` blocks, each with a shared expert
+             behind a sigmoid gate; `norm_topk_prob` says whether the top-k weights are renormalised
 transformers 5.x keeps RoPE settings under `rope_parameters`; older files under `rope_scaling` and
 `rope_theta`. Both are read.
 
 Weights: `transformers` stores a projection as (out, in); mintrain stores (in, heads, head_dim) and
 (heads, head_dim, out). Each mintrain parameter maps to one tensor by one `Kind` of reshaping, which also
 maps any rectangular slice of it to one rectangular slice of the tensor, read block by block (`read`).
+A mixture's experts (E, ...) are E tensors, one per expert (transformers 5 fuses them in memory but
+saves them so): their names are a tuple, and each expert's slice is read from its own tensor.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import numpy as np
 from mintrain.fields import ConfigError
 
 MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
-               'gemma': 'GemmaForCausalLM'}
+               'gemma': 'GemmaForCausalLM', 'mixtral': 'MixtralForCausalLM',
+               'qwen2_moe': 'Qwen2MoeForCausalLM'}
+QKV_BIAS = ('qwen2', 'qwen2_moe')
 ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu': 'gelu_tanh'}
 
 
@@ -41,7 +48,7 @@ def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
   """The `model` section's options for a `config.json` whose model_type is one of MODEL_TYPES
   (`models.family_for_hf` picked this family by it); a one-line ConfigError for what is not read."""
   model_type = hf['model_type']
-  if hf.get('mlp_bias') or (model_type != 'qwen2' and hf.get('attention_bias')):
+  if hf.get('mlp_bias') or (model_type not in QKV_BIAS and hf.get('attention_bias')):
     raise ConfigError(f'config.json: {model_type} with mlp_bias or attention_bias is not supported (mintrain '
                       'has biases on the query, key and value projections only, as Qwen2).')
   rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
@@ -64,15 +71,39 @@ def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
       'mlp_dim': hf['intermediate_size'], 'tie_embeddings': bool(hf.get('tie_word_embeddings', gemma)),
       'rope_base': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0))),
       'norm_eps': float(hf.get('rms_norm_eps', 1e-6)), 'norm_plus_one': gemma, 'embed_scale': gemma,
-      'qkv_bias': model_type == 'qwen2', 'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
+      'qkv_bias': model_type in QKV_BIAS, 'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
       'sliding_window': sliding_window(hf),
   }
+  options |= _moe_options(hf)
   if rope_type == 'llama3':
     options.update(rope_scaling='llama3', rope_scaling_factor=float(rope['factor']),
                    rope_low_freq_factor=float(rope['low_freq_factor']),
                    rope_high_freq_factor=float(rope['high_freq_factor']),
                    rope_original_max_len=int(rope['original_max_position_embeddings']))
   return options
+
+
+def _moe_options(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The mixture-of-experts options of a mixtral or qwen2_moe config.json (none for the others). Both are
+  dropless; transformers' balancing loss (`router_aux_loss_coef`) sums over the k choices, so it is k times
+  ours; neither has a z-loss."""
+  model_type, k = hf['model_type'], hf.get('num_experts_per_tok', 2)
+  common = {'experts_per_token': k, 'capacity_factor': 0.0, 'router_z_loss_weight': 0.0,
+            'load_balance_loss_weight': float(hf.get('router_aux_loss_coef', 0.001)) * k}
+  if model_type == 'mixtral':
+    return {**common, 'num_experts': hf['num_local_experts'], 'moe_every': 1,
+            'expert_mlp_dim': hf['intermediate_size'], 'router_norm_topk': True, 'shared_expert_dim': 0}
+  if model_type == 'qwen2_moe':
+    if hf.get('mlp_only_layers'):
+      raise ConfigError(f"config.json: qwen2_moe with mlp_only_layers={hf['mlp_only_layers']} is not "
+                        'supported (mintrain places MoE layers every decoder_sparse_step blocks only).')
+    if not hf.get('shared_expert_intermediate_size'):
+      raise ConfigError('config.json: qwen2_moe without a shared expert (shared_expert_intermediate_size) is '
+                        'not supported.')
+    return {**common, 'num_experts': hf['num_experts'], 'moe_every': hf.get('decoder_sparse_step', 1),
+            'expert_mlp_dim': hf['moe_intermediate_size'], 'router_norm_topk': bool(hf.get('norm_topk_prob')),
+            'shared_expert_dim': hf['shared_expert_intermediate_size']}
+  return {}
 
 
 def sliding_window(hf: Mapping[str, Any]) -> int:
@@ -89,18 +120,31 @@ def sliding_window(hf: Mapping[str, Any]) -> int:
   return window
 
 
-def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
-  """A `config.json` for a transformer-family model config (`TransformerConfig`)."""
+def _model_type(cfg: Any) -> str:
+  """The Hugging Face architecture of a transformer-family model config, or a ConfigError."""
+  if cfg.num_experts:
+    if cfg.shared_expert_dim and cfg.qkv_bias:
+      return 'qwen2_moe'
+    if (cfg.shared_expert_dim or cfg.qkv_bias or cfg.moe_every != 1 or cfg.expert_dim != cfg.mlp_dim
+        or not cfg.router_norm_topk):
+      raise ConfigError('A mixture of experts has a Hugging Face architecture as Mixtral (moe_every=1, '
+                        'expert_mlp_dim = mlp_dim, router_norm_topk, no shared expert, no qkv_bias) or as '
+                        'Qwen2-MoE (a shared expert and qkv_bias).')
+    return 'mixtral'
   if cfg.norm_plus_one or cfg.embed_scale or cfg.mlp_activation != 'silu':
-    model_type = 'gemma'
     if not (cfg.norm_plus_one and cfg.embed_scale and cfg.mlp_activation == 'gelu_tanh'):
       raise ConfigError('Only the Gemma combination of norm_plus_one, embed_scale and '
                         "mlp_activation='gelu_tanh' has a Hugging Face architecture.")
-  else:
-    model_type = 'qwen2' if cfg.qkv_bias else 'mistral' if cfg.sliding_window else 'llama'
-  if cfg.sliding_window and model_type == 'gemma':
-    raise ConfigError(f'model.sliding_window={cfg.sliding_window}: Gemma (first generation) has no sliding '
-                      'window; set it to 0 to export.')
+    if cfg.sliding_window:
+      raise ConfigError(f'model.sliding_window={cfg.sliding_window}: Gemma (first generation) has no sliding '
+                        'window; set it to 0 to export.')
+    return 'gemma'
+  return 'qwen2' if cfg.qkv_bias else 'mistral' if cfg.sliding_window else 'llama'
+
+
+def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
+  """A `config.json` for a transformer-family model config (`TransformerConfig`)."""
+  model_type = _model_type(cfg)
   rope: dict[str, Any] = {'rope_theta': cfg.rope_base, 'rope_type': 'default'}
   if cfg.rope_scaling == 'llama3':
     rope.update(rope_type='llama3', factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
@@ -116,15 +160,25 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
   }
   if model_type == 'gemma':
     out['hidden_activation'] = 'gelu_pytorch_tanh'
+  k = cfg.experts_per_token
+  if model_type == 'mixtral':
+    out |= {'num_local_experts': cfg.num_experts, 'num_experts_per_tok': k, 'sliding_window': None,
+            'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
+  if model_type == 'qwen2_moe':
+    out |= {'num_experts': cfg.num_experts, 'num_experts_per_tok': k, 'moe_intermediate_size': cfg.expert_dim,
+            'shared_expert_intermediate_size': cfg.shared_expert_dim, 'decoder_sparse_step': cfg.moe_every,
+            'norm_topk_prob': cfg.router_norm_topk, 'mlp_only_layers': [], 'qkv_bias': True,
+            'use_sliding_window': False, 'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
   if cfg.sliding_window:  # On every layer, as mintrain's option means it.
     out['sliding_window'] = cfg.sliding_window
-    if model_type == 'qwen2':
+    if model_type in QKV_BIAS:  # Qwen2 and Qwen2-MoE.
       out |= {'use_sliding_window': True, 'max_window_layers': 0}
   return out
 
 
-def weight_names(cfg: Any) -> dict[str, tuple[str, Kind]]:
-  """{mintrain parameter path (unscanned layers): (Hugging Face tensor name, Kind)}."""
+def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
+  """{mintrain parameter path (unscanned layers): (Hugging Face tensor name, Kind)}; a parameter stacked
+  from several tensors on its first axis (a mixture's experts) has a tuple of names."""
   names = {'embedding_VD': ('model.embed_tokens.weight', Kind.SAME),
            'final_norm.scale': ('model.norm.weight', Kind.SAME)}
   if not cfg.tie_embeddings:
@@ -138,6 +192,8 @@ def weight_names(cfg: Any) -> dict[str, tuple[str, Kind]]:
         f'{ours}.attn.wk_DHK': (f'{theirs}.self_attn.k_proj.weight', Kind.IN_HEADS),
         f'{ours}.attn.wv_DHK': (f'{theirs}.self_attn.v_proj.weight', Kind.IN_HEADS),
         f'{ours}.attn.wo_HKD': (f'{theirs}.self_attn.o_proj.weight', Kind.HEADS_OUT),
+    }
+    names |= _moe_names(cfg, ours, theirs) if cfg.is_moe(i) else {
         f'{ours}.mlp.wi_gate_DF': (f'{theirs}.mlp.gate_proj.weight', Kind.T),
         f'{ours}.mlp.wi_up_DF': (f'{theirs}.mlp.up_proj.weight', Kind.T),
         f'{ours}.mlp.wo_FD': (f'{theirs}.mlp.down_proj.weight', Kind.T),
@@ -146,6 +202,26 @@ def weight_names(cfg: Any) -> dict[str, tuple[str, Kind]]:
       names |= {f'{ours}.attn.bq_HK': (f'{theirs}.self_attn.q_proj.bias', Kind.HEADS),
                 f'{ours}.attn.bk_GK': (f'{theirs}.self_attn.k_proj.bias', Kind.HEADS),
                 f'{ours}.attn.bv_GK': (f'{theirs}.self_attn.v_proj.bias', Kind.HEADS)}
+  return names
+
+
+def _moe_names(cfg: Any, ours: str, theirs: str) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
+  """One MoE layer's router and experts (and Qwen2-MoE's shared expert and its gate)."""
+  experts = range(cfg.num_experts)
+  if _model_type(cfg) == 'mixtral':
+    moe = f'{theirs}.block_sparse_moe'
+    return {f'{ours}.mlp.router_DE': (f'{moe}.gate.weight', Kind.T),
+            f'{ours}.mlp.wi_gate_EDF': (tuple(f'{moe}.experts.{e}.w1.weight' for e in experts), Kind.T),
+            f'{ours}.mlp.wi_up_EDF': (tuple(f'{moe}.experts.{e}.w3.weight' for e in experts), Kind.T),
+            f'{ours}.mlp.wo_EFD': (tuple(f'{moe}.experts.{e}.w2.weight' for e in experts), Kind.T)}
+  moe = f'{theirs}.mlp'
+  names = {f'{ours}.mlp.router_DE': (f'{moe}.gate.weight', Kind.T),
+           f'{ours}.mlp.shared_gate_D1': (f'{moe}.shared_expert_gate.weight', Kind.T),
+           f'{ours}.mlp.shared_wi_gate_DF': (f'{moe}.shared_expert.gate_proj.weight', Kind.T),
+           f'{ours}.mlp.shared_wi_up_DF': (f'{moe}.shared_expert.up_proj.weight', Kind.T),
+           f'{ours}.mlp.shared_wo_FD': (f'{moe}.shared_expert.down_proj.weight', Kind.T)}
+  for path, proj in (('wi_gate_EDF', 'gate_proj'), ('wi_up_EDF', 'up_proj'), ('wo_EFD', 'down_proj')):
+    names[f'{ours}.mlp.{path}'] = (tuple(f'{moe}.experts.{e}.{proj}.weight' for e in experts), Kind.T)
   return names
 
 

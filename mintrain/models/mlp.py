@@ -75,10 +75,12 @@ class MLP(nnx.Module):
     return x.astype(jnp.float32)
 
   def loss(self, batch: dict[str, jax.Array], *,
-           dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(mean cross-entropy of the class predictions against the labels 'targets', the examples' count)."""
+           dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(mean cross-entropy of the class predictions against the labels 'targets', the examples' count, no
+    statistics)."""
     labels_B = batch['targets']
-    return cross_entropy(self(batch['inputs'], dropout_key=dropout_key), labels_B), jnp.float32(labels_B.size)
+    logits_BC = self(batch['inputs'], dropout_key=dropout_key)
+    return cross_entropy(logits_BC, labels_B), jnp.float32(labels_B.size), {}
 
 
 def _dims(cfg: MLPConfig) -> tuple[int, ...]:

@@ -42,6 +42,12 @@ Performance options (`TransformerConfig`), each computing the same function as t
   linear       'custom_vjp' forms weight gradients with the smaller operand transposed (`layers.linear`);
                'einsum' leaves them to autodiff; 'auto' takes the custom VJP on CPU only.
 
+Mixture of experts (`num_experts` > 0): every `moe_every`-th block's MLP is an `moe.MoE` layer of that many
+experts, `experts_per_token` of them per token, split over the `expert` mesh axis; the others stay dense.
+`loss`'s statistics then hold `aux_loss` (the router's weighted balancing and z-losses, which the train
+step adds to the objective) and the routing statistics, averaged over the MoE layers; padding (segment 0)
+takes no expert's slot and counts in none of them.
+
 `FAMILY` is what the rest of mintrain knows of this model (`mintrain.models.family`).
 """
 
@@ -60,7 +66,7 @@ from flax import nnx
 from mintrain.data import synthetic, tokenizer
 from mintrain.fields import ConfigError, option
 from mintrain.loss import cross_entropy, fused_cross_entropy
-from mintrain.models import collective_matmul, hf_llama
+from mintrain.models import collective_matmul, hf_llama, moe
 from mintrain.models.context_attention import ring_attention, visible, zigzag_order
 from mintrain.models.family import Family, Ways
 from mintrain.models.layers import (
@@ -152,6 +158,15 @@ class TransformerConfig:
   mlp_overlap: bool = option()
   loss_chunks: int = option(at_least=-1)  # -1: auto; 0: logits, then loss; N: fused over N chunks.
   linear: str = option(choices=LINEAR_OPTIONS)  # How weight matmuls form their gradient.
+  num_experts: int = option(at_least=0)  # E experts in each MoE layer; 0: every MLP dense.
+  experts_per_token: int = option(at_least=1)  # k: experts each token is routed to.
+  moe_every: int = option(at_least=1)  # Block i is MoE when (i + 1) % N == 0 (Qwen2-MoE's sparse step).
+  expert_mlp_dim: int = option(at_least=0)  # F of each expert; 0: mlp_dim.
+  shared_expert_dim: int = option(at_least=0)  # Qwen2-MoE's sigmoid-gated shared expert's width; 0: none.
+  capacity_factor: float = option(at_least=0)  # Slots per expert: factor * L * k / E; 0: dropless.
+  router_norm_topk: bool = option()  # Renormalise the top-k probabilities to sum to 1 (Mixtral).
+  router_z_loss_weight: float = option(at_least=0)  # Of mean(logsumexp(router logits)^2) in the objective.
+  load_balance_loss_weight: float = option(at_least=0)  # Of E * sum_e f_e * p_e in the objective.
   platform: str = option(derived=True, default='cpu')  # Of the mesh's devices; picks kernels.
   # The logical axis of the key/value heads: `heads` when they are the query heads (multi-head),
   # `kv_heads` when grouped, None when grouped but too few for the mesh's split (replicated).
@@ -166,6 +181,17 @@ class TransformerConfig:
   @property
   def grouped(self) -> bool:
     return self.kv_heads != self.num_heads
+
+  @property
+  def expert_dim(self) -> int:
+    return self.expert_mlp_dim or self.mlp_dim
+
+  def is_moe(self, layer: int) -> bool:
+    return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+
+  @property
+  def moe_layers(self) -> int:
+    return sum(self.is_moe(i) for i in range(self.num_layers))
 
 
 def for_tokenizer(cfg: TransformerConfig, num_ids: Callable[[], int]) -> TransformerConfig:
@@ -189,6 +215,14 @@ def check(cfg: TransformerConfig, seq_len: int) -> None:
     raise ConfigError(f'model.context_attention=ring splits train.seq_len={seq_len} into 2 x {ways} chunks '
                       f'(two per device of the {ways}-way `length` split, for causal balance); use a '
                       f'multiple of {2 * ways}, or model.context_attention=all_gather.')
+  if cfg.num_experts and cfg.experts_per_token > cfg.num_experts:
+    raise ConfigError(f'model.experts_per_token={cfg.experts_per_token} must be at most model.num_experts='
+                      f'{cfg.num_experts}.')
+  if cfg.num_experts and cfg.scan_layers and cfg.moe_every != 1:
+    raise ConfigError(f'model.scan_layers needs identical blocks; with model.moe_every={cfg.moe_every} some '
+                      'are dense and some MoE. Set model.moe_every=1 or model.scan_layers=False.')
+  if cfg.num_experts and cfg.mlp_overlap:
+    raise ConfigError('model.mlp_overlap is for dense MLPs; set it False with model.num_experts > 0.')
   if cfg.loss_chunks > 0 and seq_len % cfg.loss_chunks:
     raise ConfigError(f'model.loss_chunks={cfg.loss_chunks} must be 0 (logits, then the loss), a positive '
                       f'divisor of train.seq_len={seq_len} (the fused loss over that many chunks), '
@@ -446,27 +480,39 @@ def norm(cfg: TransformerConfig, rules: AxisRules, rngs: nnx.Rngs) -> RMSNorm:
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: TransformerConfig, *, rules: AxisRules, rngs: nnx.Rngs):
+  """Attention, then a dense MLP or (`moe_layer`) a mixture of experts; `__call__` also returns the MoE
+  layer's statistics ({} for a dense block)."""
+
+  def __init__(self, cfg: TransformerConfig, *, rules: AxisRules, rngs: nnx.Rngs, moe_layer: bool = False):
     self.attn_norm = norm(cfg, rules, rngs)
     self.attn = Attention(cfg, rules=rules, rngs=rngs)
     self.mlp_norm = norm(cfg, rules, rngs)
-    self.mlp = GatedMLP(cfg, rules=rules, rngs=rngs)
-    self.rules, self.dropout_rate = rules, cfg.dropout_rate
+    self.mlp = (moe.MoE(cfg, rules=rules, rngs=rngs, activation=ACTIVATIONS[cfg.mlp_activation]) if moe_layer
+                else GatedMLP(cfg, rules=rules, rngs=rngs))
+    self.rules, self.dropout_rate, self.moe_layer = rules, cfg.dropout_rate, moe_layer
 
   def __call__(self, x_BLD: jax.Array, key: jax.Array | None, positions_BL: jax.Array,
-               segment_ids_BL: jax.Array | None = None) -> jax.Array:
+               segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     keys = jax.random.split(key) if key is not None else (None, None)
     attn_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
     x_BLD = x_BLD + dropout(attn_BLD, self.dropout_rate, keys[0])
-    x_BLD = x_BLD + dropout(self.mlp(self.mlp_norm(x_BLD)), self.dropout_rate, keys[1])
-    return self.rules.reshard(x_BLD, BLD)
+    h_BLD = self.mlp_norm(x_BLD)
+    if self.moe_layer:  # Padding (segment 0) neither takes an expert's slot nor counts in the statistics.
+      mlp_BLD, stats = self.mlp(h_BLD, tokens_BL=None if segment_ids_BL is None else segment_ids_BL > 0)
+    else:
+      mlp_BLD, stats = self.mlp(h_BLD), {}
+    x_BLD = x_BLD + dropout(mlp_BLD, self.dropout_rate, keys[1])
+    return self.rules.reshard(x_BLD, BLD), stats
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The block without dropout, attending over (and updating) its layer's cache."""
     attn_BLD, kv = self.attn.decode(self.attn_norm(x_BLD), kv, start)
     x_BLD = x_BLD + attn_BLD
-    x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), overlap=False)
+    if self.moe_layer:
+      x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dropless=True)[0]
+    else:
+      x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), overlap=False)
     return self.rules.reshard(x_BLD, BLD), kv
 
 
@@ -478,7 +524,7 @@ class Transformer(nnx.Module):
     embed_init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
     self.embedding_VD = param(rngs, embed_init, (cfg.vocab_size, cfg.embed_dim), ('vocab', 'embed'), dtype,
                               rules, decay=False)  # A lookup table: decay would pull rare tokens to zero.
-    blocks = [Block(cfg, rules=rules, rngs=rngs) for _ in range(cfg.num_layers)]
+    blocks = [Block(cfg, rules=rules, rngs=rngs, moe_layer=cfg.is_moe(i)) for i in range(cfg.num_layers)]
     # With scan_layers, one Block whose parameters are all layers' stacked on a leading `layers` axis.
     self.blocks = stack_layers(blocks, rules) if cfg.scan_layers else nnx.List(blocks)
     self.final_norm = norm(cfg, rules, rngs)
@@ -494,14 +540,15 @@ class Transformer(nnx.Module):
     positions_BL = self._positions(positions_BL, tokens_BL.shape[1], order_L)
     tokens_BL, segment_ids_BL = self._stored(tokens_BL, order_L), self._stored(segment_ids_BL, order_L)
     table_VD, x_BLD = self._embed(tokens_BL)
-    x_BLD = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
+    x_BLD = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)[0]
     if order_L is not None:  # Back to the natural order, through a gather of the whole length.
       x_BLD = self._stored(x_BLD, np.argsort(order_L).astype(np.int32))
     return self._logits(x_BLD, table_VD)
 
-  def loss(self, batch: dict[str, jax.Array], *,
-           dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(mean cross-entropy of the next-token predictions over the targets that count, their count).
+  def loss(self, batch: dict[str, jax.Array], *, dropout_key: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(mean cross-entropy of the next-token predictions over the targets that count, their count,
+    statistics): with MoE layers, their `moe_statistics` ({} without).
 
     `batch` holds 'inputs' and 'targets' (B, L) int32 and, from packed or padded rows, 'segment_ids',
     'positions' (B, L) int32 and 'target_weights' (B, L) float32 (`mintrain.data.pipeline`); without
@@ -517,13 +564,13 @@ class Transformer(nnx.Module):
       weights_BL = jnp.ones(targets_BL.shape, jnp.float32, out_sharding=jax.typeof(targets_BL).sharding)
     weights_BL = self.rules.reshard(weights_BL, ('batch', 'length'))
     table_VD, x_BLD = self._embed(tokens_BL)
-    x_BLD = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
+    x_BLD, stats = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
     if self.cfg.loss_chunks <= 0:
       loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL, weights_BL)
     else:
       loss = fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, weights_BL,
                                  self.rules, self.cfg.loss_chunks)
-    return loss, jnp.sum(weights_BL)
+    return loss, jnp.sum(weights_BL), moe_statistics(self.cfg, stats) if stats else {}
 
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
              start: jax.Array | int) -> tuple[jax.Array, KVCache]:
@@ -575,8 +622,9 @@ class Transformer(nnx.Module):
     return rules.reshard(stored, ('batch', 'length', 'embed')[:x.ndim])
 
   def _run_blocks(self, x_BLD: jax.Array, dropout_key: jax.Array | None, positions_BL: jax.Array,
-                  segment_ids_BL: jax.Array | None) -> jax.Array:
+                  segment_ids_BL: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Every block in turn: unrolled, or one `scan` over the stacked layers; rematerialised as configured.
+    Returns the output and the MoE layers' statistics, each stacked on a leading layer axis ({} if none).
     With the ring, dropout masks are drawn for the stored (zigzag) order: as random, not the same draws."""
     cfg, rules = self.cfg, self.rules
     positions_BL = rules.reshard(positions_BL, ('batch', 'length'))
@@ -584,7 +632,7 @@ class Transformer(nnx.Module):
       segment_ids_BL = rules.reshard(segment_ids_BL, ('batch', 'length'))
 
     def run(make_block, params, x_BLD: jax.Array, i: jax.Array | int, positions_BL: jax.Array,
-            segment_ids_BL: jax.Array | None) -> jax.Array:
+            segment_ids_BL: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
       key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None
       return make_block(params)(x_BLD, key, positions_BL, segment_ids_BL)
 
@@ -593,18 +641,20 @@ class Transformer(nnx.Module):
       run = jax.checkpoint(run, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers,
                            static_argnums=(0,))
     if not cfg.scan_layers:
+      layer_stats = []
       for i, block in enumerate(self.blocks):
         graphdef, params = nnx.split(block)
-        x_BLD = run(functools.partial(nnx.merge, graphdef), params, x_BLD, i, positions_BL, segment_ids_BL)
-      return x_BLD
+        x_BLD, stats = run(functools.partial(nnx.merge, graphdef), params, x_BLD, i, positions_BL,
+                           segment_ids_BL)
+        layer_stats += [stats] if stats else []
+      return x_BLD, jax.tree.map(lambda *xs: jnp.stack(xs), *layer_stats) if layer_stats else {}
     make_layer, params_N = split_layers(self.blocks)
 
-    def body(x_BLD: jax.Array, layer: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, None]:
+    def body(x_BLD: jax.Array, layer: tuple[list[jax.Array], jax.Array]):
       params, i = layer
-      return run(make_layer, params, x_BLD, i, positions_BL, segment_ids_BL), None
+      return run(make_layer, params, x_BLD, i, positions_BL, segment_ids_BL)
 
-    x_BLD, _ = jax.lax.scan(body, x_BLD, (params_N, jnp.arange(cfg.num_layers)))
-    return x_BLD
+    return jax.lax.scan(body, x_BLD, (params_N, jnp.arange(cfg.num_layers)))
 
   def _layers(self) -> list[Block]:
     """One Block per layer; with scan_layers, each holds its layer's slice of the stacked parameters."""
@@ -634,6 +684,21 @@ class Transformer(nnx.Module):
     return gather(self.unembed_DV, self.rules, table_VD.dtype)
 
 
+def moe_statistics(cfg: TransformerConfig, stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The MoE layers' statistics (stacked on a leading layer axis) as metrics, averaged over the layers:
+  `aux_loss` (the weighted sum of the balancing and z-losses, added to the objective), each loss, the
+  dropped fraction of top-k choices, the busiest expert's share times E (1: balanced) and every expert's
+  share of the choices (`moe_expert_share_<e>`)."""
+  mean = {name: jnp.mean(value, axis=0) for name, value in stats.items()}
+  share_E = mean.pop('expert_share')
+  out = {'aux_loss': (cfg.load_balance_loss_weight * mean['load_balance_loss']
+                      + cfg.router_z_loss_weight * mean['router_z_loss'])}
+  out |= {f'moe_{name}': value for name, value in mean.items()}
+  out['moe_expert_load_max'] = jnp.max(share_E) * cfg.num_experts
+  out |= {f'moe_expert_share_{e}': share_E[e] for e in range(cfg.num_experts)}
+  return out
+
+
 def forward_flops_per_token(cfg: TransformerConfig, seq_len: int, *,
                             causal_half: bool = True) -> dict[str, float]:
   """Forward matmul FLOPs per token, by part (all layers summed); MaxText's convention (`mintrain.flops`)."""
@@ -641,13 +706,20 @@ def forward_flops_per_token(cfg: TransformerConfig, seq_len: int, *,
   attention = 4 * seq_len * h * k  # Scores (q.k) and probs @ v: 2*L*H*K each per query.
   if causal_half:
     attention /= 2
-  return {
+  moe_layers = cfg.moe_layers
+  flops = {
       'qkv': cfg.num_layers * 2 * d * (h + 2 * cfg.kv_heads) * k,
       'attention': cfg.num_layers * attention,
       'out_proj': cfg.num_layers * 2 * h * k * d,
-      'mlp': cfg.num_layers * 2 * d * f * 3,  # Gate, up and down.
+      'mlp': (cfg.num_layers - moe_layers) * 2 * d * f * 3,  # Gate, up and down.
       'logits': 2 * d * cfg.vocab_size,
   }
+  if moe_layers:  # The active experts only: k of E per token; and the router, and the shared expert.
+    flops['router'] = moe_layers * 2 * d * cfg.num_experts
+    flops['experts'] = moe_layers * cfg.experts_per_token * 2 * d * cfg.expert_dim * 3
+    if cfg.shared_expert_dim:
+      flops['shared_expert'] = moe_layers * (2 * d * cfg.shared_expert_dim * 3 + 2 * d)
+  return flops
 
 
 def train_flops_per_row(cfg: TransformerConfig, seq_len: int, causal_half: bool = True) -> float:
@@ -657,9 +729,12 @@ def train_flops_per_row(cfg: TransformerConfig, seq_len: int, causal_half: bool 
 
 def param_count(cfg: TransformerConfig) -> int:
   d, f, h, k, v = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.head_dim, cfg.vocab_size
-  block = 2 * d * (h + cfg.kv_heads) * k + 3 * d * f + 2 * d  # q, k, v, out; gate, up, down; two norms.
+  block = 2 * d * (h + cfg.kv_heads) * k + 2 * d  # q, k, v, out; two norms.
   block += (h + 2 * cfg.kv_heads) * k if cfg.qkv_bias else 0
-  return v * d + cfg.num_layers * block + d + (0 if cfg.tie_embeddings else d * v)
+  moe_mlp = d * cfg.num_experts + cfg.num_experts * 3 * d * cfg.expert_dim  # Router, experts' gate, up, down.
+  moe_mlp += 3 * d * cfg.shared_expert_dim + d if cfg.shared_expert_dim else 0
+  mlps = (cfg.num_layers - cfg.moe_layers) * 3 * d * f + cfg.moe_layers * moe_mlp
+  return v * d + cfg.num_layers * block + mlps + d + (0 if cfg.tie_embeddings else d * v)
 
 
 def activation_bytes(cfg: TransformerConfig, rows: int, seq_len: int, ways: Ways) -> int:
@@ -677,15 +752,23 @@ def activation_bytes(cfg: TransformerConfig, rows: int, seq_len: int, ways: Ways
   tokens = rows * seq_len / ways('length')  # This device's queries.
   per_token_layer = (c * (4 * d + 4 * heads * cfg.head_dim + 3 * mlp)  # Norms, q/k/v/out, gate/up/product.
                      + heads * seq_len * (4 + c))  # Attention scores (float32) and probabilities.
+  # An MoE layer instead: float32 router logits and probabilities, and for each of its slots (E x C per
+  # sequence, wherever expert parallelism moves them) the token in and out and the gate/up/product.
+  slots = cfg.num_experts * moe.capacity(seq_len, cfg.num_experts, cfg.experts_per_token, cfg.capacity_factor)
+  expert_mlp = cfg.expert_dim / ways('mlp')
+  moe_layer = (per_token_layer - c * 3 * mlp + 2 * 4 * cfg.num_experts
+               + slots / seq_len * c * (2 * d + 3 * expert_mlp) + c * 3 * cfg.shared_expert_dim / ways('mlp'))
+  moe_layers = cfg.moe_layers
   # Keys and values of the whole sequence, gathered (all_gather; the ring keeps as much, block by block).
   gathered = 2 * c * heads * cfg.head_dim * rows * seq_len if ways('length') > 1 else 0
-  full_layer = tokens * per_token_layer + gathered
+  dense_full, moe_full = tokens * per_token_layer + gathered, tokens * moe_layer + gathered
   if cfg.remat == 'none':
-    layers = cfg.num_layers * full_layer
+    layers = (cfg.num_layers - moe_layers) * dense_full + moe_layers * moe_full
   else:
     # Input; plus, when saving matmuls, q/k/v, the attention projection, gate, up and down outputs.
     kept = c * d if cfg.remat == 'full' else c * (3 * d + 3 * heads * cfg.head_dim + 2 * mlp)
-    layers = cfg.num_layers * tokens * kept + full_layer  # One layer's, recomputed for its backward.
+    largest = moe_full if moe_layers else dense_full  # One layer's, recomputed for its backward.
+    layers = cfg.num_layers * tokens * kept + largest
   chunks = cfg.loss_chunks
   logits = 2 * 4 * cfg.vocab_size / ways('vocab') / max(chunks, 1)  # Float32, and softmax.
   loss_grad = c * d if chunks > 0 else 0  # The fused loss keeps d loss / d hidden states from its forward.

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Step time of a mixture-of-experts model against the dense model with the same active parameters.
+
+The dense model is configs/bench_tiny.py (MLP width F = 1024). The MoE model replaces every MLP by
+E = 8 experts of width F / k = 512 with k = 2 per token, so a token meets the same MLP FLOPs and as many
+active MLP parameters (plus a D x E router), and holds E / k = 4 times the MLP parameters. Each variant
+runs on all 8 devices:
+
+  dense                     data 8 (bench_tiny's batch split 8 ways)
+  moe capacity 1.25         expert 4 x data 2: experts split 4 ways, tokens dispatched by all-to-all
+  moe capacity 1.25, no EP  data 8: every device holds every expert, no all-to-all
+  moe dropless              expert 4 x data 2: L slots per expert, E / k times the active expert FLOPs
+
+The ratio column is each step time over the dense one. Model TFLOP/s use the analytic count (active
+experts only), as the training loop's MFU does.
+
+  python benchmarks/moe.py             # the table above
+  python benchmarks/moe.py --smoke     # tiny models, one step each: it still runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+from benchmarks import harness  # noqa: E402
+from mintrain import flops  # noqa: E402
+
+DATA8 = ('mesh.data=8', 'mesh.fsdp=1', 'mesh.expert=1', 'mesh.model=1')
+EP4 = ('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1')
+MOE = ('model.num_experts=8', 'model.experts_per_token=2', 'model.expert_mlp_dim=512')
+VARIANTS = {
+    'dense': DATA8,
+    'moe capacity 1.25': (*EP4, *MOE, 'model.capacity_factor=1.25'),
+    'moe capacity 1.25, no EP': (*DATA8, *MOE, 'model.capacity_factor=1.25'),
+    'moe dropless': (*EP4, *MOE, 'model.capacity_factor=0'),
+}
+SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
+         'model.expert_mlp_dim=32', 'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8',
+         'train.seq_len=16')
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument('--steps', type=int, default=5, help='timed steps per variant')
+  parser.add_argument('--warmup', type=int, default=harness.WARMUP, help='untimed steps after compiling')
+  parser.add_argument('--smoke', action='store_true', help='tiny models, one step each')
+  args = parser.parse_args()
+  devices = harness.start_devices()
+  path, base = harness.bench_tiny()
+  steps, warmup = (1, 1) if args.smoke else (args.steps, args.warmup)
+  rows, dense_s = [], None
+  for name, overrides in VARIANTS.items():
+    overrides = (*base, *overrides, *(SMOKE if args.smoke else ()))
+    config = harness.load(path, overrides)
+    built = harness.build(config, devices)
+    batches = harness.device_batches(built, 2)
+    compiled = harness.compile_step(built, batches[0])
+    times, _ = harness.time_steps(compiled, built, batches, warmup=warmup, steps=steps)
+    step_s = statistics.median(times)
+    dense_s = dense_s or step_s
+    tflops = flops.train_flops_per_step(config) / step_s / 1e12
+    rows.append((name, harness.describe_mesh(built.mesh), f'{harness.param_count(built):,}',
+                 f'{flops.train_flops_per_step(config) / 1e9:.2f}', f'{compiled.total_s:.1f}',
+                 f'{step_s * 1e3:.1f}', f'{step_s / dense_s:.2f}', f'{tflops:.4f}', harness.spread(times)))
+    print(f'{name}: {step_s * 1e3:.1f} ms per step', flush=True)
+  print(harness.describe_config(path, base))
+  print(harness.table(('variant', 'mesh', 'parameters', 'GFLOP per step (active)', 'compile s', 'step ms',
+                       'step / dense', 'model TFLOP/s', 'spread'), rows))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,219 @@
+"""Mixture-of-experts MLP: a top-k softmax router over E gated-MLP experts, experts split over a mesh axis.
+
+Shape letters: B batch, L length, D embed, E experts, A the top-k choices of a token, C capacity (slots per
+expert per sequence), F expert mlp width.
+
+Routing: softmax over the experts' logits, the top k, renormalised to sum to 1 when `router_norm_topk`
+(Mixtral's softmax over the top-k logits) or not (Qwen2-MoE's `norm_topk_prob=False`).
+
+Dispatch is per sequence, so what a token meets does not depend on how the batch is split: each expert
+has C slots per sequence, filled in priority order (every token's first choice, in position order, then
+the second choices, ...), GShard's order. A choice that finds its expert full is dropped (its weight
+contributes nothing; the residual stream carries the token on). `capacity_factor=0` is dropless: C = L
+slots, as many as a sequence has tokens, so nothing is ever dropped, at the cost of computing E x L
+slots per sequence instead of k x L (E/k times the active experts' FLOPs). A capacity factor c gives
+C = ceil(c * L * k / E) slots: with c = 1 the experts compute as many slots as there are choices, the
+active experts' FLOPs (and keep them all only when routing is balanced).
+
+Expert parallelism: the experts' weights (E, D, F) are split over the mesh axes of the logical axis
+`expert` (rule `('expert', 'expert')`) and F over those of `mlp`. Inside `jax.shard_map`, each device
+scatters its own sequences' tokens into (B, E, C, D) slots, an all-to-all over the expert axes sends
+each expert's slots to the devices that hold it (split E, gather B), the experts run as batched matmuls,
+and the mirror all-to-all brings the outputs home, where each token sums its choices' outputs weighted
+by the router. The rules must split `batch` over the experts' mesh axes too (the default rules do), so
+the devices of an expert group hold different sequences, in the MoE layers and outside them.
+
+Auxiliary losses, averaged over tokens: the load-balancing loss E * sum_e f_e * p_e (Switch Transformer;
+f_e the share of the top-k choices that picked expert e, p_e its mean router probability; 1 when
+balanced) and the router z-loss mean(logsumexp(logits)^2) (ST-MoE). The layer returns them with the
+routing statistics: each expert's share of the choices and the dropped fraction. Padding tokens (those a
+packed or padded batch marks with segment 0) are not routed: they take no slot, so they never push a real
+token's choice out, and count in neither the losses nor the statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mintrain.models.layers import gather, param
+from mintrain.partitioning import AxisRules, spec_axes
+
+BLD = ('batch', 'length', 'embed')
+EXPERT_IN = ('expert', 'embed', 'mlp')
+EXPERT_OUT = ('expert', 'mlp', 'embed')
+
+
+def capacity(seq_len: int, num_experts: int, k: int, capacity_factor: float) -> int:
+  """Slots per expert per sequence: L when dropless (factor 0), else ceil(factor * L * k / E), at most L."""
+  if capacity_factor <= 0:
+    return seq_len
+  return min(seq_len, max(1, math.ceil(capacity_factor * seq_len * k / num_experts)))
+
+
+def route(logits_BLE: jax.Array, k: int, norm_topk: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(probs_BLE, weights_BLA, experts_BLA): softmax probabilities, the top k's weights and indices."""
+  probs_BLE = jax.nn.softmax(logits_BLE, axis=-1)
+  weights_BLA, experts_BLA = jax.lax.top_k(probs_BLE, k)
+  if norm_topk:
+    weights_BLA = weights_BLA / jnp.sum(weights_BLA, axis=-1, keepdims=True)
+  return probs_BLE, weights_BLA, experts_BLA
+
+
+def slots(experts_BLA: jax.Array, num_experts: int, cap: int,
+          tokens_BL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(slot_BLA, kept_BLA): each choice's slot e * C + position in its expert's queue, and whether it fits.
+
+  Positions count, per sequence and expert, the choices before it in priority order: all first choices
+  in position order, then all second choices, ... Where `tokens_BL` (bool) is False (padding), the
+  choices queue for nothing and are not kept.
+  """
+  b, length, k = experts_BLA.shape
+  onehot_BALE = jax.nn.one_hot(jnp.swapaxes(experts_BLA, 1, 2), num_experts, dtype=jnp.int32)
+  if tokens_BL is not None:
+    onehot_BALE = onehot_BALE * tokens_BL[:, None, :, None].astype(jnp.int32)
+  onehot_BNE = onehot_BALE.reshape(b, k * length, num_experts)  # N: choices in priority order.
+  position_BN = jnp.sum((jnp.cumsum(onehot_BNE, axis=1) - 1) * onehot_BNE, axis=-1)
+  position_BLA = jnp.swapaxes(position_BN.reshape(b, k, length), 1, 2)
+  kept_BLA = position_BLA < cap
+  if tokens_BL is not None:
+    kept_BLA = kept_BLA & tokens_BL[:, :, None]
+  return experts_BLA * cap + position_BLA, kept_BLA
+
+
+def _dispatch(x_LD: jax.Array, slot_LA: jax.Array, kept_LA: jax.Array, num_slots: int) -> jax.Array:
+  """One sequence's tokens in their slots (num_slots, D); empty slots are zeros, dropped choices vanish."""
+  length, k = slot_LA.shape
+  target_N = jnp.where(kept_LA, slot_LA, num_slots).reshape(-1)  # Dropped ones go to a spare row.
+  x_ND = jnp.broadcast_to(x_LD[:, None, :], (length, k, x_LD.shape[-1])).reshape(length * k, -1)
+  return jnp.zeros((num_slots + 1, x_LD.shape[-1]), x_LD.dtype).at[target_N].set(x_ND)[:num_slots]
+
+
+def _combine(y_SD: jax.Array, slot_LA: jax.Array, kept_LA: jax.Array, weights_LA: jax.Array) -> jax.Array:
+  """Each token's output: its kept choices' expert outputs, weighted by the router (L, D)."""
+  y_LAD = y_SD[jnp.where(kept_LA, slot_LA, 0)]
+  return jnp.einsum('LAD,LA->LD', y_LAD, jnp.where(kept_LA, weights_LA, 0).astype(y_SD.dtype))
+
+
+def _experts_local(x_BLD, slot_BLA, kept_BLA, weights_BLA, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+                   num_experts: int, cap: int, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...],
+                   activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """One device's part, inside `shard_map`: its sequences' tokens through the experts, and back."""
+  b, _, d = x_BLD.shape
+  x_BSD = jax.vmap(_dispatch, in_axes=(0, 0, 0, None))(x_BLD, slot_BLA, kept_BLA, num_experts * cap)
+  x_BECD = x_BSD.reshape(b, num_experts, cap, d)
+  if expert_axes:  # Its experts' slots from every device of the expert group: (ep * B, E / ep, C, D).
+    x_BECD = jax.lax.all_to_all(x_BECD, expert_axes, split_axis=1, concat_axis=0, tiled=True)
+  gate_BECF = jnp.einsum('BECD,EDF->BECF', x_BECD, w_gate_EDF)
+  up_BECF = jnp.einsum('BECD,EDF->BECF', x_BECD, w_up_EDF)
+  y_BECD = jnp.einsum('BECF,EFD->BECD', activation(gate_BECF) * up_BECF, w_down_EFD)
+  if mlp_axes:  # Each device summed its part of F.
+    y_BECD = jax.lax.psum(y_BECD, mlp_axes)
+  if expert_axes:
+    y_BECD = jax.lax.all_to_all(y_BECD, expert_axes, split_axis=0, concat_axis=1, tiled=True)
+  y_BSD = y_BECD.reshape(b, num_experts * cap, d)
+  return jax.vmap(_combine)(y_BSD, slot_BLA, kept_BLA, weights_BLA)
+
+
+def expert_layout(rules: AxisRules) -> tuple[P, P, P, tuple[str, ...], tuple[str, ...]]:
+  """(tokens' spec, expert-in spec, expert-out spec, expert mesh axes, mlp mesh axes) of the MoE layer."""
+  batch = rules.activation_spec(BLD)[0]
+  w_in = rules.activation_spec(EXPERT_IN, 'experts (E, D, F)')
+  batch_axes, expert_axes, mlp_axes = spec_axes(batch), spec_axes(w_in[0]), spec_axes(w_in[2])
+  if w_in[1] is not None or set(batch_axes) & set(mlp_axes) or not set(expert_axes) <= set(batch_axes):
+    raise ValueError(f'A mixture-of-experts layer needs `embed` replicated and `batch` split over the mesh '
+                     f'axes of `expert` ({_names(expert_axes)}) and not over those of `mlp` '
+                     f'({_names(mlp_axes)}); partitioning.rules split `batch` over {_names(batch_axes)}. '
+                     'Change those rules.')
+  return P(batch, None, None), w_in, rules.activation_spec(EXPERT_OUT), expert_axes, mlp_axes
+
+
+def _names(axes: tuple[str, ...]) -> str:
+  return ' x '.join(axes) or 'none'
+
+
+def statistics(logits_BLE: jax.Array, probs_BLE: jax.Array, experts_BLA: jax.Array, kept_BLA: jax.Array,
+               tokens_BL: jax.Array | None) -> dict[str, jax.Array]:
+  """The auxiliary losses and routing statistics, averaged over the routed tokens (`tokens_BL`; None: all)."""
+  e, k = logits_BLE.shape[-1], experts_BLA.shape[-1]
+  weight_BL = jnp.ones_like(logits_BLE[..., 0]) if tokens_BL is None else tokens_BL.astype(jnp.float32)
+  routed = jnp.maximum(jnp.sum(weight_BL), 1.0)
+
+  def mean(x_BL: jax.Array) -> jax.Array:
+    return jnp.sum(x_BL * weight_BL) / routed
+
+  onehot_BLAE = jax.nn.one_hot(experts_BLA, e, dtype=jnp.float32)
+  share_E = jnp.sum(onehot_BLAE * weight_BL[:, :, None, None], axis=(0, 1, 2)) / (routed * k)
+  prob_E = jnp.sum(probs_BLE * weight_BL[:, :, None], axis=(0, 1)) / routed
+  return {
+      'load_balance_loss': e * jnp.sum(share_E * prob_E),
+      'router_z_loss': mean(jnp.square(jax.nn.logsumexp(logits_BLE, axis=-1))),
+      'dropped_fraction': 1.0 - mean(jnp.mean(kept_BLA.astype(jnp.float32), axis=-1)),
+      'expert_share': share_E,
+  }
+
+
+class MoE(nnx.Module):
+  """The MLP of a mixture-of-experts block: (x_BLD) -> (y_BLD, statistics)."""
+
+  def __init__(self, cfg, *, rules: AxisRules, rngs: nnx.Rngs, activation: Callable[[jax.Array], jax.Array]):
+    d, e, f = cfg.embed_dim, cfg.num_experts, cfg.expert_dim
+    dtype = jnp.dtype(cfg.param_dtype)
+    init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    self.router_DE = param(rngs, nnx.initializers.lecun_normal(), (d, e), ('embed', None), dtype, rules)
+    self.wi_gate_EDF = param(rngs, init, (e, d, f), EXPERT_IN, dtype, rules)
+    self.wi_up_EDF = param(rngs, init, (e, d, f), EXPERT_IN, dtype, rules)
+    self.wo_EFD = param(rngs, init, (e, f, d), EXPERT_OUT, dtype, rules)
+    if cfg.shared_expert_dim:  # Qwen2-MoE: one more gated MLP every token takes, scaled by a sigmoid gate.
+      s = cfg.shared_expert_dim
+      dense = nnx.initializers.lecun_normal()
+      self.shared_gate_D1 = param(rngs, dense, (d, 1), ('embed', None), dtype, rules)
+      self.shared_wi_gate_DF = param(rngs, dense, (d, s), ('embed', 'mlp'), dtype, rules)
+      self.shared_wi_up_DF = param(rngs, dense, (d, s), ('embed', 'mlp'), dtype, rules)
+      self.shared_wo_FD = param(rngs, dense, (s, d), ('mlp', 'embed'), dtype, rules)
+    self.cfg, self.rules, self.activation = cfg, rules, activation
+
+  def __call__(self, x_BLD: jax.Array, *, tokens_BL: jax.Array | None = None,
+               dropless: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`tokens_BL` (bool; None: all) marks the tokens to route: the others (padding) take no slot, get
+    zeros and count in no statistic. `dropless=True` gives every expert L slots whatever the capacity
+    factor (sampling). Capacity is per sequence, so the layer routes whole sequences: a `length` split
+    over `context` is gathered at its entry and split again at its exit."""
+    cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
+    x_BLD = rules.reshard(x_BLD, ('batch', None, 'embed'))
+    if tokens_BL is not None:
+      tokens_BL = rules.reshard(tokens_BL, ('batch', None))
+    e, k, length = cfg.num_experts, cfg.experts_per_token, x_BLD.shape[1]
+    logits_BLE = jnp.einsum('BLD,DE->BLE', x_BLD, gather(self.router_DE, rules, dtype),
+                            preferred_element_type=jnp.float32)
+    probs_BLE, weights_BLA, experts_BLA = route(logits_BLE, k, cfg.router_norm_topk)
+    cap = capacity(length, e, k, 0.0 if dropless else cfg.capacity_factor)
+    slot_BLA, kept_BLA = slots(experts_BLA, e, cap, tokens_BL)
+    tokens, w_in, w_out, expert_axes, mlp_axes = expert_layout(rules)
+    choice = P(tokens[0], None, None)
+    body = jax.shard_map(
+        lambda *args: _experts_local(*args, num_experts=e, cap=cap, expert_axes=expert_axes,
+                                     mlp_axes=mlp_axes, activation=self.activation),
+        in_specs=(tokens, choice, choice, choice, w_in, w_in, w_out), out_specs=tokens)
+    y_BLD = body(jax.sharding.reshard(x_BLD, tokens), slot_BLA, kept_BLA, weights_BLA.astype(dtype),
+                 gather(self.wi_gate_EDF, rules, dtype), gather(self.wi_up_EDF, rules, dtype),
+                 gather(self.wo_EFD, rules, dtype))
+    y_BLD = rules.reshard(y_BLD, BLD)
+    if cfg.shared_expert_dim:
+      y_BLD = y_BLD + self._shared(x_BLD)
+    return y_BLD, statistics(logits_BLE, probs_BLE, experts_BLA, kept_BLA, tokens_BL)
+
+  def _shared(self, x_BLD: jax.Array) -> jax.Array:
+    rules, dtype = self.rules, x_BLD.dtype
+    gate_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, gather(self.shared_wi_gate_DF, rules, dtype))
+    up_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, gather(self.shared_wi_up_DF, rules, dtype))
+    h_BLF = rules.reshard(self.activation(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
+    y_BLD = jnp.einsum('BLF,FD->BLD', h_BLF, gather(self.shared_wo_FD, rules, dtype),
+                       out_sharding=rules.activation_spec(BLD))
+    gate_BL1 = jax.nn.sigmoid(jnp.einsum('BLD,DO->BLO', x_BLD, gather(self.shared_gate_D1, rules, dtype)))
+    return y_BLD * gate_BL1

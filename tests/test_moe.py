@@ -1,0 +1,264 @@
+"""Mixture of experts: routing and capacity, the same losses on expert-parallel meshes, all-to-all
+dispatch, routing statistics in the metrics, FLOPs, and the config's checks."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import build, load_config, mesh_devices, quiet
+
+from mintrain import flops, train_loop, train_state
+from mintrain.data.batches import make_batches
+from mintrain.fields import ConfigError
+from mintrain.mesh import make_mesh
+from mintrain.models import moe
+from mintrain.optimizer import schedule
+from mintrain.partitioning import AxisRules
+from mintrain.train_step import loss_fn, make_train_step
+
+# One block whose MLP has 4 experts, 2 per token; 8 rows of 16 tokens.
+TINY = ('model.num_experts=4', 'model.experts_per_token=2', 'model.expert_mlp_dim=64', 'model.num_layers=1',
+        'train.seq_len=16', 'train.global_batch_size=8', 'train.steps=3', 'train.log_every=1')
+MESHES = {
+    'single': ('mesh.data=1', 'mesh.fsdp=1', 'mesh.expert=1', 'mesh.model=1'),
+    'expert4_data2': ('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1'),
+    'expert2_model2_fsdp2': ('mesh.data=1', 'mesh.fsdp=2', 'mesh.expert=2', 'mesh.model=2'),
+    # The sequence split too: MoE layers gather it (capacity is per sequence), attention splits it.
+    'expert2_context2_model2': ('mesh.data=1', 'mesh.fsdp=1', 'mesh.expert=2', 'mesh.context=2',
+                                'mesh.model=2'),
+}
+NO_DROPS = 'model.capacity_factor=2.0'  # C = ceil(2 * 16 * 2 / 4) = 16 = L: no choice can be dropped.
+SMALL = 'model.capacity_factor=0.5'  # C = 4 slots per expert for 32 choices per sequence.
+
+
+def run(mesh, *overrides):
+  config = load_config('moe_ep4_dp2', *TINY, *MESHES[mesh], *overrides)
+  return train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet)
+
+
+@functools.cache
+def step_metrics(mesh, *overrides):
+  """The metrics of one train step, and its compiled text (cached: several tests read the same step)."""
+  config = load_config('moe_ep4_dp2', *TINY, *MESHES[mesh], *overrides)
+  mesh_ = make_mesh(config.mesh.sizes, mesh_devices(config))
+  setup = build(config)
+  with jax.set_mesh(mesh_):
+    step = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, 4), use_dropout=False)
+    batch = next(make_batches(config, mesh_, AxisRules.from_config(config.partitioning)))
+    compiled = step.lower(setup.abstract_state, batch).compile()
+    _, metrics = compiled(setup.init(), batch)
+  return {k: float(v) for k, v in metrics.items()}, compiled.as_text()
+
+
+def test_top_k_router_renormalises_the_chosen_probabilities_only_when_asked():
+  logits = jnp.log(jnp.array([[[0.1, 0.2, 0.3, 0.4]]]))
+  probs, weights, experts = moe.route(logits, 2, norm_topk=True)
+  np.testing.assert_allclose(probs[0, 0], [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
+  assert experts[0, 0].tolist() == [3, 2]
+  np.testing.assert_allclose(weights[0, 0], [4 / 7, 3 / 7], rtol=1e-6)  # Softmax over the top-k logits.
+  np.testing.assert_allclose(moe.route(logits, 2, norm_topk=False)[1][0, 0], [0.4, 0.3], rtol=1e-6)
+
+
+def test_slots_fill_first_choices_in_position_order_then_second_choices():
+  # One sequence of 3 tokens, 2 choices each, over 3 experts with 2 slots each.
+  experts = jnp.array([[[0, 1], [0, 2], [0, 1]]])
+  slot, kept = moe.slots(experts, num_experts=3, cap=2)
+  # Expert 0: first choices of tokens 0, 1 fill it; token 2's first choice is dropped.
+  # Expert 1: token 0's second choice, then token 2's. Expert 2: token 1's second choice.
+  assert slot[0].tolist() == [[0, 2], [1, 4], [2, 3]]
+  assert kept[0].tolist() == [[True, True], [True, True], [False, True]]
+
+
+def test_capacity_is_the_factor_times_the_even_share_and_dropless_is_the_whole_sequence():
+  assert moe.capacity(16, 4, 2, 1.0) == 8
+  assert moe.capacity(16, 8, 2, 1.25) == 5
+  assert moe.capacity(16, 4, 2, 0.0) == 16
+  assert moe.capacity(16, 4, 2, 3.0) == 16
+
+
+# Dropless and a capacity that drops nothing, each mode on both expert meshes, and with the sequence split
+# over `context`; the slow set has the rest.
+INVARIANCE = [('dropless', 'expert4_data2'), ('capacity', 'expert2_model2_fsdp2'),
+              ('capacity', 'expert2_context2_model2')]
+INVARIANCE_SLOW = [('dropless', 'expert2_model2_fsdp2'), ('capacity', 'expert4_data2')]
+
+
+def check_losses_equal_one_device(capacity, mesh):
+  overrides = () if capacity == 'dropless' else (NO_DROPS,)
+  single = run('single', *overrides)
+  assert len(single.losses) == 3
+  logged = [r['moe_dropped_fraction'] for r in single.records if 'moe_dropped_fraction' in r]
+  assert logged == [0.0] * 3  # The routing statistics reach the logged metrics; nothing was dropped.
+  np.testing.assert_allclose(run(mesh, *overrides).losses, single.losses, rtol=1e-4)
+
+
+@pytest.mark.parametrize('capacity,mesh', INVARIANCE)
+def test_losses_on_expert_meshes_equal_one_device(capacity, mesh):
+  check_losses_equal_one_device(capacity, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('capacity,mesh', INVARIANCE_SLOW)
+def test_losses_on_expert_meshes_equal_one_device_in_every_mode(capacity, mesh):
+  check_losses_equal_one_device(capacity, mesh)
+
+
+def test_a_small_capacity_drops_choices_reports_them_and_stays_mesh_invariant():
+  single, _ = step_metrics('single', SMALL)
+  sharded, _ = step_metrics('expert4_data2', SMALL)
+  # 4 slots per expert for 32 choices per sequence: at least half of them are dropped.
+  assert single['moe_dropped_fraction'] >= 0.5
+  for key in single:
+    if key.startswith('moe_') or key == 'loss':
+      np.testing.assert_allclose(sharded[key], single[key], rtol=1e-4, err_msg=key)
+
+
+def padded_batch(noise: int) -> dict[str, np.ndarray]:
+  """8 rows of one document each, of 16 to 3 inputs, then padding (segment 0) filled with `noise`."""
+  rng = np.random.default_rng(0)
+  lengths = np.array([16, 12, 9, 5, 16, 3, 10, 7])[:, None]
+  real_BL = np.arange(16)[None, :] < lengths
+  tokens_BL = np.where(np.arange(17) <= lengths, rng.integers(0, 256, (8, 17)), noise).astype(np.int32)
+  return {'inputs': tokens_BL[:, :-1], 'targets': tokens_BL[:, 1:], 'segment_ids': real_BL.astype(np.int32),
+          'positions': np.where(real_BL, np.arange(16), 0).astype(np.int32),
+          'target_weights': real_BL.astype(np.float32)}
+
+
+def loss_statistics_and_grads(mesh, batch):
+  config = load_config('moe_ep4_dp2', *TINY, *MESHES[mesh], SMALL)
+  setup = build(config)
+  rules = AxisRules.from_config(config.partitioning)
+  with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
+    layout = rules.activation_spec(('batch', 'length'))
+    step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, setup.graphdef, b, None), has_aux=True))
+    (_, (count, metrics)), grads = step(setup.init().params,
+                                        {k: jax.device_put(v, layout) for k, v in batch.items()})
+  grads = {train_state.path_str(p): np.asarray(g)
+           for p, g in jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0]}
+  return float(count), {k: float(v) for k, v in metrics.items()}, grads
+
+
+def test_padding_takes_no_expert_slot_and_changes_neither_loss_statistics_nor_gradients():
+  """With 4 slots per expert for 32 choices a sequence, padding that queued for slots would push real
+  tokens' choices out, and what it holds would change the loss; it is not routed at all."""
+  count, metrics, grads = loss_statistics_and_grads('single', padded_batch(noise=1))
+  assert count == 78 and metrics['moe_dropped_fraction'] > 0.2
+  for mesh in ('single', 'expert4_data2'):
+    noisy_count, noisy_metrics, noisy_grads = loss_statistics_and_grads(mesh, padded_batch(noise=77))
+    assert noisy_count == count and noisy_metrics.keys() == metrics.keys()
+    for key, want in metrics.items():
+      np.testing.assert_allclose(noisy_metrics[key], want, rtol=1e-5, err_msg=f'{mesh} {key}')
+    for path, want in grads.items():
+      np.testing.assert_allclose(noisy_grads[path], want, rtol=1e-4, atol=1e-6, err_msg=f'{mesh} {path}')
+
+
+def test_routing_statistics_and_auxiliary_losses_are_in_the_metrics():
+  metrics, _ = step_metrics('single', SMALL)
+  model = load_config('moe_ep4_dp2', *TINY).model
+  shares = [metrics[f'moe_expert_share_{e}'] for e in range(4)]
+  assert math.isclose(sum(shares), 1.0, rel_tol=1e-5)
+  assert math.isclose(metrics['moe_expert_load_max'], 4 * max(shares), rel_tol=1e-6)
+  assert metrics['moe_load_balance_loss'] >= 1.0 - 1e-5  # E * sum f_e p_e, 1 only when balanced.
+  assert metrics['moe_router_z_loss'] > 0
+  weighted = (model.load_balance_loss_weight * metrics['moe_load_balance_loss']
+              + model.router_z_loss_weight * metrics['moe_router_z_loss'])
+  assert math.isclose(metrics['aux_loss'], weighted, rel_tol=1e-5)
+
+
+@pytest.mark.slow
+def test_auxiliary_losses_are_trained_on_with_their_weights():
+  plain = run('single', 'model.router_z_loss_weight=0', 'model.load_balance_loss_weight=0').losses
+  weighted = run('single', 'model.router_z_loss_weight=1', 'model.load_balance_loss_weight=1').losses
+  assert plain[0] == weighted[0]  # `loss` is the cross-entropy; the weights change only the gradients.
+  assert plain[1:] != weighted[1:]
+
+
+def test_expert_parallel_step_dispatches_tokens_with_all_to_all():
+  _, sharded = step_metrics('expert4_data2', SMALL)
+  _, single = step_metrics('single', SMALL)
+  # The tokens to their experts' devices and back, forward; the same again for the gradients.
+  assert sharded.count('all-to-all(') >= 4
+  assert 'all-to-all(' not in single
+
+
+def test_analytic_flops_count_active_experts_and_agree_with_xla():
+  """With capacity factor 1 (L * k / E slots per expert), the experts compute exactly the active FLOPs;
+  dispatch and combine are gathers and scatters, not matmuls. As in tests/test_flops.py, the rest XLA
+  counts is elementwise work and the optimizer: 3.54e9 against the analytic 3.43e9 (3.3% over). Dropless
+  (E x L slots: E / k = 2 times the active experts' FLOPs here) XLA counts 5.97e9, 1.74x."""
+  from test_flops import xla_train_step_flops
+  heavy = ('model.embed_dim=256', 'model.num_heads=4', 'model.head_dim=64', 'model.expert_mlp_dim=512',
+           'model.vocab_size=256', 'model.num_layers=2', 'train.seq_len=64', 'train.global_batch_size=4',
+           'data.source=synthetic')  # Any of the 256 ids (the byte tokenizer's BOS is a 257th).
+  config = load_config('moe_ep4_dp2', *TINY, *MESHES['single'], *heavy, 'model.capacity_factor=1.0')
+  analytic = flops.train_flops_per_step(config, causal_half=False)
+  # k = 2 active experts of width 512 cost one dense MLP of width 1024; the router adds D x E per layer.
+  dense = load_config('single', *TINY[4:], *heavy, 'model.mlp_dim=1024')
+  router = 3 * 2 * (2 * 256 * 4) * 4 * 64  # 3x forward, 2 layers, per token, 4 x 64 tokens.
+  assert analytic == flops.train_flops_per_step(dense, causal_half=False) + router
+  xla = xla_train_step_flops(config)
+  assert abs(xla / analytic - 1) < 0.10, (xla, analytic)
+
+
+def test_param_count_counts_every_expert_and_the_shared_one():
+  config = load_config('moe_ep4_dp2', *TINY, *MESHES['single'], 'model.shared_expert_dim=32',
+                       'model.moe_every=2', 'model.num_layers=4')
+  assert flops.param_count(config) == sum(math.prod(p.shape) for p in build(config).layout)
+
+
+@pytest.mark.slow
+def test_moe_every_second_block_with_dense_blocks_between_trains_on_an_expert_mesh():
+  single = run('single', 'model.moe_every=2', 'model.num_layers=2').losses
+  sharded = run('expert2_model2_fsdp2', 'model.moe_every=2', 'model.num_layers=2').losses
+  np.testing.assert_allclose(sharded, single, rtol=1e-4)
+  config = load_config('moe_ep4_dp2', *TINY, 'model.moe_every=2', 'model.num_layers=2')
+  paths = {p.path for p in build(config).layout}
+  assert 'blocks.0.mlp.wi_gate_DF' in paths and 'blocks.1.mlp.wi_gate_EDF' in paths
+
+
+def test_experts_split_over_the_expert_axis_in_the_sharding_report():
+  layout = {p.path: p for p in build(load_config('moe_ep4_dp2', *TINY)).layout}
+  info = layout['blocks.0.mlp.wi_gate_EDF']
+  assert info.shape == (4, 128, 64) and info.shard_shape == (1, 128, 64)
+  assert tuple(info.spec)[0] == 'expert'
+
+
+@pytest.mark.slow
+def test_scanned_moe_layers_give_the_same_losses():
+  two = 'model.num_layers=2'
+  scanned = run('expert4_data2', two, 'model.scan_layers=True').losses
+  np.testing.assert_allclose(scanned, run('single', two).losses, rtol=1e-4)
+
+
+@pytest.mark.parametrize('overrides,match', [
+    (('model.experts_per_token=5',), 'experts_per_token=5 must be at most model.num_experts=4'),
+    (('model.scan_layers=True', 'model.moe_every=2'), 'Set model.moe_every=1 or model.scan_layers=False'),
+    (('model.mlp_overlap=True',), 'mlp_overlap is for dense MLPs'),
+])
+def test_bad_moe_options_are_one_line_errors(overrides, match):
+  with pytest.raises(ConfigError, match=match):
+    load_config('moe_ep4_dp2', *TINY, *overrides)
+
+
+def test_experts_that_do_not_split_over_the_mesh_name_the_fix():
+  from mintrain.partitioning import PartitioningError
+  with pytest.raises(PartitioningError, match=r'`expert` \(dim 0 of `blocks.0.mlp.wi_gate_EDF`, size 6\)'):
+    build(load_config('moe_ep4_dp2', *TINY, 'model.num_experts=6'))
+
+
+def test_a_batch_rule_that_leaves_out_the_expert_axis_names_the_rules_to_change():
+  rules = ["partitioning.rules=[('batch', ('data', 'fsdp')), ('length', None), ('embed', None), "
+           "('mlp', 'model'), ('heads', 'model'), ('kv', None), ('vocab', 'model'), ('expert', 'expert')]"]
+  match = r'`batch` split over the mesh axes of `expert` \(expert\).*split `batch` over data x fsdp\.'
+  with pytest.raises(ValueError, match=match):
+    step_metrics.__wrapped__('expert4_data2', *rules)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('remat', ['full', 'save_matmuls'])
+def test_rematerialised_moe_layers_give_the_same_losses(remat):
+  np.testing.assert_allclose(run('expert4_data2', f'model.remat={remat}').losses, run('single').losses,
+                             rtol=1e-4)
