@@ -11,6 +11,7 @@ from jax.sharding import AxisType
 
 from mintrain.fields import ConfigError
 from mintrain.mesh import (
+  AXES,
   MeshError,
   describe,
   describe_levels,
@@ -44,11 +45,11 @@ def test_a_mesh_without_expert_or_context_reads_as_before():
 
 def test_all_axes_are_explicit():
   mesh = make_mesh({'data': 4, 'fsdp': 1, 'model': 2})
-  assert mesh.axis_types == (AxisType.Explicit,) * 4
+  assert mesh.axis_types == (AxisType.Explicit,) * len(AXES)
 
 
 def test_minus_one_takes_the_remaining_devices():
-  assert mesh_shape({'data': -1, 'fsdp': 1, 'model': 2}, 8) == (4, 1, 1, 2)
+  assert mesh_shape({'data': -1, 'fsdp': 1, 'model': 2}, 8) == (4, 1, 1, 1, 2)
   assert dict(make_mesh({'data': 1, 'fsdp': -1, 'model': 1}).shape)['fsdp'] == 8
 
 
