@@ -2,6 +2,9 @@
 """Print the sharding report of a config without allocating the model.
 
   python scripts/show_sharding.py --config configs/dp4_tp2.py
+
+Under several processes (a multi-slice mesh: `scripts/launch_local.py --num_processes N -- ...` stands
+in for N slices), process 0 prints.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ def main() -> int:
     run = build(config, devices)
   except (MeshError, PartitioningError, ConfigError) as e:
     _bootstrap.fail(str(e))
-  print(report.format_report(run.layout, run.abstract_state, run.mesh, run.plan, run.rules))
+  import jax
+  if jax.process_index() == 0:
+    print(report.format_report(run.layout, run.abstract_state, run.mesh, run.plan, run.rules))
   return 0
 
 

@@ -1,7 +1,10 @@
 """The command-line entry points, run as real subprocesses."""
 
 import json
+import re
+import sys
 
+import pytest
 from conftest import run_script
 
 
@@ -50,3 +53,18 @@ def test_show_sharding_prints_one_row_per_parameter_and_totals():
   assert proc.returncode == 0, proc.stderr
   assert 'blocks.1.attn.wo_HKD' in proc.stdout and '(model, -, fsdp)' in proc.stdout
   assert 'per device: parameters' in proc.stdout and 'optimizer state' in proc.stdout
+
+
+@pytest.mark.slow  # Four processes of 64 simulated devices each; about 15 s.
+def test_show_sharding_plans_a_mixtral_8x7b_sized_model_on_256_devices_in_4_slices_without_allocating():
+  proc = run_script('scripts/launch_local.py', '--num_processes', '4', '--devices', '256', '--',
+                    sys.executable, 'scripts/show_sharding.py', '--config', 'configs/mixtral_8x7b_256.py')
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert 'mesh data=4 x fsdp=8 x expert=8 x model=1 (256 devices), 46,702,792,704 parameters' in proc.stdout
+  assert ('across 4 processes (DCN): data=4 x fsdp=1 x model=1; within each (ICI): data=1 x fsdp=8 x '
+          'expert=8 x model=1') in proc.stdout
+  # Each expert's (D, F) weights on one `expert` device, its D split 8 ways over `fsdp`.
+  expert_row = r'blocks\.mlp\.wi_gate_EDF .*\(-, expert, fsdp, model\)\s+\(32, 1, 512, 14336\)'
+  assert re.search(expert_row, proc.stdout)
+  assert 'per device: parameters 3.4 GiB, optimizer state 6.7 GiB' in proc.stdout
+  assert not re.search(r'^\[[123]\] ', proc.stdout, re.M)  # Process 0 prints the plan.
