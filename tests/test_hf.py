@@ -435,22 +435,8 @@ hf.save_pretrained(run.model(params), sys.argv[2])  # Gathered from both process
 @pytest.mark.slow  # Writes a 234 MB checkpoint, loads and saves it in two processes (about 20 s).
 def test_two_processes_each_grow_by_under_0_6x_the_checkpoint_while_loading_it_on_fsdp8_and_save_it_back(
     tmp_path):
-  vocab, hidden, mlp, layers = 32000, 1024, 2816, 2
-  shapes = {'model.embed_tokens.weight': (vocab, hidden), 'model.norm.weight': (hidden,)}
-  for i in range(layers):
-    layer = f'model.layers.{i}.'
-    shapes |= {f'{layer}{name}.weight': (hidden,) for name in ('input_layernorm', 'post_attention_layernorm')}
-    shapes |= {f'{layer}self_attn.{name}_proj.weight': (hidden, hidden) for name in 'qkvo'}
-    shapes |= {f'{layer}mlp.{name}_proj.weight': (mlp, hidden) for name in ('gate', 'up')}
-    shapes[f'{layer}mlp.down_proj.weight'] = (hidden, mlp)
-  rng = np.random.default_rng(0)
-  save_file({name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()},
-            tmp_path / hf.SINGLE, metadata={'format': 'pt'})
-  (tmp_path / 'config.json').write_text(json.dumps({
-      'model_type': 'llama', 'vocab_size': vocab, 'hidden_size': hidden, 'intermediate_size': mlp,
-      'num_hidden_layers': layers, 'num_attention_heads': 8, 'num_key_value_heads': 8,
-      'tie_word_embeddings': True}))
-  size = (tmp_path / hf.SINGLE).stat().st_size
+  from benchmarks.hf_load import MODEL, write_checkpoint  # The benchmark's checkpoint: 234 MB, float32.
+  size = write_checkpoint(tmp_path, MODEL)
   assert size >= 200e6
   proc = subprocess.run([sys.executable, 'scripts/launch_local.py', '--num_processes', '2', '--',
                          sys.executable, '-c', LOAD_AND_MEASURE, str(tmp_path), str(tmp_path / 'saved')],
