@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mintrain import train_state
-from mintrain.mesh import make_mesh
+from mintrain.mesh import devices_needed, make_mesh
 from mintrain.partitioning import PartitioningError
 from mintrain.report import format_report
 
@@ -30,7 +30,10 @@ EXPECTED = {
     ('expert', 'embed', 'mlp'): P('expert', 'fsdp', 'model'),  # MoE experts.
     ('expert', 'mlp', 'embed'): P('expert', 'model', 'fsdp'),
 }
-CONFIGS = sorted(p.stem for p in (REPO / 'configs').glob('*.py') if p.stem not in ('base', '__init__'))
+# The shipped configs that fit the tests' 8 devices; a plan for more (mixtral_8x7b_256: 256 devices) is
+# laid out by show_sharding.py under several processes in tests/test_scripts.py.
+CONFIGS = sorted(p.stem for p in (REPO / 'configs').glob('*.py') if p.stem not in ('base', '__init__')
+                 and devices_needed(load_config(p.stem).mesh.sizes) <= 8)
 
 
 def _strip(spec: P) -> tuple:
