@@ -9,7 +9,8 @@ import types
 
 
 def lazy_import(name: str) -> types.ModuleType:
-  """Module `name`, executed when one of its attributes is first read."""
+  """Module `name`, executed when one of its attributes is first read. Finding a submodule
+  ('package.module') imports its package, so only that package's own import is deferred."""
   if name in sys.modules:
     return sys.modules[name]
   spec = importlib.util.find_spec(name)

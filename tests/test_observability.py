@@ -165,7 +165,7 @@ def test_importing_the_train_loop_does_not_import_tensorflow_or_torch():
 def test_importing_the_train_loop_leaves_orbax_grain_and_the_tokenizer_libraries_for_their_first_use():
   """They are a third of the import time, and a run without a workdir or a file source never needs them."""
   code = ("import mintrain.train_loop, sys; print(sorted(m for m in sys.modules if m.startswith(("
-          "'orbax.checkpoint.', 'grain.', 'tokenizers', 'sentencepiece'))))")
+          "'orbax.checkpoint.', 'grain.', 'tokenizers', 'sentencepiece', 'pyarrow', 'array_record'))))")
   result = run_script('-c', code)
   assert result.returncode == 0 and result.stdout.strip() == '[]', result.stdout + result.stderr
 

@@ -30,7 +30,6 @@ from mintrain.data import sources, tokenizer
 from mintrain.data.sources import DataError
 from mintrain.lazy import lazy_import
 
-pq = lazy_import('pyarrow.parquet')
 grain = lazy_import('grain')
 
 if TYPE_CHECKING:
@@ -40,6 +39,14 @@ FORMATS = ('jsonl', 'parquet', 'arrayrecord')
 Document = str | np.ndarray
 _OPEN_ARRAY_RECORDS = 16  # ArrayRecord files kept open per process.
 
+
+
+def _parquet_file(path: pathlib.Path) -> Any:
+  """pyarrow's reader, imported on first use: pyarrow is large and brings its own allocator and threads,
+  which a run on other data should not carry (nor `lazy_import`, which would import `pyarrow` itself to
+  find `pyarrow.parquet`)."""
+  import pyarrow.parquet as pq
+  return pq.ParquetFile(path)
 
 class BadRecords:
   """Raises on a bad record, or with `skip` counts it and warns on stderr (the first ten, then every
@@ -129,7 +136,7 @@ class Reader:
       return [(a, min(a + self.block_bytes, size)) for a in range(0, size, self.block_bytes)]
     if self.kind == 'parquet':
       try:
-        meta = pq.ParquetFile(path)
+        meta = _parquet_file(path)
       except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is no Parquet.
         self.bad(f'data.path: {path} is not a readable Parquet file ({_first_line(e)})')
         return None
@@ -213,7 +220,7 @@ class Reader:
 
   def _read_parquet(self, path: pathlib.Path, group: int) -> list[Document]:
     try:
-      column = pq.ParquetFile(path).read_row_group(group, columns=[self.field]).column(0)
+      column = _parquet_file(path).read_row_group(group, columns=[self.field]).column(0)
     except Exception as e:  # Corrupt pages, a column that changed type, I/O errors.
       self.bad(f'{path} row group {group}: cannot be read ({_first_line(e)})')
       return []
