@@ -117,7 +117,7 @@ def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch
                     f'micro-batch ({micro_batch_size}).')
   if not len(rows) or min(rows) < 0 or max(rows) >= micro_batch_size:
     raise DataError(f'rows {list(rows)} must be some of the micro-batch\'s {micro_batch_size} rows.')
-  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer or 'byte'))
+  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer))
   if data_cfg.packing not in PACKINGS:
     raise DataError(f'data.packing={data_cfg.packing!r}; choose one of {PACKINGS}.')
   streams = sources.load_split(data_cfg, split, vocab_size=vocab_size)
@@ -162,9 +162,7 @@ def token_counts(streams: Sequence[np.ndarray]) -> np.ndarray:
   chunk = 1 << 24
   for stream in streams:
     for start in range(0, len(stream), chunk):
-      part = np.bincount(np.asarray(stream[start:start + chunk]))
-      counts = np.pad(counts, (0, max(len(part) - len(counts), 0)))
-      counts[:len(part)] += part
+      counts = streaming.add_counts(counts, np.bincount(np.asarray(stream[start:start + chunk])))
   return counts
 
 

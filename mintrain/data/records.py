@@ -97,7 +97,7 @@ class Reader:
     self.tokens = self.kind == 'arrayrecord' and data_cfg.record_format == 'tokens'
     self.dtype = np.dtype(data_cfg.token_dtype)
     # Token records' ids stay below the model's vocabulary (default: the tokenizer's).
-    self.vocab_size = vocab_size or tokenizer.load(data_cfg.tokenizer or 'byte').vocab_size
+    self.vocab_size = vocab_size or tokenizer.load(data_cfg.tokenizer).vocab_size
     self.bad = BadRecords(data_cfg.skip_bad_records)
     self.pattern, self.max_bytes = data_cfg.path, data_cfg.max_bytes
     self._open: dict[pathlib.Path, Any] = {}

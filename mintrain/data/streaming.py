@@ -53,7 +53,7 @@ byte_encoder: Encoder = tokenizer.BYTES.document
 def encoder_for(data_cfg: DataConfig) -> Encoder:
   """The run's tokenizer (`data.tokenizer`) as an encoder, the one place that picks it: a document's ids
   with the BOS and EOS its conventions add."""
-  return tokenizer.load(data_cfg.tokenizer or 'byte').document
+  return tokenizer.load(data_cfg.tokenizer).document
 
 
 def encode_document(doc: records.Document, encode: Encoder = byte_encoder) -> np.ndarray:
@@ -322,7 +322,7 @@ def make_iterator(data_cfg: DataConfig, *, split: str, seq_len: int, global_batc
   splits = [Split(cfg, split, seed, encode, vocab_size) for cfg, _ in settings]
   accum = global_batch_size // micro_batch_size
   mine = (np.arange(accum)[:, None] * micro_batch_size + np.asarray(rows)[None, :]).reshape(-1)
-  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer or 'byte'))
+  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer))
   local = RowsIterator(splits, [w for _, w in settings], mine, global_batch_size, seq_len, seed, separators,
                        padded=data_cfg.packing == 'pad')
   return Prefetch(local, data_cfg.prefetch) if data_cfg.prefetch else local
@@ -357,7 +357,8 @@ def _eval_documents(data_cfg: DataConfig, split: str) -> Iterator[tuple[int, Any
         break
 
 
-def _add(counts: np.ndarray, more: np.ndarray) -> np.ndarray:
+def add_counts(counts: np.ndarray, more: np.ndarray) -> np.ndarray:
+  """Per-id counts of two lengths summed, the shorter padded with zeros."""
   size = max(len(counts), len(more))
   return np.pad(counts, (0, size - len(counts))) + np.pad(more, (0, size - len(more)))
 
@@ -368,17 +369,17 @@ def unigram_counts(data_cfg: DataConfig, split: str = 'eval') -> np.ndarray:
   weights = [w for _, w in source_settings(data_cfg)]
   counts = [np.zeros(0, np.int64) for _ in weights]
   for source, _, ids in _eval_documents(data_cfg, split):
-    counts[source] = _add(counts[source], np.bincount(ids))
+    counts[source] = add_counts(counts[source], np.bincount(ids))
   total = np.zeros(0, np.float64)
   for weight, c in zip(weights, counts):
-    total = _add(total, weight * c / max(c.sum(), 1))
+    total = add_counts(total, weight * c / max(c.sum(), 1))
   return total
 
 
 def bytes_per_token(data_cfg: DataConfig, split: str = 'eval') -> float:
   """UTF-8 bytes per token of each source's measured split (`_eval_documents`; token records decoded by
   the tokenizer), averaged over the sources by their mixture weights."""
-  tok = tokenizer.load(data_cfg.tokenizer or 'byte')
+  tok = tokenizer.load(data_cfg.tokenizer)
   weights = [w for _, w in source_settings(data_cfg)]
   num_bytes, num_tokens = np.zeros(len(weights)), np.zeros(len(weights))
   for source, doc, ids in _eval_documents(data_cfg, split):

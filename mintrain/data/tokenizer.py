@@ -239,9 +239,9 @@ def resolve(spec: str, hf_checkpoint: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load(spec: str) -> Tokenizer:
-  """The tokenizer `data.tokenizer=spec` names (after `resolve`); a one-line ConfigError for a path that
-  is missing or holds no tokenizer."""
-  if spec == 'byte':
+  """The tokenizer `data.tokenizer=spec` names (after `resolve`; '' unresolved, with no checkpoint to take
+  one from, is 'byte'); a one-line ConfigError for a path that is missing or holds no tokenizer."""
+  if spec in ('byte', ''):
     return BYTES
   where = f'data.tokenizer={spec!r}'
   path = epath.Path(os.path.expanduser(spec))
