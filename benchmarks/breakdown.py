@@ -12,7 +12,7 @@ Collective times include waiting for the slowest device. On simulated CPU device
 cores, every op is also slowed by the other devices' ops running at the same time, so shares are the
 useful figure, not absolute times.
 
-  python benchmarks/breakdown.py                            # configs/bench_tiny.py
+  python benchmarks/breakdown.py                            # mintrain/configs/bench_tiny.py
   python benchmarks/breakdown.py --override model.vocab_size=384 --override model.attention=dot_product
   python benchmarks/breakdown.py --smoke                    # a tiny model: checks that it still runs
 """
@@ -29,13 +29,8 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
-
-import jax  # noqa: E402
-
-from benchmarks import harness  # noqa: E402
+import harness
+import jax
 
 SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
          'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')

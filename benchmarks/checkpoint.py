@@ -21,17 +21,17 @@ import sys
 import tempfile
 import time
 
+import harness
+import jax
+
+from mintrain import configs
+from mintrain import mesh as mesh_lib
+from mintrain.build import Run
+from mintrain.checkpoint import checkpoints as ckpt_lib
+from mintrain.loop import checkpoint_metadata
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
 
-import jax  # noqa: E402
-
-from benchmarks import harness  # noqa: E402
-from mintrain import checkpoint as ckpt_lib  # noqa: E402
-from mintrain import mesh as mesh_lib  # noqa: E402
-from mintrain.build import Run  # noqa: E402
-from mintrain.train_loop import checkpoint_metadata  # noqa: E402
 
 SAVE_MESH = 'dp4_tp2'
 RESTORE_MESHES = ('dp4_tp2', 'fsdp8', 'tp8', 'single')  # Config names; the first is the saving mesh.
@@ -63,8 +63,8 @@ class Row:
 
 
 def build(mesh_name: str, overrides: tuple[str, ...], devices: list) -> Run:
-  """The run of configs/MESH_NAME.py with `overrides`."""
-  return harness.build(harness.load(REPO / 'configs' / f'{mesh_name}.py', COMMON + overrides), devices)
+  """The run of mintrain/configs/MESH_NAME.py with `overrides`."""
+  return harness.build(harness.load(configs.DIR / f'{mesh_name}.py', COMMON + overrides), devices)
 
 
 def dir_bytes(path: pathlib.Path) -> int:

@@ -21,11 +21,12 @@ import pathlib
 import statistics
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+import harness
 
-from benchmarks import harness  # noqa: E402
+from mintrain import configs
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
 
 MODEL = ('model.embed_dim=128', 'model.num_layers=2', 'model.num_heads=4', 'model.head_dim=32',
          'model.mlp_dim=512', 'train.seq_len=4096', 'train.global_batch_size=1', 'data.source=synthetic')
@@ -51,7 +52,7 @@ def main() -> int:
 
   rows, temp, step_ms = [], {}, {}
   for name, overrides in RUNS.items():
-    config = harness.load(REPO / 'configs' / 'base.py', (*model, *overrides))
+    config = harness.load(configs.DIR / 'base.py', (*model, *overrides))
     built = harness.build(config, devices)
     batches = harness.device_batches(built, 1)
     compiled = harness.compile_step(built, batches[0])
@@ -65,7 +66,7 @@ def main() -> int:
 
   print(f'\nmodel: {" ".join(model)} ({harness.param_count(built):,} parameters, float32)')
   print(f'median of {steps} steps after 1 warm-up; memory per device in MiB: xla_* from '
-        'compiled.memory_analysis(), act_plan from mintrain.memory.plan\n')
+        'compiled.memory_analysis(), act_plan from mintrain.report.plan\n')
   print(harness.table(['run', 'mesh', 'compile_s', 'step_ms', 'xla_temp_MiB', 'xla_argument_MiB',
                        'act_plan_MiB'], rows))
   print()

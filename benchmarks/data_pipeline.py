@@ -7,7 +7,8 @@ the corpus with Hugging Face `tokenizers`), and from the same corpus pre-tokeniz
 scripts/tokenize_corpus.py; against what the default train step consumes (its tokens per step over the
 default run's step time, measured by running it first (or --step_ms).
 
-Memory (--memory): the peak resident memory of scripts/train.py (configs/dp4_tp2.py, data.source=jsonl) on a
+Memory (--memory): the peak resident memory of scripts/train.py (mintrain/configs/dp4_tp2.py,
+                                                                 data.source=jsonl) on a
 generated 2 GB JSONL corpus and on a 20 MB one, read from the kernel's rusage of each run.
 
   python benchmarks/data_pipeline.py                 # throughput (~1 min on 2 CPU cores)
@@ -29,16 +30,15 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
+from mintrain import config as config_lib
+from mintrain.data import streaming
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
 
-from mintrain import config as config_lib  # noqa: E402
-from mintrain.data import streaming  # noqa: E402
-
-ROWS, SEQ_LEN = 32, 64  # configs/base.py's batch: what the default train step consumes.
+ROWS, SEQ_LEN = 32, 64  # mintrain/configs/base.py's batch: what the default train step consumes.
 
 
 def write_corpus(root: pathlib.Path, megabytes: float, seed: int = 0, file_mb: float = 20.0) -> int:
@@ -110,9 +110,10 @@ def peak_rss_mb(args: list[str]) -> tuple[float, float]:
 
 
 def default_step_ms(steps: int) -> float:
-  """The mean step of the default run (configs/dp4_tp2.py on its default data), from its summary line."""
+  """The mean step of the default run (dp4_tp2 on its default data), from its summary line."""
   with tempfile.TemporaryDirectory(prefix='mintrain_step_') as workdir:
-    out = subprocess.run([sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir',
+    out = subprocess.run([sys.executable, 'scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py',
+                          '--workdir',
                           workdir, f'--config.train.steps={steps}', '--config.eval.steps=0'],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
   return float(re.search(r'mean step ([0-9.]+) ms', out).group(1))
@@ -161,7 +162,7 @@ def main() -> int:
             flush=True)
 
     if args.memory:
-      train = ['--config', 'configs/dp4_tp2.py', '--config.data.source=jsonl',
+      train = ['--config', 'mintrain/configs/dp4_tp2.py', '--config.data.source=jsonl',
                f'--config.train.steps={args.memory_steps}', '--config.eval.steps=0',
                '--config.checkpoint.keep=0', '--config.metrics.peak_tflops=1']
       results = {}

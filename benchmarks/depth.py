@@ -11,7 +11,7 @@ waits for before its first step. The scanned column is skipped, with a note, on 
 has no `model.scan_layers`.
 
   python benchmarks/depth.py                               # dp4_tp2's model (~3 min on 2 CPU cores)
-  python benchmarks/depth.py --config configs/fsdp8.py --layers 4 24
+  python benchmarks/depth.py --config mintrain/configs/fsdp8.py --layers 4 24
   python benchmarks/depth.py --smoke                       # a tiny model at 2 layers, one step
 """
 
@@ -22,11 +22,12 @@ import pathlib
 import statistics
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+import harness
 
-from benchmarks import harness  # noqa: E402
+from mintrain import configs
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
 
 COMMON = ('data.source=synthetic',)
 SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
@@ -36,7 +37,7 @@ FORMS = {'unrolled': (), 'scanned': ('model.scan_layers=True',)}
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument('--config', type=pathlib.Path, default=REPO / 'configs' / 'dp4_tp2.py')
+  parser.add_argument('--config', type=pathlib.Path, default=configs.DIR / 'dp4_tp2.py')
   parser.add_argument('--layers', type=int, nargs='+', default=None, help='depths (default 4 12 24)')
   parser.add_argument('--steps', type=int, default=3, help='timed steps per model')
   parser.add_argument('--smoke', action='store_true', help='tiny model at 2 layers, one step')

@@ -25,8 +25,8 @@ import ml_collections
 from jax.sharding import Mesh
 
 from mintrain import config as config_lib
+from mintrain import configs, train_state
 from mintrain import mesh as mesh_lib
-from mintrain import train_state
 from mintrain.build import Run
 from mintrain.build import build as mintrain_build
 from mintrain.config import Config
@@ -34,16 +34,16 @@ from mintrain.config import Config
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
 # Untimed steps before timing: on CPU the host heap takes a few steps to reach its steady size
-# (mintrain.host_allocator), and the steps before that page-fault.
+# (mintrain.runtime.host_allocator), and the steps before that page-fault.
 WARMUP = 6
-BENCH_TINY = REPO / 'configs' / 'bench_tiny.py'  # The issue's model for step time and overhead.
-FALLBACK = REPO / 'configs' / 'dp4_tp2.py'
+BENCH_TINY = configs.DIR / 'bench_tiny.py'  # The issue's model for step time and overhead.
+FALLBACK = configs.DIR / 'dp4_tp2.py'
 
 
 def config_arguments(parser: argparse.ArgumentParser, override_help: str = 'config override; repeatable'):
   """The --config / --override pair every model benchmark takes."""
   parser.add_argument('--config', type=pathlib.Path, default=None,
-                      help='config file (default: configs/bench_tiny.py)')
+                      help='config file (default: mintrain/configs/bench_tiny.py)')
   parser.add_argument('--override', action='append', default=[], metavar='KEY=VALUE', help=override_help)
 
 
@@ -57,7 +57,7 @@ def start_devices() -> list[jax.Device]:
 
 
 def bench_tiny() -> tuple[pathlib.Path, tuple[str, ...]]:
-  """(config path, overrides): configs/bench_tiny.py, or dp4_tp2 on a checkout that does not have it yet."""
+  """(config path, overrides): the bench_tiny config, or dp4_tp2 on a checkout that does not have it."""
   if BENCH_TINY.is_file():
     return BENCH_TINY, ()
   print(f'note: {BENCH_TINY.relative_to(REPO)} does not exist; using {FALLBACK.relative_to(REPO)} '
@@ -152,7 +152,7 @@ def param_count(built: Run) -> int:
 
 
 def describe_config(path: pathlib.Path, overrides: Sequence[str]) -> str:
-  """`configs/x.py key=value ...`, the way to ask for the same config on the command line."""
+  """`mintrain/configs/x.py key=value ...`, the way to ask for the same config on the command line."""
   shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
   return ' '.join([str(shown), *overrides])
 

@@ -24,11 +24,10 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+import harness
 
-from benchmarks import harness  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
 
 MODEL = {'vocab_size': 32000, 'hidden_size': 1024, 'intermediate_size': 2816, 'num_hidden_layers': 2,
          'num_attention_heads': 8}
@@ -104,8 +103,8 @@ def bytes_read() -> int:
 
 def measure_process(directory: pathlib.Path, mesh_name: str, cache: str) -> None:
   """One process of a load: prints its load time and peak memory growth (run by `load`)."""
-  from mintrain import distributed
   from mintrain import mesh as mesh_lib
+  from mintrain.runtime import distributed
 
   settings = distributed.settings()
   processes = settings.num_processes if settings else 1

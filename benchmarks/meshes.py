@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One model on every mesh: step time, and what each device holds.
 
-The same model (the config overrides in MODEL) runs on configs/{single,dp8,dp4_tp2,tp8,fsdp8,fsdp4_tp2}.py.
+The same model (the overrides in MODEL) runs on the configs single, dp8, dp4_tp2, tp8, fsdp8, fsdp4_tp2.
 Per mesh it reports the compile time and median step time, the bytes of parameters and optimizer state
 that the first device really holds after the sharded init (checked against the layout's own figures),
 the memory plan's activation estimate, and the compiler's memory analysis of the compiled step (per
@@ -22,11 +22,12 @@ import pathlib
 import statistics
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+import harness
 
-from benchmarks import harness  # noqa: E402
+from mintrain import configs
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
 
 MESHES = ('single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2')
 # Every split dimension divides by 8: heads, mlp and vocab for tp8, embed for fsdp8, batch for dp8.
@@ -52,7 +53,7 @@ def main() -> int:
 
   rows, held = [], {}
   for name in names:
-    config = harness.load(REPO / 'configs' / f'{name}.py', overrides)
+    config = harness.load(configs.DIR / f'{name}.py', overrides)
     built = harness.build(config, devices)
     batches = harness.device_batches(built, 2)
     compiled = harness.compile_step(built, batches[0])
@@ -73,7 +74,7 @@ def main() -> int:
   params = harness.param_count(built)
   print(f'\nmodel: {" ".join(overrides)} ({params:,} parameters, float32 params and Adam state)')
   print(f'median of {steps} steps after 1 warm-up; memory per device in MiB: params/opt_state from the '
-        'arrays the first device holds, act_plan from mintrain.memory.plan, xla_* from '
+        'arrays the first device holds, act_plan from mintrain.report.plan, xla_* from '
         'compiled.memory_analysis()\n')
   print(harness.table(['mesh', 'data x fsdp x model', 'compile_s', 'step_ms', 'params_MiB', 'opt_state_MiB',
                        'act_plan_MiB', 'xla_argument_MiB', 'xla_output_MiB', 'xla_alias_MiB',

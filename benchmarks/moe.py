@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Step time of a mixture-of-experts model against the dense model with the same active parameters.
 
-The dense model is configs/bench_tiny.py (MLP width F = 1024). The MoE model replaces every MLP by
+The dense model is mintrain/configs/bench_tiny.py (MLP width F = 1024). The MoE model replaces every MLP by
 E = 8 experts of width F / k = 512 with k = 2 per token, so a token meets the same MLP FLOPs and as many
 active MLP parameters (plus a D x E router), and holds E / k = 4 times the MLP parameters. Each variant
 runs on all 8 devices:
@@ -21,16 +21,12 @@ experts only), as the training loop's MFU does.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+import harness
 
-from benchmarks import harness  # noqa: E402
-from mintrain import flops  # noqa: E402
+from mintrain import report
 
 DATA8 = ('mesh.data=8', 'mesh.fsdp=1', 'mesh.expert=1', 'mesh.model=1')
 EP4 = ('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1')
@@ -65,9 +61,9 @@ def main() -> int:
     times, _ = harness.time_steps(compiled, built, batches, warmup=warmup, steps=steps)
     step_s = statistics.median(times)
     dense_s = dense_s or step_s
-    tflops = flops.train_flops_per_step(config) / step_s / 1e12
+    tflops = report.train_flops_per_step(config) / step_s / 1e12
     rows.append((name, harness.describe_mesh(built.mesh), f'{harness.param_count(built):,}',
-                 f'{flops.train_flops_per_step(config) / 1e9:.2f}', f'{compiled.total_s:.1f}',
+                 f'{report.train_flops_per_step(config) / 1e9:.2f}', f'{compiled.total_s:.1f}',
                  f'{step_s * 1e3:.1f}', f'{step_s / dense_s:.2f}', f'{tflops:.4f}', harness.spread(times)))
     print(f'{name}: {step_s * 1e3:.1f} ms per step', flush=True)
   print(harness.describe_config(path, base))

@@ -11,8 +11,8 @@ Both start from the same parameters (mintrain's initial ones, copied) and see th
 losses must agree step by step; that checks the hand-written model is the same math. Steps of the two
 alternate, so load from other processes on a shared machine slows both alike.
 
-  python benchmarks/overhead.py                     # configs/bench_tiny.py (~1.5 min on 2 CPU cores)
-  python benchmarks/overhead.py --config configs/fsdp8.py --override model.tie_embeddings=False
+  python benchmarks/overhead.py                     # mintrain/configs/bench_tiny.py (~1.5 min on 2 CPU cores)
+  python benchmarks/overhead.py --config mintrain/configs/fsdp8.py --override model.tie_embeddings=False
   python benchmarks/overhead.py --smoke             # a tiny model, one step: checks that it still runs
 """
 
@@ -21,22 +21,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import pathlib
 import statistics
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from benchmarks import harness  # noqa: E402
+import harness
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
          'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What agreeing on stops costs per step, and how long an agreed stop takes, on the default run.
 
-  python benchmarks/preemption.py            # configs/dp4_tp2.py in 2 processes, 300 steps, ~1.5 min
+  python benchmarks/preemption.py            # mintrain/configs/dp4_tp2.py in 2 processes, 300 steps, ~1.5 min
   python benchmarks/preemption.py --smoke    # 30 steps
 
 Starts itself in 2 processes (scripts/launch_local.py). Each runs `train_loop.run` on the README's
@@ -24,22 +24,23 @@ import tempfile
 import threading
 import time
 
+from mintrain import configs
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / 'scripts'))
 
 
 def worker(steps: int, workdir: str) -> None:
   """One process of the job: the default run, with the stop check timed."""
-  import _bootstrap
   import jax
 
   from mintrain import config as config_lib
-  from mintrain import preemption, train_loop
+  from mintrain import loop as train_loop
+  from mintrain.runtime import preemption, startup
 
   # The README's default run; the stopped job logs every step, so the signal can follow step N.
   overrides = [f'train.steps={steps}'] + (['train.log_every=1'] if workdir else [])
-  config = config_lib.validate(config_lib.load(REPO / 'configs' / 'dp4_tp2.py', overrides))
-  devices = _bootstrap.devices_for(config.mesh)
+  config = config_lib.validate(config_lib.load(configs.DIR / 'dp4_tp2.py', overrides))
+  devices = startup.devices_for(config.mesh)
   calls = []
   should_stop = preemption.StopRequests.should_stop
 

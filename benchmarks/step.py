@@ -4,7 +4,7 @@
 Model FLOP/s alone says little across machines; its ratio to a matmul rate measured in the same run, on
 the same device and in the model's compute dtype (float32 for bench_tiny), says how much of the machine
 the step uses. The FLOPs are the analytic count of
-`mintrain.flops.train_flops_per_step` (matmuls only, causal attention halved), the same as the loop's MFU.
+`mintrain.report.train_flops_per_step` (matmuls only, causal attention halved), the same as the loop's MFU.
 
 The step is built as `train_loop.run` builds it (train_state.setup, make_train_step, make_batches) and
 compiled ahead; step times are medians of jitted steps after warm-up, each until `block_until_ready`.
@@ -15,8 +15,8 @@ Simulated CPU devices share the host's cores, and one device's matmul already us
 the ratio is the step's total model FLOP/s over the one-device matmul rate; on accelerators it is per
 device over per device.
 
-  python benchmarks/step.py                              # configs/bench_tiny.py and its variants
-  python benchmarks/step.py --config configs/dp4_tp2.py --only baseline
+  python benchmarks/step.py                              # mintrain/configs/bench_tiny.py and its variants
+  python benchmarks/step.py --config mintrain/configs/dp4_tp2.py --only baseline
   python benchmarks/step.py --override model.vocab_size=384   # what-if: any key=value, on every variant
   python benchmarks/step.py --smoke                      # tiny model, baseline, one step: it still runs
 """
@@ -24,17 +24,14 @@ device over per device.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
 import sys
 from collections.abc import Callable
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+import harness
 
-from benchmarks import harness  # noqa: E402
-from mintrain import flops, hardware  # noqa: E402
+from mintrain import report
+from mintrain.runtime import hardware
 
 # Variant name -> config overrides on top of the config (and of --override).
 VARIANTS = {
@@ -96,11 +93,11 @@ def main() -> int:
                                        after_step=calibrate)
     step_s = statistics.median(times)
     per = 1 if shares_host else built.mesh.size  # Simulated CPU devices share one host's matmul rate.
-    tflop = flops.train_flops_per_step(config) / per / 1e12  # Per device, or per host on CPU.
+    tflop = report.train_flops_per_step(config) / per / 1e12  # Per device, or per host on CPU.
     ratio = statistics.median([tflop / t / c for t, c in zip(times, calibrations)])
     first = first or (config, built)
     rows.append([name, f'{compiled.total_s:.1f}', f'{step_s * 1e3:.1f}', harness.spread(times),
-                 f'{flops.tokens_per_step(config) / step_s:,.0f}', f'{tflop / step_s:.4f}',
+                 f'{report.tokens_per_step(config) / step_s:,.0f}', f'{tflop / step_s:.4f}',
                  f'{statistics.median(calibrations):.4f}', f'{ratio:.1%}', f'{losses[0]:.4f}'])
     print(f'measured {name}', flush=True)
   if first is None:
@@ -111,8 +108,8 @@ def main() -> int:
   where = 'all devices together' if shares_host else 'per device'
   print(f'\nconfig {harness.describe_config(path, base)}')
   print(f'mesh {harness.describe_mesh(built.mesh)}, {harness.param_count(built):,} parameters, '
-        f'{flops.train_flops_per_step(config) / 1e9:.1f} GFLOP and {flops.tokens_per_step(config):,} tokens '
-        f'per step, compute {config.family.compute_dtype(config.model)}')
+        f'{report.train_flops_per_step(config) / 1e9:.1f} GFLOP and {report.tokens_per_step(config):,} '
+        f'tokens per step, compute {config.family.compute_dtype(config.model)}')
   print(f'median of {steps} steps after {warmup} warm-up; model TFLOP/s {where}; matmul_TFLOP_s: a '
         f'{config.family.compute_dtype(config.model)} {size}x{size} matmul on one device, timed for '
         f'{seconds} s after each step; ratio = median over steps of model / matmul rate\n')

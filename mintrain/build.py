@@ -16,10 +16,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mintrain import memory, partitioning, train_state
 from mintrain import mesh as mesh_lib
-from mintrain.config import Config, ConfigError
+from mintrain import partitioning, report, train_state
+from mintrain.config import Config
 from mintrain.data.batches import GlobalBatches, make_batches
+from mintrain.errors import ConfigError
 from mintrain.optimizer import make_optimizer, schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState
@@ -41,7 +42,7 @@ class Run:
   from_params: Callable[[nnx.State], TrainState]  # Jitted: fresh optimizer state and step 0 around params.
   train_step: Callable  # Jitted, state donated: (state, batch) -> (state, metrics).
   eval_step: Callable  # Jitted: (params, batch) -> (summed loss, count) over its counted targets.
-  plan: memory.MemoryPlan
+  plan: report.MemoryPlan
 
   def batches(self, split: str = 'train') -> GlobalBatches:
     """Global batches of `split`, each process reading only its devices' rows; call under the mesh."""
@@ -75,7 +76,7 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
                         donate_argnums=0)
   # Every step gets dropout keys; a model without dropout never reads them, and XLA drops their math.
   train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True)
-  plan = memory.plan(config, rules, mesh, layout, abstract_state)
+  plan = report.plan(config, rules, mesh, layout, abstract_state)
   return Run(config, mesh, rules, layout, graphdef, tx, abstract_state, init, from_params, train_step,
              make_eval_step(graphdef), plan)
 

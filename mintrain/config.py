@@ -3,7 +3,7 @@
 `load` reads a config file by path; `validate` turns the ConfigDict into a `Config` whose sections
 (mesh, partitioning, model, data, train, optimizer, eval, checkpoint, metrics, profile) are frozen
 dataclasses, every option checked against its meaning before any device is touched. Each module
-receives only its own section. Defaults live in `configs/base.py` alone; a config saved by an older
+receives only its own section. Defaults live in `mintrain/configs/base.py` alone; a config saved by an older
 mintrain goes through `upgrade`, which fills the keys added since from there.
 """
 
@@ -23,12 +23,13 @@ from typing import Any
 
 import ml_collections
 
-from mintrain import fields, models, partitioning
+from mintrain import configs, errors, fields, models, partitioning
 from mintrain import mesh as mesh_lib
 from mintrain.data import tokenizer
-from mintrain.fields import ConfigError, option
+from mintrain.errors import ConfigError
+from mintrain.fields import option
 
-BASE = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'base.py'
+BASE = configs.path('base')
 STREAMED_SOURCES = ('jsonl', 'parquet', 'arrayrecord')  # Read a block at a time (mintrain.data.records).
 
 
@@ -76,7 +77,7 @@ class PartitioningConfig:
     for key in ('rules', 'param_rules'):
       try:
         partitioning.normalize_rules(getattr(self, key))
-      except partitioning.PartitioningError as e:
+      except errors.PartitioningError as e:
         raise ConfigError(f'partitioning.{key}: {e}') from None
 
 
@@ -244,7 +245,7 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
       raise ConfigError(f'Unknown config key {key!r} at the top level; keys there: '
                         f'{", ".join(sorted(expected))}.')
   for key in expected - set(values):
-    raise ConfigError(f'Config key {key!r} is missing; configs/base.py has its default.')
+    raise ConfigError(f'Config key {key!r} is missing; mintrain/configs/base.py has its default.')
   seed = fields.build(_Seed, {'seed': values['seed']}, 'config').seed
   if not isinstance(values['model'], Mapping):
     raise ConfigError(f"model must be a section of keys (a ConfigDict), not {values['model']!r}.")
@@ -269,7 +270,7 @@ class _Seed:
 
 
 def defaults() -> ml_collections.ConfigDict:
-  """configs/base.py: every default, in one place."""
+  """mintrain/configs/base.py: every default, in one place."""
   return load(BASE)
 
 
@@ -282,7 +283,7 @@ def one_device_mesh() -> ml_collections.ConfigDict:
 
 def upgrade(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """A config saved by any mintrain version (a checkpoint's), with the keys added since then filled in
-  from configs/base.py. A model of another family than base's keeps its own section whole."""
+  from mintrain/configs/base.py. A model of another family than base's keeps its own section whole."""
   merged = defaults().to_dict()
   for key, value in saved.items():
     if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping) and not (
@@ -321,13 +322,13 @@ def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_collecti
 
   The file is loaded by path as a module of its folder's package, so it can import its neighbours
   (`from . import base`) wherever it lives; nothing is added to `sys.path`. A file that does not load is
-  a one-line ConfigError naming the file and line (`configs/x.py:3: SyntaxError: ...`).
+  a one-line ConfigError naming the file and line (`mintrain/configs/x.py:3: SyntaxError: ...`).
   """
   path = pathlib.Path(path).expanduser()
   if path.is_dir():
-    raise ConfigError(f'Config file {path} is a directory; give a file such as configs/dp4_tp2.py.')
+    raise ConfigError(f'Config file {path} is a directory; give a file such as mintrain/configs/dp4_tp2.py.')
   if not path.is_file():
-    raise ConfigError(f'Config file {path} does not exist; see configs/ for the available ones.')
+    raise ConfigError(f'Config file {path} does not exist; see mintrain/configs/ for the available ones.')
   if path.suffix != '.py':
     raise ConfigError(f'Config file {path} is not a Python file (.py) with a get_config() function.')
   try:

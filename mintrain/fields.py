@@ -17,9 +17,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-
-class ConfigError(ValueError):
-  """A config value that cannot work; the message names the key, the value and what is allowed."""
+from mintrain.errors import ConfigError
 
 
 def option(*, choices: Sequence[Any] | None = None, at_least: float | None = None,
@@ -120,7 +118,7 @@ def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     if f.name not in values:
       if f.default is not dataclasses.MISSING:
         continue
-      raise ConfigError(f'Config key {key} is missing; configs/base.py has its default and meaning.')
+      raise ConfigError(f'Config key {key} is missing; mintrain/configs/base.py has its default and meaning.')
     value = _coerce(values[f.name], hints[f.name], key)
     meta = f.metadata
     if meta.get('choices') is not None and value not in meta['choices']:

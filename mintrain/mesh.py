@@ -27,16 +27,13 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from mintrain import host_allocator
+from mintrain.errors import MeshError
+from mintrain.runtime import host_allocator
 
 AXES = ('data', 'fsdp', 'expert', 'context', 'model')
 NAMED_IF_SPLIT = ('expert', 'context')  # Axes that `describe` leaves out at size 1.
 SPANS_SLICES = ('data', 'fsdp')  # Axes whose ways may go across slices (`slices` of make_mesh).
 _XLA_CPU_COUNT_FLAG = '--xla_force_host_platform_device_count'
-
-
-class MeshError(ValueError):
-  """A mesh that does not fit the devices."""
 
 
 def mesh_shape(sizes: Mapping[str, int], num_devices: int, platform: str = '') -> tuple[int, ...]:

@@ -29,8 +29,9 @@ from typing import Any, Protocol
 
 from etils import epath
 
-from mintrain import hardware
-from mintrain.checkpoint import StorageError, free_bytes, is_remote, prepare_dir
+from mintrain.errors import StorageError
+from mintrain.runtime import hardware
+from mintrain.runtime.storage import free_bytes, is_remote, prepare_dir
 
 
 def _import_tensorboardx_without_torch() -> None:
@@ -55,10 +56,6 @@ from tensorboardX.summary import scalar as scalar_summary  # noqa: E402
 SYNC_SECS = 60.0  # How often at most a remote workdir's metrics are copied there while the run writes.
 
 Scalars = Mapping[str, float]
-
-
-class NonFiniteLossError(FloatingPointError):
-  """The loss became NaN or Inf; the message names the step."""
 
 
 def format_duration(seconds: float) -> str:

@@ -30,12 +30,10 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from mintrain.errors import PartitioningError
+
 MeshAxes = str | tuple[str, ...] | None
 Rule = tuple[str, MeshAxes]
-
-
-class PartitioningError(ValueError):
-  """A rule set or a shape that cannot be laid out on the mesh."""
 
 
 def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import _bootstrap
-
 from mintrain import config as config_lib
+from mintrain import errors
+from mintrain.runtime import startup
 
 
 def main() -> int:
@@ -30,13 +30,13 @@ def main() -> int:
   parser.add_argument('--max_shard_size', type=int, default=2**30, help='bytes per safetensors file')
   args = parser.parse_args()
   one_device = {'mesh': config_lib.one_device_mesh().to_dict()}
-  devices = _bootstrap.devices_for(config_lib.validate(config_lib.upgrade(one_device)).mesh)
+  devices = startup.devices_for(config_lib.validate(config_lib.upgrade(one_device)).mesh)
 
   import jax
 
-  from mintrain import checkpoint as ckpt_lib
   from mintrain import hf
   from mintrain.build import build
+  from mintrain.checkpoint import checkpoints as ckpt_lib
   from mintrain.data import tokenizer
 
   try:
@@ -45,7 +45,7 @@ def main() -> int:
     steps = checkpoints.steps()
     step = args.step if args.step is not None else step if step is not None else (steps or [None])[-1]
     if step not in steps:
-      raise ckpt_lib.CheckpointError(f'{args.workdir}: no complete checkpoint of step {step} (it has: '
+      raise errors.CheckpointError(f'{args.workdir}: no complete checkpoint of step {step} (it has: '
                                      f'{", ".join(map(str, steps)) or "none"}).')
     saved = config_lib.upgrade(checkpoints.metadata(step)['config'])
     tok = tokenizer.for_run(directory.parent, saved.data.tokenizer or 'byte')
@@ -59,8 +59,8 @@ def main() -> int:
       files = hf.save_pretrained(run.model(params), args.out, dtype=args.dtype,
                                  max_shard_size=args.max_shard_size)
     files += tok.save(args.out)
-  except (ckpt_lib.CheckpointError, config_lib.ConfigError) as e:
-    _bootstrap.fail(str(e))
+  except (errors.CheckpointError, errors.ConfigError) as e:
+    startup.fail(str(e))
   print(f'Wrote step {step} of {directory} to {args.out}: {", ".join(files)}.')
   return 0
 

@@ -11,7 +11,7 @@ import argparse
 import math
 import sys
 
-import _bootstrap
+from mintrain.runtime import startup
 
 
 def main() -> int:
@@ -20,19 +20,20 @@ def main() -> int:
   parser.add_argument('--step', type=int, default=None, help='which step to describe (default: newest)')
   args = parser.parse_args()
 
-  _bootstrap.quiet_libraries()
-  from mintrain import checkpoint as ckpt_lib
+  startup.quiet_libraries()
+  from mintrain import errors
   from mintrain import mesh as mesh_lib
+  from mintrain.checkpoint import checkpoints as ckpt_lib
   try:
     directory, step = ckpt_lib.find_run_checkpoints(args.path)
     checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
     steps = checkpoints.steps()
     step = args.step if args.step is not None else step if step is not None else steps[-1]
     if step not in steps:
-      raise ckpt_lib.CheckpointError(f'{directory} has no complete step {step}; steps: {steps}.')
+      raise errors.CheckpointError(f'{directory} has no complete step {step}; steps: {steps}.')
     meta = checkpoints.metadata(step)
     arrays = checkpoints.array_metadata(step)
-  except ckpt_lib.CheckpointError as e:
+  except errors.CheckpointError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
 

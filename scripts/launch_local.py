@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Run N processes of one command on this machine as a JAX multi-process job (tests, development).
 
-  python scripts/launch_local.py --num_processes 2 -- python scripts/train.py --config configs/dp4_tp2.py
+  python scripts/launch_local.py --num_processes 2 -- \
+      python scripts/train.py --config mintrain/configs/dp4_tp2.py
 
 Each process gets JAX_COORDINATOR_ADDRESS (a free loopback port), JAX_NUM_PROCESSES and JAX_PROCESS_ID,
 and simulates its share of the CPU devices. Output lines are prefixed with the process id. If any

@@ -3,7 +3,8 @@
 
   python scripts/sample.py --workdir runs/dp4_tp2 --prompt "def " --max_new_tokens 200
   python scripts/sample.py --workdir runs/dp4_tp2 --prompt "import " --temperature 0    # greedy
-  python scripts/sample.py --workdir runs/dp4_tp2/checkpoints/200 --config configs/tp8.py --num_samples 4
+  python scripts/sample.py --workdir runs/dp4_tp2/checkpoints/200 --config mintrain/configs/tp8.py \
+      --num_samples 4
 
 Only the parameters are restored. The model is the one in the checkpoint's saved config, so it
 always fits; the mesh is one device unless --config gives one (with its partitioning rules).
@@ -18,11 +19,12 @@ import contextlib
 import dataclasses
 import sys
 
-import _bootstrap
 import ml_collections
 import numpy as np
 
 from mintrain import config as config_lib
+from mintrain import errors
+from mintrain.runtime import startup
 
 
 def layout_config(config_file: str | None, overrides: list[str]) -> ml_collections.ConfigDict:
@@ -59,7 +61,7 @@ def main() -> int:
   parser.add_argument('--num_samples', type=int, default=1, help='continuations of the prompt, as one batch')
   parser.add_argument('--config', default=None,
                       help='config file whose mesh and partitioning rules to sample on (default: one device)')
-  overrides, rest = _bootstrap.split_overrides(sys.argv[1:])
+  overrides, rest = startup.split_overrides(sys.argv[1:])
   args = parser.parse_args(rest)
   for name in ('max_new_tokens', 'num_samples'):
     if getattr(args, name) < 1:
@@ -69,19 +71,20 @@ def main() -> int:
   try:
     layout = layout_config(args.config, overrides)
     mesh_config = config_lib.validate(config_lib.upgrade({'mesh': layout.mesh.to_dict()})).mesh
-  except config_lib.ConfigError as e:
-    _bootstrap.fail(str(e))
+  except errors.ConfigError as e:
+    startup.fail(str(e))
   with contextlib.redirect_stdout(sys.stderr):  # Its note too: stdout is for the text alone.
-    devices = _bootstrap.devices_for(mesh_config)
+    devices = startup.devices_for(mesh_config)
 
   import jax
 
-  from mintrain import checkpoint as ckpt_lib
   from mintrain import mesh as mesh_lib
-  from mintrain import sampling
   from mintrain.build import build
+  from mintrain.checkpoint import checkpoints as ckpt_lib
   from mintrain.data import tokenizer
-  from mintrain.partitioning import AxisRules, PartitioningError
+  from mintrain.errors import PartitioningError
+  from mintrain.models.transformer import sampling
+  from mintrain.partitioning import AxisRules
 
   def note(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
@@ -102,13 +105,13 @@ def main() -> int:
     params = checkpoints.restore(step, run.abstract_state, params_only=True).state['params']
     checkpoints.close()
     tok = tokenizer.for_run(directory.parent, config.data.tokenizer)  # The one it trained with.
-  except (ckpt_lib.CheckpointError, config_lib.ConfigError, mesh_lib.MeshError, PartitioningError) as e:
-    _bootstrap.fail(str(e))
+  except (errors.CheckpointError, errors.ConfigError, errors.MeshError, PartitioningError) as e:
+    startup.fail(str(e))
   mesh = run.mesh
   with jax.set_mesh(mesh):
     model = run.model(params)
   if not hasattr(model, 'decode'):
-    _bootstrap.fail(f'The checkpoint holds a model.name={config.model_name!r} model, which cannot sample '
+    startup.fail(f'The checkpoint holds a model.name={config.model_name!r} model, which cannot sample '
                     'text '
                     '(it has no decode step).')
 

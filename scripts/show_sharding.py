@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Print the sharding report of a config without allocating the model.
 
-  python scripts/show_sharding.py --config configs/dp4_tp2.py
+  python scripts/show_sharding.py --config mintrain/configs/dp4_tp2.py
 
 Under several processes (a multi-slice mesh: `scripts/launch_local.py --num_processes N -- ...` stands
 in for N slices), process 0 prints.
@@ -12,24 +12,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-import _bootstrap
+from mintrain.runtime import startup
 
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument('--config', default='configs/dp4_tp2.py', help='ml_collections config file')
-  _, config = _bootstrap.parse(parser)
-  devices = _bootstrap.devices_for(config.mesh)
+  parser.add_argument('--config', default='mintrain/configs/dp4_tp2.py', help='ml_collections config file')
+  _, config = startup.parse(parser)
+  devices = startup.devices_for(config.mesh)
 
   from mintrain import report
   from mintrain.build import build
-  from mintrain.config import ConfigError
-  from mintrain.mesh import MeshError
-  from mintrain.partitioning import PartitioningError
+  from mintrain.errors import MintrainError
   try:
     run = build(config, devices)
-  except (MeshError, PartitioningError, ConfigError) as e:
-    _bootstrap.fail(str(e))
+  except MintrainError as e:
+    startup.fail(str(e))
   import jax
   if jax.process_index() == 0:
     print(report.format_report(run.layout, run.abstract_state, run.mesh, run.plan, run.rules))

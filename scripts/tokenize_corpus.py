@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Pre-tokenize a corpus with the run's tokenizer, one output file per input file, in parallel.
 
-  python scripts/tokenize_corpus.py --config configs/dp4_tp2.py --config.data.source=jsonl \\
+  python scripts/tokenize_corpus.py --config mintrain/configs/dp4_tp2.py --config.data.source=jsonl \\
       --config.data.path='corpus/*.jsonl.gz' --out corpus_tokens
   python scripts/tokenize_corpus.py ... --format tokens   # flat token files, for data.source=tokens
 
@@ -22,12 +22,12 @@ import pathlib
 import sys
 import time
 
-import _bootstrap
 import numpy as np
 
 from mintrain import config as config_lib
 from mintrain.data import records, sources, streaming
-from mintrain.data.sources import DataError
+from mintrain.errors import DataError
+from mintrain.runtime import startup
 
 SUFFIXES = ('.jsonl.gz', '.jsonl', '.parquet', '.arrayrecord')
 OUTPUT_SUFFIX = {'arrayrecord': '.arrayrecord', 'tokens': '.bin'}
@@ -103,17 +103,17 @@ class Progress:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--config', default=str(config_lib.BASE), help='the run config whose data and '
-                      'tokenizer to use (default configs/base.py), with --config.key=value overrides')
+                      'tokenizer to use (default: base.py), with --config.key=value overrides')
   parser.add_argument('--out', required=True, help='the directory to write the tokenized files to')
   parser.add_argument('--format', default='arrayrecord', choices=tuple(OUTPUT_SUFFIX))
   parser.add_argument('--workers', type=int, default=os.cpu_count(), help='files tokenized at once')
-  args, config = _bootstrap.parse(parser)
+  args, config = startup.parse(parser)
   data_cfg = config.data
   if data_cfg.source not in records.FORMATS:
-    _bootstrap.fail(f'data.source={data_cfg.source!r}: tokenize_corpus.py reads {records.FORMATS}; set '
+    startup.fail(f'data.source={data_cfg.source!r}: tokenize_corpus.py reads {records.FORMATS}; set '
                     f'--config.data.source and --config.data.path.')
   if args.workers < 1:
-    _bootstrap.fail(f'--workers={args.workers} must be >= 1.')
+    startup.fail(f'--workers={args.workers} must be >= 1.')
   out = pathlib.Path(args.out)
   try:
     files = sources.glob_files(data_cfg.path)
@@ -125,7 +125,7 @@ def main() -> int:
         progress.add(*future.result())
     progress.close()
   except (DataError, OSError) as e:
-    _bootstrap.fail(str(e).splitlines()[0])
+    startup.fail(str(e).splitlines()[0])
   read_back = (f'--config.data.source=arrayrecord --config.data.record_format=tokens '
                f"--config.data.path='{out}/**/*.arrayrecord'" if args.format == 'arrayrecord' else
                f"--config.data.source=tokens --config.data.path='{out}/**/*.bin'")

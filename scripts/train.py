@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Train a model on a device mesh; re-running with the same --workdir resumes.
 
-  python scripts/train.py --config configs/dp4_tp2.py --workdir runs/dp4_tp2 --config.train.steps=20
-  python scripts/train.py --config configs/tp8.py --workdir runs/tp8 --restore_from runs/dp4_tp2
+  python scripts/train.py --config mintrain/configs/dp4_tp2.py --workdir runs/dp4_tp2 --config.train.steps=20
+  python scripts/train.py --config mintrain/configs/tp8.py --workdir runs/tp8 --restore_from runs/dp4_tp2
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-import _bootstrap
+from mintrain.runtime import startup
 
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  parser.add_argument('--config', default='configs/dp4_tp2.py', help='ml_collections config file')
+  parser.add_argument('--config', default='mintrain/configs/dp4_tp2.py', help='ml_collections config file')
   parser.add_argument('--workdir', default=None, help='metrics.jsonl and checkpoints/ go here')
   parser.add_argument('--restore_from', default=None,
                       help="start from another run's checkpoint: a run directory or one step inside it")
@@ -24,33 +24,25 @@ def main() -> int:
   parser.add_argument('--force', action='store_true',
                       help="take over the workdir's run lock even if its holder may still run: another\n"
                            "host's lock on a shared file system, when that run is known to be gone")
-  _bootstrap.add_distributed_flags(parser)
-  args, config = _bootstrap.parse(parser)
+  startup.add_distributed_flags(parser)
+  args, config = startup.parse(parser)
   if args.restore_params_only and not args.restore_from:
     parser.error('--restore_params_only needs --restore_from PATH')
-  devices = _bootstrap.devices_for(config.mesh, args)
+  devices = startup.devices_for(config.mesh, args)
 
   import jax
 
-  from mintrain import train_loop
-  from mintrain.checkpoint import CheckpointError
-  from mintrain.config import ConfigError
-  from mintrain.data.sources import DataError
-  from mintrain.memory import MemoryPlanError
-  from mintrain.mesh import MeshError
-  from mintrain.metrics import NonFiniteLossError
-  from mintrain.partitioning import PartitioningError
-  from mintrain.run_lock import RunLockError
+  from mintrain import loop as train_loop
+  from mintrain.errors import MintrainError, NonFiniteLossError
   try:
     result = train_loop.run(config, args.workdir, devices=devices, restore_from=args.restore_from,
                             restore_params_only=args.restore_params_only, force=args.force)
-  except (MeshError, PartitioningError, ConfigError, CheckpointError, DataError, MemoryPlanError,
-          RunLockError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  except NonFiniteLossError as e:
+  except NonFiniteLossError as e:  # The input was fine; training diverged.
     print(f'error: {e}', file=sys.stderr)
     return 1
+  except MintrainError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   if jax.process_index() != 0:  # One voice per run.
     return 0
   if result.losses:

@@ -26,7 +26,8 @@ import jax  # noqa: E402
 
 jax.config.update('jax_num_cpu_devices', 8)  # Wins over a count in XLA_FLAGS; subprocesses do not inherit it.
 
-from mintrain import host_allocator  # noqa: E402
+from mintrain import configs  # noqa: E402
+from mintrain.runtime import host_allocator  # noqa: E402
 
 host_allocator.keep_freed_memory()  # As the scripts do on the CPU backend (mesh.simulate_cpu_devices).
 
@@ -49,8 +50,8 @@ TEST_DEFAULTS = ('metrics.peak_tflops=1.0', 'eval.steps=0')
 
 
 def load_config(name: str, *overrides: str) -> config_lib.Config:
-  """configs/NAME.py with TEST_DEFAULTS and `key=value` overrides, validated."""
-  return config_lib.validate(config_lib.load(REPO / 'configs' / f'{name}.py', (*TEST_DEFAULTS, *overrides)))
+  """mintrain/configs/NAME.py with TEST_DEFAULTS and `key=value` overrides, validated."""
+  return config_lib.validate(config_lib.load(configs.DIR / f'{name}.py', (*TEST_DEFAULTS, *overrides)))
 
 
 SCRIPT_DEFAULTS = [f'--config.{item}' for item in TEST_DEFAULTS]  # The same for scripts/train.py.

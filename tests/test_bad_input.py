@@ -29,7 +29,8 @@ SMALL = tuple(f'--config.{item}' for item in (
 TIMEOUT_S = 300  # Per script run; under a loaded machine the full-disk row, which trains, takes 2 min.
 
 # A run that holds the lock on a workdir until its stdin closes: another run, as far as a new one can tell.
-HOLD = 'import sys\nfrom mintrain.run_lock import RunLock\nwith RunLock(sys.argv[1]):\n  sys.stdin.read()\n'
+HOLD = ('import sys\nfrom mintrain.runtime.run_lock import RunLock\n'
+        'with RunLock(sys.argv[1]):\n  sys.stdin.read()\n')
 
 
 class Scene:
@@ -127,7 +128,8 @@ def workdir_read_only(scene: Scene) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-  args: tuple[str, ...]  # After configs/dp4_tp2.py, SCRIPT_DEFAULTS and SMALL; `{tmp}`: the test's directory.
+  args: tuple[str,
+              ...]  # After the dp4_tp2 config, SCRIPT_DEFAULTS and SMALL; `{tmp}`: the test's directory.
   says: tuple[str, ...]  # What the error line names (the key, the value, what is allowed, the path).
   setup: Callable[[Scene], None] = lambda scene: None
   kept: str = 'run'  # Under TMP: what must be unchanged byte for byte.
@@ -277,7 +279,8 @@ def reference_run(tmp_path_factory) -> pathlib.Path:
     if not done.exists():
       work = shared / 'bad_input_reference.partial'
       shutil.rmtree(work, ignore_errors=True)
-      proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', *SCRIPT_DEFAULTS, *SMALL,
+      proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', *SCRIPT_DEFAULTS,
+                        *SMALL,
                         '--workdir', str(work), timeout=TIMEOUT_S)
       assert proc.returncode == 0, proc.stderr
       work.rename(done)
@@ -300,7 +303,8 @@ def test_a_bad_input_is_one_line_exit_2_no_traceback_and_loses_nothing(name, tmp
     case.setup(scene)
     before = snapshot(tmp_path / case.kept)
     args = [a.format(tmp=tmp_path) for a in case.args]
-    proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', *SCRIPT_DEFAULTS, *SMALL, *args,
+    proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', *SCRIPT_DEFAULTS,
+                      *SMALL, *args,
                       timeout=TIMEOUT_S)
     after = snapshot(tmp_path / case.kept)
     leftovers = [str(p) for p in tmp_path.rglob('*orbax-checkpoint-tmp*')]

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from conftest import MESH_CONFIGS, build, load_config, mesh_devices, quiet
 
-from mintrain import checkpoint as ckpt_lib
-from mintrain import train_loop
+from mintrain import errors
+from mintrain import loop as train_loop
+from mintrain.checkpoint import checkpoints as ckpt_lib
+from mintrain.errors import NonFiniteLossError
 from mintrain.mesh import make_mesh
-from mintrain.metrics import NonFiniteLossError
 
 # A small model keeps the many compiles of this file cheap; N steps, then N more.
 SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
@@ -236,7 +237,7 @@ def test_damaged_checkpoint_is_an_error_naming_step_and_array(tmp_path, how):
   config = small('dp8', 'train.steps=4', 'checkpoint.every_steps=2', 'checkpoint.fallback_to_previous=False')
   train(config, tmp_path)
   _damage(tmp_path / 'checkpoints' / '4', how)
-  with pytest.raises(ckpt_lib.CheckpointError) as e:
+  with pytest.raises(errors.CheckpointError) as e:
     train(small('dp8', 'train.steps=6', 'checkpoint.every_steps=2', 'checkpoint.fallback_to_previous=False'),
           tmp_path)
   message = str(e.value)
@@ -259,7 +260,7 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_pa
 def test_shape_mismatch_lists_the_mismatched_parameters(tmp_path):
   train(small('dp8', 'train.steps=2'), tmp_path)
   config = small('dp8', 'train.steps=4', 'model.embed_dim=32')
-  with pytest.raises(ckpt_lib.CheckpointError) as e:
+  with pytest.raises(errors.CheckpointError) as e:
     restore_on(config, tmp_path)
   message = str(e.value)
   assert 'does not match the configured model' in message
@@ -275,7 +276,7 @@ def test_bad_restore_paths_give_one_line_errors(tmp_path):
            tmp_path / 'empty': 'holds no complete checkpoint',
            tmp_path / 'other': 'is not a mintrain checkpoint'}
   for path, expected in cases.items():
-    with pytest.raises(ckpt_lib.CheckpointError, match=expected) as e:
+    with pytest.raises(errors.CheckpointError, match=expected) as e:
       ckpt_lib.find_run_checkpoints(path)
     assert '\n' not in str(e.value)
 

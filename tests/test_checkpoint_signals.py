@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import REPO, SCRIPT_DEFAULTS, script_env
 
-from mintrain import checkpoint as ckpt_lib
+from mintrain.checkpoint import checkpoints as ckpt_lib
 
 SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
          '--config.train.global_batch_size=16', '--config.train.seq_len=32', '--config.train.log_every=1',
@@ -22,7 +22,8 @@ BIG = ['--config.model.embed_dim=512', '--config.model.mlp_dim=2048', '--config.
 
 def start(workdir, *args):
   env = script_env()
-  command = [sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir)]
+  command = [sys.executable, 'scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir',
+             str(workdir)]
   return subprocess.Popen(
       [*command, *args],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -6,10 +6,11 @@ import dataclasses
 import sys
 
 import pytest
-from conftest import REPO, load_config, run_script
+from conftest import load_config, run_script
 
 from mintrain import config as config_lib
-from mintrain.config import ConfigError
+from mintrain import configs
+from mintrain.errors import ConfigError
 
 
 @pytest.mark.parametrize('override, message', [
@@ -45,7 +46,7 @@ def test_two_minus_ones_in_the_mesh_are_an_error():
 
 
 def test_a_key_the_sections_do_not_have_is_an_error_with_close_matches():
-  config = config_lib.load(REPO / 'configs' / 'dp4_tp2.py')
+  config = config_lib.load(configs.DIR / 'dp4_tp2.py')
   with config.unlocked():
     config.train.stesp = 3
   with pytest.raises(ConfigError, match=r'Unknown config key train.stesp. Did you mean steps\?'):
@@ -66,7 +67,8 @@ def test_a_config_saved_before_an_option_existed_is_upgraded_with_its_default():
                        ('data', 'packing')):
     del saved[section][key]
   saved['train']['steps'] = 77
-  with pytest.raises(ConfigError, match=r'Config key \w+\.\w+ is missing; configs/base.py has its default'):
+  with pytest.raises(ConfigError,
+                     match=r'Config key \w+\.\w+ is missing; mintrain/configs/base.py has its default'):
     config_lib.validate(saved)
   upgraded = config_lib.validate(config_lib.upgrade(saved))
   assert (upgraded.model.loss_chunks, upgraded.model.linear, upgraded.data.device_prefetch) == (-1, 'auto', 1)
@@ -119,7 +121,7 @@ def test_an_error_in_a_neighbour_the_config_imports_names_the_neighbour(tmp_path
 
 
 @pytest.mark.parametrize('name, message', [
-    ('nope.py', r'nope.py does not exist; see configs/'),
+    ('nope.py', r'nope.py does not exist; see mintrain/configs/'),
     ('.', r'is a directory; give a file'),
     ('base.yaml', r'base.yaml is not a Python file \(.py\)'),
 ])
@@ -148,7 +150,7 @@ def test_a_config_path_that_is_no_config_file_is_a_one_line_error(tmp_path, name
 ])
 def test_a_malformed_override_is_a_one_line_error(override, message):
   with pytest.raises(ConfigError, match=message) as e:
-    config_lib.load(REPO / 'configs' / 'base.py', [override])
+    config_lib.load(configs.DIR / 'base.py', [override])
   assert '\n' not in str(e.value)
 
 
@@ -161,7 +163,7 @@ def test_a_malformed_override_is_a_one_line_error(override, message):
 ])
 def test_an_override_is_parsed_as_the_type_of_the_value_it_replaces(override, value):
   section, leaf = override.split('=')[0].split('.')
-  parsed = config_lib.load(REPO / 'configs' / 'base.py', [override])[section][leaf]
+  parsed = config_lib.load(configs.DIR / 'base.py', [override])[section][leaf]
   assert parsed == value and type(parsed) is type(value)
 
 
@@ -182,7 +184,7 @@ def test_a_section_that_a_config_file_replaced_by_a_value_is_an_error(section):
 
 
 def test_train_py_rejects_a_bad_value_before_touching_any_device():
-  proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py',
+  proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py',
                     '--config.optimizer.learning_rate=-1', timeout=120)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip() == 'error: optimizer.learning_rate=-1.0 must be > 0.'
@@ -200,7 +202,7 @@ def test_differences_name_each_changed_key_with_both_values():
 def test_a_resume_with_a_changed_config_lists_the_changes_before_training(tmp_path):
   from conftest import mesh_devices
 
-  from mintrain import train_loop
+  from mintrain import loop as train_loop
   small = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'data.source=synthetic',
            'eval.every_steps=0')
   first = load_config('single', *small, 'train.steps=2')

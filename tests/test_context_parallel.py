@@ -12,12 +12,13 @@ import pytest
 from conftest import build, convert_layers, fill, load_config
 from flax import nnx
 
-from mintrain import report, sampling, train_state
-from mintrain.config import ConfigError
+from mintrain import report, train_state
 from mintrain.data import segments
 from mintrain.data.batches import make_batches
+from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
-from mintrain.models.context_attention import ring_attention, visible, zigzag_order
+from mintrain.models.transformer import sampling
+from mintrain.models.transformer.context_attention import ring_attention, visible, zigzag_order
 from mintrain.train_step import loss_fn
 
 SMALL = ('model.vocab_size=128', 'model.embed_dim=64', 'model.mlp_dim=128', 'model.num_layers=1',

@@ -12,7 +12,7 @@ import pytest
 
 from mintrain import config as config_lib
 from mintrain.data import pipeline, segments, sources, tokenizer
-from mintrain.data.sources import DataError
+from mintrain.errors import DataError
 
 BYTES = segments.Separators.of(tokenizer.BYTES)  # The byte tokenizer's: BOS starts a document.
 
@@ -20,7 +20,7 @@ BASE_DATA = config_lib.validate(config_lib.defaults()).data
 
 
 def data_cfg(**values) -> config_lib.DataConfig:
-  """configs/base.py's data section with `values` set, unchecked, so the data layer's own errors show."""
+  """base.py's data section with `values` set, unchecked, so the data layer's own errors show."""
   return dataclasses.replace(BASE_DATA, **values)
 
 LETTERS = np.frombuffer(b'abcdefghijklmnopqrstuvwxyz \n', np.uint8)

@@ -11,11 +11,11 @@ import pytest
 from conftest import REPO, build, load_config, mesh_devices, quiet, script_env
 from flax import nnx
 
-from mintrain import train_loop
-from mintrain.checkpoint import Checkpoints
-from mintrain.config import ConfigError
+from mintrain import loop as train_loop
+from mintrain.checkpoint.checkpoints import Checkpoints
 from mintrain.data import pipeline, segments, tokenizer
 from mintrain.data.batches import batch_sharding, make_batches
+from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.partitioning import AxisRules
 
@@ -116,7 +116,7 @@ def test_eval_steps_0_turns_evaluation_off():
 
 def test_bad_data_path_is_a_one_line_error_from_the_script(tmp_path):
   env = script_env()
-  proc = subprocess.run([sys.executable, 'scripts/train.py', '--config', 'configs/single.py',
+  proc = subprocess.run([sys.executable, 'scripts/train.py', '--config', 'mintrain/configs/single.py',
                          '--config.data.source=text', f'--config.data.path={tmp_path}/none/*.txt'],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2

@@ -12,9 +12,10 @@ import jax
 import pytest
 from conftest import REPO, free_port
 
-from mintrain import distributed, host_allocator
+from mintrain import errors
 from mintrain import mesh as mesh_lib
-from mintrain.mesh import MeshError
+from mintrain.errors import MeshError
+from mintrain.runtime import distributed, host_allocator
 
 CUDA_PLUGIN = ['jax_plugins.xla_cuda12']
 # Variables that would make this machine look like part of a cluster.
@@ -41,7 +42,8 @@ def test_simulate_cpu_devices_gives_exactly_that_many_cpu_devices(count):
 
 
 def test_simulate_cpu_devices_after_the_backend_started_changes_nothing():
-  out = fresh_python('import jax; from mintrain import host_allocator, mesh; jax.devices(); '
+  out = fresh_python('import jax; from mintrain import mesh; from mintrain.runtime import host_allocator; '
+                     'jax.devices(); '
                      'host_allocator.keep_freed_memory_if_cpu = lambda: print("allocator"); '
                      'mesh.simulate_cpu_devices(4); print(len(jax.devices("cpu")))')
   assert out == '1'
@@ -155,7 +157,7 @@ def test_inconsistent_launcher_process_id_is_an_error(no_cluster):
   no_cluster.setenv('OMPI_MCA_orte_hnp_uri', '1531576320.0;tcp://10.96.0.1:34911')
   no_cluster.setenv('OMPI_COMM_WORLD_SIZE', '2')
   no_cluster.setenv('OMPI_COMM_WORLD_RANK', '2')
-  with pytest.raises(distributed.DistributedError, match=r'process id 2 must be in \[0, 2\)'):
+  with pytest.raises(errors.DistributedError, match=r'process id 2 must be in \[0, 2\)'):
     distributed.settings()
 
 
@@ -202,7 +204,7 @@ def test_the_cpu_backend_simulates_the_mesh_even_beside_an_accelerator():
 
 def announce(address: str, process_id: int) -> subprocess.Popen:
   """A process that waits to join at `address` as `process_id` (it only answers the roll call)."""
-  code = ('import time; from mintrain import distributed; '
+  code = ('import time; from mintrain.runtime import distributed; '
           f'distributed.RollCall.start(distributed.Settings({address!r}, 3, {process_id}, None)); '
           'time.sleep(60)')
   return subprocess.Popen([sys.executable, '-c', code], cwd=REPO)

@@ -6,7 +6,7 @@ import jax
 import pytest
 from conftest import build, load_config, mesh_devices
 
-from mintrain import flops
+from mintrain import report
 from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.optimizer import schedule
@@ -30,26 +30,26 @@ def test_tiny_transformer_matches_hand_count():
   mlp = 3 * 2 * 8 * 32  # 1536: gate, up, down.
   logits = 2 * 8 * 16  # 256; the embedding lookup itself is free.
   forward = qkv + attention + out_proj + mlp + logits  # 2368
-  assert flops.train_flops_per_step(config) == 3 * forward * (2 * 4) == 56832
+  assert report.train_flops_per_step(config) == 3 * forward * (2 * 4) == 56832
 
 
 def test_causal_half_removes_half_the_attention_matmuls():
   config = load_config('single', *TINY)
-  full = flops.train_flops_per_step(config, causal_half=False)
-  causal = flops.train_flops_per_step(config)
+  full = report.train_flops_per_step(config, causal_half=False)
+  causal = report.train_flops_per_step(config)
   assert full - causal == 3 * (4 * 4 * 2 * 4 // 2) * 8
 
 
 def test_tied_and_untied_logits_cost_the_same():
   tied = load_config('single', *TINY)
   untied = load_config('single', *TINY, 'model.tie_embeddings=False')
-  assert flops.train_flops_per_step(tied) == flops.train_flops_per_step(untied)
+  assert report.train_flops_per_step(tied) == report.train_flops_per_step(untied)
 
 
 def test_mlp_matches_hand_count():
   config = load_config('mlp_dp4_tp2', 'train.global_batch_size=16')
   forward = 2 * (784 * 1024 + 1024 * 1024 + 1024 * 1024 + 1024 * 10)
-  assert flops.train_flops_per_step(config) == 3 * forward * 16
+  assert report.train_flops_per_step(config) == 3 * forward * 16
 
 
 @pytest.mark.parametrize('name,overrides', [
@@ -61,7 +61,7 @@ def test_mlp_matches_hand_count():
 def test_param_count_equals_the_models_parameters(name, overrides):
   config = load_config(name, *overrides, 'mesh.data=1', 'mesh.fsdp=1', 'mesh.model=1')
   layout = build(config).layout
-  assert flops.param_count(config) == sum(math.prod(p.shape) for p in layout)
+  assert report.param_count(config) == sum(math.prod(p.shape) for p in layout)
 
 
 def xla_train_step_flops(config) -> float:
@@ -88,7 +88,7 @@ def test_analytic_count_is_within_10_percent_of_xla():
   """
   config = load_config('single', *MATMUL_HEAVY)
   xla = xla_train_step_flops(config)
-  analytic = flops.train_flops_per_step(config, causal_half=False)
+  analytic = report.train_flops_per_step(config, causal_half=False)
   assert abs(xla / analytic - 1) < 0.10, (xla, analytic)
 
 
@@ -98,5 +98,5 @@ def test_on_a_context_mesh_each_device_counts_its_share_of_the_work():
   step does a quarter of it (the gathered path scores each of its queries against every key)."""
   config = load_config('single', *MATMUL_HEAVY, 'mesh.context=4')
   per_device = xla_train_step_flops(config)
-  analytic = flops.train_flops_per_step(config, causal_half=False)
+  analytic = report.train_flops_per_step(config, causal_half=False)
   assert abs(4 * per_device / analytic - 1) < 0.10, (per_device, analytic)

@@ -8,8 +8,10 @@ import pytest
 from conftest import build, load_config, mesh_devices, quiet
 from flax import nnx
 
-from mintrain import partitioning, sampling, train_loop
-from mintrain.fields import ConfigError
+from mintrain import loop as train_loop
+from mintrain import partitioning
+from mintrain.errors import ConfigError
+from mintrain.models.transformer import sampling
 
 # 8 query heads in 2 groups of 4; batch 8 splits over every config's `batch` axes.
 GQA = ('model.vocab_size=384', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=8',

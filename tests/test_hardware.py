@@ -7,7 +7,7 @@ import types
 import jax
 import pytest
 
-from mintrain import hardware
+from mintrain.runtime import hardware
 
 
 def fake_device(kind: str, platform: str = 'gpu'):

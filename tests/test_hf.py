@@ -24,13 +24,16 @@ from conftest import (
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from mintrain import checkpoint as ckpt_lib
 from mintrain import config as config_lib
-from mintrain import hf, safetensors_reader, sampling
+from mintrain import configs, hf
+from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.data import tokenizer
-from mintrain.fields import ConfigError
+from mintrain.errors import ConfigError
+from mintrain.hf import safetensors as safetensors_reader
 from mintrain.mesh import make_mesh
-from mintrain.models import hf_llama, hf_model_options
+from mintrain.models import hf_model_options
+from mintrain.models.transformer import hf as hf_llama
+from mintrain.models.transformer import sampling
 
 COMMON = {'vocab_size': 256, 'hidden_size': 64, 'intermediate_size': 96, 'num_hidden_layers': 2,
           'num_attention_heads': 8, 'max_position_embeddings': 128}
@@ -92,8 +95,8 @@ def moe_reference(request, tmp_path_factory):
 
 
 def base(*overrides):
-  """configs/base.py with `key=value` overrides, as `hf.from_pretrained(base=...)` takes it."""
-  return config_lib.load(REPO / 'configs' / 'base.py', overrides)
+  """mintrain/configs/base.py with `key=value` overrides, as `hf.from_pretrained(base=...)` takes it."""
+  return config_lib.load(configs.DIR / 'base.py', overrides)
 
 
 def on_mesh(name):
@@ -269,7 +272,7 @@ def test_mistral_sliding_window_sequences_within_it_match_and_longer_ones_are_er
   with on_mesh('dp4_tp2'):
     with pytest.raises(ConfigError, match=r'^train.seq_len=64 is longer than model.sliding_window=16: .* '
                                           r'\(train.seq_len <= 16\)\.$'):
-      hf.from_pretrained(tmp_path)  # configs/base.py trains on 64 positions.
+      hf.from_pretrained(tmp_path)  # mintrain/configs/base.py trains on 64 positions.
     model = hf.from_pretrained(tmp_path, base=base('train.seq_len=16'))
     logits = mintrain_logits(model, TOKENS[:, :16])
     with pytest.raises(ConfigError, match='a sequence of 24 tokens is longer than model.sliding_window=16'):
@@ -329,7 +332,8 @@ def test_train_script_with_a_bad_hf_checkpoint_exits_2_with_one_line(tmp_path, p
   random_model('llama3', tmp_path / 'good', vocab_size=384)  # Holds the byte tokenizer's 257 ids.
   changes = {'model_type': 'gpt2'} if problem == 'model_type' else {'intermediate_size': 128}
   bad = broken_copy(tmp_path / 'good', tmp_path / 'bad', config_changes=changes)
-  proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(tmp_path / 'run'),
+  proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir',
+                    str(tmp_path / 'run'),
                     f'--config.init.hf_checkpoint={bad}', '--config.train.seq_len=16', *SCRIPT_DEFAULTS)
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert 'Traceback' not in proc.stderr and proc.stderr.count('\n') == 1, proc.stderr
@@ -351,7 +355,7 @@ def test_fine_tune_with_the_checkpoint_tokenizer_and_scanned_layers_then_export_
   for i, text in enumerate(stdlib_texts(2 << 20)[-12:]):
     (tmp_path / 'text' / f'{i:02d}.py.txt').write_text(text)
   workdir = tmp_path / 'run'
-  proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir),
+  proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir', str(workdir),
                     f'--config.init.hf_checkpoint={tmp_path / "hf"}', '--config.train.steps=12',
                     '--config.train.log_every=1', '--config.train.seq_len=32', '--config.data.source=text',
                     f'--config.data.path={tmp_path / "text" / "*.txt"}', '--config.data.eval_fraction=0.2',
@@ -413,9 +417,9 @@ def test_reading_any_slices_of_a_written_tensor_gives_back_those_slices(kind, tm
 
 LOAD_AND_MEASURE = """
 import json, sys
-sys.path.insert(0, '.')
 import jax
-from mintrain import distributed, hf, mesh
+from mintrain import hf, mesh
+from mintrain.runtime import distributed
 from mintrain.build import build
 
 mesh.simulate_cpu_devices(4)
@@ -435,7 +439,7 @@ hf.save_pretrained(run.model(params), sys.argv[2])  # Gathered from both process
 @pytest.mark.slow  # Writes a 234 MB checkpoint, loads and saves it in two processes (about 20 s).
 def test_two_processes_each_grow_by_under_0_6x_the_checkpoint_while_loading_it_on_fsdp8_and_save_it_back(
     tmp_path):
-  from benchmarks.hf_load import MODEL, write_checkpoint  # The benchmark's checkpoint: 234 MB, float32.
+  from hf_load import MODEL, write_checkpoint  # The benchmark's checkpoint: 234 MB, float32.
   size = write_checkpoint(tmp_path, MODEL)
   assert size >= 200e6
   proc = subprocess.run([sys.executable, 'scripts/launch_local.py', '--num_processes', '2', '--',

@@ -10,7 +10,7 @@ from conftest import SCRIPT_DEFAULTS, run_script
 # scripts/train.py as a user runs it, plus one line after each save: the process's RSS when it returns.
 DRIVER = """
 import runpy, sys
-from mintrain import train_loop
+from mintrain import loop as train_loop
 
 def rss_kb():
   with open('/proc/self/status') as f:
@@ -23,7 +23,6 @@ def save_and_report(self, info):
 
 train_loop.Save.__call__ = save_and_report
 sys.argv = ['scripts/train.py', *sys.argv[1:]]
-sys.path.insert(0, 'scripts')
 runpy.run_path('scripts/train.py', run_name='__main__')
 """
 
@@ -34,7 +33,7 @@ def test_rss_after_the_last_save_is_within_5_percent_of_after_the_first(tmp_path
   # A save and an evaluation every 5 steps, the first before the heap has settled, with XLA's default
   # flags as a user runs (with the tests' single-threaded matmuls the heap settled before the first save):
   # the RSS grew by one step's XLA:CPU temporaries (~100 MB) at a time, at some of the saves.
-  result = run_script('-c', DRIVER, '--config', 'configs/single.py', '--workdir', str(tmp_path),
+  result = run_script('-c', DRIVER, '--config', 'mintrain/configs/single.py', '--workdir', str(tmp_path),
                       '--config.train.steps=80', '--config.checkpoint.every_steps=5',
                       '--config.eval.every_steps=5', *SCRIPT_DEFAULTS, '--config.eval.steps=1', timeout=600,
                       env_extra={'XLA_FLAGS': ''})

@@ -9,9 +9,9 @@ from conftest import REPO, build, load_config, mesh_devices
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mintrain import train_state
+from mintrain import configs, train_state
+from mintrain.errors import PartitioningError
 from mintrain.mesh import devices_needed, make_mesh
-from mintrain.partitioning import PartitioningError
 from mintrain.report import format_report
 
 # Storage layout under the default rules, written out by hand per logical-axes tuple.
@@ -32,7 +32,7 @@ EXPECTED = {
 }
 # The shipped configs that fit the tests' 8 devices; a plan for more (mixtral_8x7b_256: 256 devices) is
 # laid out by show_sharding.py under several processes in tests/test_scripts.py.
-CONFIGS = sorted(p.stem for p in (REPO / 'configs').glob('*.py') if p.stem not in ('base', '__init__')
+CONFIGS = sorted(p.stem for p in (configs.DIR).glob('*.py') if p.stem not in ('base', '__init__')
                  and devices_needed(load_config(p.stem).mesh.sizes) <= 8)
 
 
@@ -103,7 +103,7 @@ def test_indivisible_dimension_fails_before_compiling_and_names_the_parameter():
 
 
 def test_batch_that_does_not_split_over_the_batch_axes_is_an_error():
-  from mintrain.config import ConfigError
+  from mintrain.errors import ConfigError
   config = load_config('dp8', 'train.global_batch_size=12')
   with pytest.raises(ConfigError, match=r'micro-batch of 12.*`data` x `fsdp` x `expert` = 8 devices'):
     build(config)

@@ -12,10 +12,10 @@ import pytest
 from conftest import load_config, mesh_devices, quiet
 from tensorboard.backend.event_processing import event_accumulator
 
-from mintrain import checkpoint as ckpt_lib
-from mintrain import train_loop
+from mintrain import loop as train_loop
 from mintrain.build import Run
-from mintrain.metrics import NonFiniteLossError
+from mintrain.checkpoint import checkpoints as ckpt_lib
+from mintrain.errors import NonFiniteLossError
 
 SMALL = ('data.source=synthetic', 'model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128',
          'train.steps=6', 'train.log_every=1', 'eval.every_steps=0', 'eval.steps=1',

@@ -9,7 +9,7 @@ import pytest
 from conftest import load_config
 from jax.sharding import AxisType
 
-from mintrain.fields import ConfigError
+from mintrain.errors import ConfigError
 from mintrain.mesh import (
   AXES,
   MeshError,

@@ -17,14 +17,16 @@ import pytest
 from conftest import build as build_run
 from conftest import convert_layers, fill, load_config, mesh_devices, quiet
 
-from mintrain import checkpoint as ckpt_lib
-from mintrain import memory, train_loop, train_state
-from mintrain.config import ConfigError
+from mintrain import errors, report, train_state
+from mintrain import loop as train_loop
+from mintrain.checkpoint import checkpoints as ckpt_lib
+from mintrain.checkpoint.relayout import Relayout
 from mintrain.data.batches import make_batches
+from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
-from mintrain.models import collective_matmul
-from mintrain.models.layers import MATMUL, Relayout, linear
-from mintrain.models.transformer import REMAT_OPTIONS, attention_kernel
+from mintrain.models.layers import MATMUL, linear
+from mintrain.models.transformer import collective_matmul
+from mintrain.models.transformer.model import REMAT_OPTIONS, attention_kernel
 from mintrain.optimizer import decay_mask
 from mintrain.partitioning import AxisRules
 from mintrain.report import format_report
@@ -224,7 +226,7 @@ def test_activation_estimate_follows_remat_and_loss_chunks():
     config = load_config('dp4_tp2', f'model.remat={remat}', f'model.num_layers={layers}',
                          f'model.loss_chunks={chunks}')
     run = build_run(config)
-    return memory.activation_bytes(run.config, run.rules, run.mesh)
+    return report.activation_bytes(run.config, run.rules, run.mesh)
 
   assert activations('full', 4) < activations('save_matmuls', 4) < activations('none', 4)
   rows, seq_len, embed_dim, vocab = 32 // 4, 64, 128, 384
@@ -336,7 +338,7 @@ def test_params_only_restore_converts_the_layout_too(unrolled_run):
 
 def test_a_checkpoint_with_fewer_layers_is_an_error_naming_the_missing_ones(unrolled_run):
   workdir = unrolled_run[0]
-  with pytest.raises(ckpt_lib.CheckpointError, match=r'params.blocks.2.attn.wk_DHK.value: not in the check'):
+  with pytest.raises(errors.CheckpointError, match=r'params.blocks.2.attn.wk_DHK.value: not in the check'):
     restore_tree(small('single', 'model.scan_layers=True', 'model.num_layers=3'), workdir)
 
 

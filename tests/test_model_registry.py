@@ -20,11 +20,12 @@ from conftest import REPO, quiet
 from flax import nnx
 
 from mintrain import config as config_lib
-from mintrain import flops, models, train_loop
+from mintrain import configs, errors, models, report
+from mintrain import loop as train_loop
 from mintrain.fields import option
-from mintrain.loss import cross_entropy
 from mintrain.models.family import Family
 from mintrain.models.layers import gather, param
+from mintrain.models.loss import cross_entropy
 
 NAME = 'bigram_test'
 
@@ -82,8 +83,8 @@ def registered(monkeypatch):
 
 
 def bigram_config(mesh: str, *overrides: str) -> config_lib.Config:
-  """configs/MESH.py with the model section replaced by the bigram family's, as a user's config would."""
-  config = config_lib.load(REPO / 'configs' / f'{mesh}.py')
+  """The MESH config with the model section replaced by the bigram family's, as a user's config would."""
+  config = config_lib.load(configs.DIR / f'{mesh}.py')
   config.model = ml_collections.ConfigDict({'name': NAME, 'vocab_size': 64, 'embed_dim': 32})
   config.data.source = 'synthetic'
   config.train.steps, config.train.log_every, config.train.seq_len = 12, 4, 16
@@ -107,9 +108,9 @@ def test_a_family_registered_outside_mintrain_trains_on_any_mesh_with_the_same_l
 
 def test_its_flops_parameters_and_weight_decay_come_from_the_family():
   config = bigram_config('single')
-  assert flops.param_count(config) == 2 * 64 * 32
-  assert flops.train_flops_per_step(config) == 3 * 2 * 32 * 64 * 16 * config.train.global_batch_size
-  assert flops.tokens_per_step(config) == 16 * config.train.global_batch_size
+  assert report.param_count(config) == 2 * 64 * 32
+  assert report.train_flops_per_step(config) == 3 * 2 * 32 * 64 * 16 * config.train.global_batch_size
+  assert report.tokens_per_step(config) == 16 * config.train.global_batch_size
   from conftest import build
 
   from mintrain.optimizer import decay_mask
@@ -128,7 +129,7 @@ def test_it_checkpoints_and_resumes_bit_exactly(tmp_path):
 
 
 def test_its_options_are_checked_like_the_built_in_ones():
-  with pytest.raises(config_lib.ConfigError, match=r'model.embed_dim=0 must be an integer >= 1'):
+  with pytest.raises(errors.ConfigError, match=r'model.embed_dim=0 must be an integer >= 1'):
     bigram_config('single', 'model.embed_dim=0')
 
 

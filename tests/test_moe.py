@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from conftest import build, load_config, mesh_devices, quiet
 
-from mintrain import flops, train_loop, train_state
+from mintrain import loop as train_loop
+from mintrain import report, train_state
 from mintrain.data.batches import make_batches
-from mintrain.fields import ConfigError
+from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
-from mintrain.models import moe
+from mintrain.models.transformer import moe
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_step import loss_fn, make_train_step
@@ -194,11 +195,11 @@ def test_analytic_flops_count_active_experts_and_agree_with_xla():
            'model.vocab_size=256', 'model.num_layers=2', 'train.seq_len=64', 'train.global_batch_size=4',
            'data.source=synthetic')  # Any of the 256 ids (the byte tokenizer's BOS is a 257th).
   config = load_config('moe_ep4_dp2', *TINY, *MESHES['single'], *heavy, 'model.capacity_factor=1.0')
-  analytic = flops.train_flops_per_step(config, causal_half=False)
+  analytic = report.train_flops_per_step(config, causal_half=False)
   # k = 2 active experts of width 512 cost one dense MLP of width 1024; the router adds D x E per layer.
   dense = load_config('single', *TINY[4:], *heavy, 'model.mlp_dim=1024')
   router = 3 * 2 * (2 * 256 * 4) * 4 * 64  # 3x forward, 2 layers, per token, 4 x 64 tokens.
-  assert analytic == flops.train_flops_per_step(dense, causal_half=False) + router
+  assert analytic == report.train_flops_per_step(dense, causal_half=False) + router
   xla = xla_train_step_flops(config)
   assert abs(xla / analytic - 1) < 0.10, (xla, analytic)
 
@@ -206,7 +207,7 @@ def test_analytic_flops_count_active_experts_and_agree_with_xla():
 def test_param_count_counts_every_expert_and_the_shared_one():
   config = load_config('moe_ep4_dp2', *TINY, *MESHES['single'], 'model.shared_expert_dim=32',
                        'model.moe_every=2', 'model.num_layers=4')
-  assert flops.param_count(config) == sum(math.prod(p.shape) for p in build(config).layout)
+  assert report.param_count(config) == sum(math.prod(p.shape) for p in build(config).layout)
 
 
 @pytest.mark.slow
@@ -244,7 +245,7 @@ def test_bad_moe_options_are_one_line_errors(overrides, match):
 
 
 def test_experts_that_do_not_split_over_the_mesh_name_the_fix():
-  from mintrain.partitioning import PartitioningError
+  from mintrain.errors import PartitioningError
   with pytest.raises(PartitioningError, match=r'`expert` \(dim 0 of `blocks.0.mlp.wi_gate_EDF`, size 6\)'):
     build(load_config('moe_ep4_dp2', *TINY, 'model.num_experts=6'))
 

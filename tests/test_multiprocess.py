@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from conftest import REPO, SCRIPT_DEFAULTS, build, free_port, load_config, mesh_devices, quiet, script_env
 
-from mintrain import checkpoint as ckpt_lib
-from mintrain import train_loop
+from mintrain import loop as train_loop
+from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.mesh import make_mesh
 
 SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
@@ -28,11 +28,11 @@ TIMEOUT = 240
 
 
 def launch(num_processes, workdir, *args):
-  """Starts scripts/launch_local.py running scripts/train.py on configs/dp4_tp2.py."""
+  """Starts scripts/launch_local.py running scripts/train.py on mintrain/configs/dp4_tp2.py."""
   env = script_env()
   command = [sys.executable, 'scripts/launch_local.py', '--num_processes', str(num_processes), '--',
-             sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir),
-             *SMALL, *args]
+             sys.executable, 'scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py',
+             '--workdir', str(workdir), *SMALL, *args]
   return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
 
@@ -174,7 +174,8 @@ def test_a_process_that_never_joins_is_named_within_the_join_timeout(tmp_path):
     address = f'127.0.0.1:{free_port()}'
     env = dict(script_env(), JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES='2',
                JAX_PROCESS_ID=str(process_id), JAX_PLATFORMS='cpu')
-    command = [sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--init_timeout', '6',
+    command = [sys.executable, 'scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py',
+               '--init_timeout', '6',
                '--workdir', str(tmp_path / str(process_id)), *SMALL]
     return address, subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)

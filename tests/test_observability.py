@@ -12,7 +12,8 @@ from google.protobuf import json_format
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from mintrain import memory, metrics, train_loop
+from mintrain import errors, metrics, report
+from mintrain import loop as train_loop
 
 SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
          'train.seq_len=32', 'checkpoint.keep=0')
@@ -138,25 +139,25 @@ def test_memory_plan_matches_the_bytes_of_the_real_sharded_arrays():
 
 
 def test_a_plan_over_the_device_memory_is_refused_before_anything_is_allocated(monkeypatch):
-  monkeypatch.setattr(memory, 'device_memory_limit', lambda device: (1024, 'a test limit'))
+  monkeypatch.setattr(report, 'device_memory_limit', lambda device: (1024, 'a test limit'))
   monkeypatch.setattr(train_loop, 'initial_state', lambda *a, **k: pytest.fail('the state was set up'))
   config = load_config('single', *SMALL, 'train.steps=1')
   lines = []
-  with pytest.raises(memory.MemoryPlanError) as error:
+  with pytest.raises(errors.MemoryPlanError) as error:
     train_loop.run(config, None, devices=mesh_devices(config), print_fn=lines.append)
   assert 'but a device holds 1.0 KiB (a test limit)' in str(error.value) and '\n' not in str(error.value)
   assert not any(line.startswith('compiled') for line in lines)
 
 
 def test_the_cpu_limit_is_the_host_memory_shared_by_the_cpu_devices():
-  limit, source = memory.device_memory_limit(jax.devices()[0])
+  limit, source = report.device_memory_limit(jax.devices()[0])
   assert source.startswith('host memory available') and source.endswith('/ 8 CPU devices')
-  assert 0 < limit * 8 <= memory.host_available_bytes()
+  assert 0 < limit * 8 <= report.host_available_bytes()
 
 
 def test_importing_the_train_loop_does_not_import_tensorflow_or_torch():
   # torch is installed here (the test extra's reference for tests/test_hf.py); tensorboardX would load it.
-  code = ("import mintrain.train_loop, sys; assert not {'tensorflow', 'torch'} & set(sys.modules); "
+  code = ("import mintrain.loop, sys; assert not {'tensorflow', 'torch'} & set(sys.modules); "
           'import torch')  # And torch still imports afterwards.
   result = run_script('-c', code)
   assert result.returncode == 0, f'`python -X importtime` shows which module imports it.\n{result.stderr}'
@@ -164,7 +165,7 @@ def test_importing_the_train_loop_does_not_import_tensorflow_or_torch():
 
 def test_importing_the_train_loop_leaves_orbax_grain_and_the_tokenizer_libraries_for_their_first_use():
   """They are a third of the import time, and a run without a workdir or a file source never needs them."""
-  code = ("import mintrain.train_loop, sys; print(sorted(m for m in sys.modules if m.startswith(("
+  code = ("import mintrain.loop, sys; print(sorted(m for m in sys.modules if m.startswith(("
           "'orbax.checkpoint.', 'grain.', 'tokenizers', 'sentencepiece', 'pyarrow', 'array_record'))))")
   result = run_script('-c', code)
   assert result.returncode == 0 and result.stdout.strip() == '[]', result.stdout + result.stderr

@@ -13,9 +13,10 @@ import pytest
 from conftest import build, convert_layers, fill, load_config, mesh_devices, quiet, short_documents
 from flax import nnx
 
-from mintrain import train_loop, train_state
-from mintrain.config import ConfigError
+from mintrain import errors, train_state
+from mintrain import loop as train_loop
 from mintrain.data import pipeline, segments, sources, tokenizer
+from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.partitioning import AxisRules
 from mintrain.train_step import loss_fn
@@ -291,7 +292,7 @@ def test_a_split_without_a_document_to_learn_from_is_a_one_line_error(tmp_path):
   (tmp_path / 'empty.txt').write_text('')
   data = load_config('single', 'data.source=text', f'data.path={tmp_path}/*.txt', 'data.packing=pad',
                      'data.eval_fraction=0.0').data
-  with pytest.raises(sources.DataError, match=r"no document of two or more tokens; add data or use "
+  with pytest.raises(errors.DataError, match=r"no document of two or more tokens; add data or use "
                                               r"data.packing='pack'"):
     pipeline.make_iterator(data, split='train', seq_len=8, global_batch_size=1, micro_batch_size=1,
                            rows=np.arange(1), seed=0, separators=BYTES)

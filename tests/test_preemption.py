@@ -26,7 +26,8 @@ from conftest import REPO, SCRIPT_DEFAULTS, free_port, script_env
 pytestmark = pytest.mark.cluster
 
 STEPS = 300
-ARGS = ['--config', 'configs/dp4_tp2.py', '--config.model.num_layers=1', '--config.model.embed_dim=64',
+ARGS = ['--config', 'mintrain/configs/dp4_tp2.py', '--config.model.num_layers=1',
+        '--config.model.embed_dim=64',
         '--config.model.mlp_dim=128', '--config.train.global_batch_size=16', '--config.train.seq_len=32',
         '--config.train.log_every=1', f'--config.train.steps={STEPS}', '--config.checkpoint.every_steps=25',
         '--config.checkpoint.keep=100', '--config.eval.every_steps=50', *SCRIPT_DEFAULTS,

@@ -30,8 +30,10 @@ from conftest import REPO, SCRIPT_DEFAULTS, build, load_config, mesh_devices, qu
 from etils import epath
 from tensorboard.backend.event_processing import event_accumulator
 
-from mintrain import checkpoint as ckpt_lib
-from mintrain import metrics, train_loop
+from mintrain import configs, errors, metrics
+from mintrain import loop as train_loop
+from mintrain.checkpoint import checkpoints as ckpt_lib
+from mintrain.runtime import storage
 
 BUCKET = 'mintrain-test'
 SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
@@ -140,14 +142,14 @@ def host(tree):
 
 def test_a_url_is_kept_and_a_local_path_is_made_absolute(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  assert str(ckpt_lib.run_path('gs://bucket/runs/a')) == 'gs://bucket/runs/a'
-  assert str(ckpt_lib.run_path('runs/a')) == str(tmp_path / 'runs' / 'a')
-  assert ckpt_lib.is_remote('s3://bucket/a') and not ckpt_lib.is_remote('c:/runs/a')
+  assert str(storage.run_path('gs://bucket/runs/a')) == 'gs://bucket/runs/a'
+  assert str(storage.run_path('runs/a')) == str(tmp_path / 'runs' / 'a')
+  assert storage.is_remote('s3://bucket/a') and not storage.is_remote('c:/runs/a')
 
 
 def test_a_url_that_pathlib_collapsed_is_refused_rather_than_made_a_local_folder(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  with pytest.raises(ckpt_lib.StorageError, match='lost one slash') as e:
+  with pytest.raises(errors.StorageError, match='lost one slash') as e:
     ckpt_lib.Checkpoints(pathlib.Path('gs://bucket/run') / 'checkpoints')
   assert '\n' not in str(e.value)
   assert not list(tmp_path.iterdir())
@@ -155,14 +157,14 @@ def test_a_url_that_pathlib_collapsed_is_refused_rather_than_made_a_local_folder
 
 def test_a_gs_path_without_its_clients_installed_says_what_to_install(monkeypatch):
   monkeypatch.setattr(ckpt_lib, '_importable', lambda module: False)
-  with pytest.raises(ckpt_lib.StorageError) as e:
-    ckpt_lib.run_path('gs://bucket/run')
+  with pytest.raises(errors.StorageError) as e:
+    storage.run_path('gs://bucket/run')
   assert str(e.value) == ("gs://bucket/run: gs:// paths need gcsfs and google-cloud-storage; install them "
                           "with pip install 'mintrain[gcs]'.")
 
 
 def test_checkpoints_on_a_url_orbax_cannot_write_are_refused_up_front():
-  with pytest.raises(ckpt_lib.StorageError, match=r'^s3://bucket/run/checkpoints: checkpoints go to local '
+  with pytest.raises(errors.StorageError, match=r'^s3://bucket/run/checkpoints: checkpoints go to local '
                                                    r'paths or gs:// only'):
     ckpt_lib.Checkpoints('s3://bucket/run/checkpoints')
 
@@ -212,7 +214,7 @@ def test_an_unfinished_save_on_gcs_is_removed_when_the_next_run_opens_its_checkp
 
 
 def test_a_missing_remote_restore_path_is_a_one_line_error(bucket_dir):
-  with pytest.raises(ckpt_lib.CheckpointError, match='no such file or directory') as e:
+  with pytest.raises(errors.CheckpointError, match='no such file or directory') as e:
     ckpt_lib.find_run_checkpoints(f'{bucket_dir}/nowhere')
   assert str(e.value) == f'{bucket_dir}/nowhere: no such file or directory.'
 
@@ -270,7 +272,7 @@ def test_a_local_staging_directory_is_the_directory_itself(tmp_path):
 def train_script(cwd, env, *args, config='dp4_tp2') -> subprocess.Popen:
   """scripts/train.py started in `cwd` (not the repo: nothing may appear where it runs)."""
   command = [sys.executable, str(REPO / 'scripts' / 'train.py'),
-             '--config', str(REPO / 'configs' / f'{config}.py'), *SCRIPT_SMALL, *args]
+             '--config', str(configs.DIR / f'{config}.py'), *SCRIPT_SMALL, *args]
   return subprocess.Popen(command, cwd=cwd, env={**script_env(), **env}, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
@@ -383,8 +385,8 @@ def test_a_workdir_that_is_a_file_is_a_one_line_error(tmp_path):
 def test_a_workdir_below_a_file_is_refused_naming_the_file(tmp_path):
   notes = tmp_path / 'notes.txt'
   notes.write_text('hello')
-  with pytest.raises(ckpt_lib.StorageError) as e:
-    ckpt_lib.prepare_dir(notes / 'run')
+  with pytest.raises(errors.StorageError) as e:
+    storage.prepare_dir(notes / 'run')
   assert str(e.value) == f'workdir {notes / "run"} cannot be created: {notes} is a file.'
 
 
@@ -421,7 +423,7 @@ def test_a_read_only_checkpoint_restores(tmp_path, tmpfs):
 
 def test_metrics_on_a_full_disk_are_a_one_line_error(tmpfs):
   disk = tmpfs('disk', '64k')
-  with pytest.raises(ckpt_lib.StorageError) as e:
+  with pytest.raises(errors.StorageError) as e:
     with metrics.make_writer(disk, is_main=True, total_steps=10**6, print_fn=quiet) as writer:
       for step in range(1, 10**5):
         writer.write_scalars(step, {'loss': 1.0, 'grad_norm': 2.0})
@@ -465,7 +467,7 @@ def test_a_disk_that_fills_during_an_asynchronous_save_keeps_the_older_checkpoin
   monkeypatch.setattr(ckpt_lib.Checkpoints, '_refuse_if_full', lambda self, step, needed: None)
   workdir = tmpfs('disk', '2500k') / 'run'
   config = load_config('single', *SMALL, 'train.steps=8', 'checkpoint.every_steps=2', 'checkpoint.keep=5')
-  with pytest.raises(ckpt_lib.DiskFullError) as e:
+  with pytest.raises(errors.DiskFullError) as e:
     train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=quiet)
   message = str(e.value)
   pattern = (r'Saving checkpoint step \d+ under \S+ ran out of disk space \(its partial files are removed\): '

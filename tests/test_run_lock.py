@@ -15,8 +15,9 @@ import time
 import pytest
 from conftest import REPO
 
-from mintrain import run_lock
-from mintrain.run_lock import RunLock, RunLockError
+from mintrain.errors import RunLockError
+from mintrain.runtime import run_lock
+from mintrain.runtime.run_lock import RunLock
 
 TIMEOUT_S = 60
 
@@ -24,7 +25,8 @@ TIMEOUT_S = 60
 # `raise`, it raises inside the lock instead. It starts at the time given, so that racers start together.
 RUN = '''
 import sys, time
-from mintrain.run_lock import RunLock, RunLockError
+from mintrain.errors import RunLockError
+from mintrain.runtime.run_lock import RunLock
 workdir, mode, start_at = sys.argv[1], sys.argv[2], float(sys.argv[3])
 time.sleep(max(0.0, start_at - time.time()))
 try:

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from mintrain import safetensors_reader
-from mintrain.safetensors_reader import File, SafetensorsError
+from mintrain.errors import SafetensorsError
+from mintrain.hf import safetensors as safetensors_reader
+from mintrain.hf.safetensors import File
 
 
 @pytest.fixture

@@ -7,9 +7,11 @@ import pytest
 from conftest import build, convert_layers, fill, load_config, mesh_devices, quiet, run_script
 from flax import nnx
 
-from mintrain import sampling, train_loop, train_state
+from mintrain import loop as train_loop
+from mintrain import train_state
 from mintrain.mesh import make_mesh
-from mintrain.models.transformer import BLHK
+from mintrain.models.transformer import sampling
+from mintrain.models.transformer.model import BLHK
 from mintrain.partitioning import AxisRules
 
 # vocab_size 384 holds the tokenizer's BOS (256); batch 8 splits over every config's `batch` axes.
@@ -129,7 +131,7 @@ def test_sample_script_continues_the_prompt_from_the_newest_checkpoint(trained_r
 def test_sample_script_samples_on_the_mesh_of_a_given_config(trained_run):
   proc = run_script('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'x',
                     '--max_new_tokens', '8', '--temperature', '0', '--num_samples', '2',
-                    '--config', 'configs/dp4_tp2.py')
+                    '--config', 'mintrain/configs/dp4_tp2.py')
   assert proc.returncode == 0, proc.stderr
   assert 'data=4 x fsdp=1 x model=2' in proc.stderr
   assert 'replicating the batch' in proc.stderr  # 2 samples do not split 4 ways.
@@ -142,7 +144,7 @@ def test_sample_script_on_a_context_mesh_continues_as_on_one_device(trained_run)
   args = ('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'def ', '--max_new_tokens', '12',
           '--temperature', '0')
   one = run_script(*args)
-  context = run_script(*args, '--config', 'configs/cp2_dp2_tp2.py')
+  context = run_script(*args, '--config', 'mintrain/configs/cp2_dp2_tp2.py')
   assert one.returncode == 0 and context.returncode == 0, one.stderr + context.stderr
   assert 'data=2 x fsdp=1 x context=2 x model=2' in context.stderr
   assert context.stdout == one.stdout  # BOS and 4 bytes: 4 prefilled over `context`, then 1 decode step.

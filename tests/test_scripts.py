@@ -9,7 +9,7 @@ from conftest import run_script
 
 
 def test_train_runs_end_to_end_and_writes_metrics(tmp_path):
-  proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(tmp_path),
+  proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir', str(tmp_path),
                     '--config.train.steps=6', '--config.train.log_every=3')
   assert proc.returncode == 0, proc.stderr
   assert 'simulating 8 CPU devices' in proc.stdout
@@ -23,7 +23,7 @@ def test_train_runs_end_to_end_and_writes_metrics(tmp_path):
 
 
 def test_unknown_config_key_is_a_one_line_error_with_close_matches():
-  proc = run_script('scripts/train.py', '--config', 'configs/dp4_tp2.py', '--config.train.step=3')
+  proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--config.train.step=3')
   assert proc.returncode != 0
   assert "Unknown config key 'train.step'" in proc.stderr and 'steps' in proc.stderr
   assert 'Traceback' not in proc.stderr
@@ -31,7 +31,8 @@ def test_unknown_config_key_is_a_one_line_error_with_close_matches():
 
 def test_mesh_that_does_not_fit_the_devices_is_a_clear_error():
   # The user fixed the device count; the scripts simulate only when the count is left to them.
-  proc = run_script('scripts/show_sharding.py', '--config', 'configs/dp4_tp2.py', '--config.mesh.data=2',
+  proc = run_script('scripts/show_sharding.py', '--config', 'mintrain/configs/dp4_tp2.py',
+                    '--config.mesh.data=2',
                     '--config.mesh.fsdp=2', '--config.mesh.model=4',
                     env_extra={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
   assert proc.returncode == 2
@@ -41,7 +42,8 @@ def test_mesh_that_does_not_fit_the_devices_is_a_clear_error():
 
 
 def test_any_mesh_shape_gets_the_simulated_devices_it_needs():
-  proc = run_script('scripts/show_sharding.py', '--config', 'configs/dp4_tp2.py', '--config.mesh.data=2',
+  proc = run_script('scripts/show_sharding.py', '--config', 'mintrain/configs/dp4_tp2.py',
+                    '--config.mesh.data=2',
                     '--config.mesh.fsdp=2', '--config.mesh.model=4')
   assert proc.returncode == 0, proc.stderr
   assert 'simulating 16 CPU devices' in proc.stdout
@@ -49,7 +51,7 @@ def test_any_mesh_shape_gets_the_simulated_devices_it_needs():
 
 
 def test_show_sharding_prints_one_row_per_parameter_and_totals():
-  proc = run_script('scripts/show_sharding.py', '--config', 'configs/fsdp4_tp2.py')
+  proc = run_script('scripts/show_sharding.py', '--config', 'mintrain/configs/fsdp4_tp2.py')
   assert proc.returncode == 0, proc.stderr
   assert 'blocks.1.attn.wo_HKD' in proc.stdout and '(model, -, fsdp)' in proc.stdout
   assert 'per device: parameters' in proc.stdout and 'optimizer state' in proc.stdout
@@ -58,7 +60,8 @@ def test_show_sharding_prints_one_row_per_parameter_and_totals():
 @pytest.mark.slow  # Four processes of 64 simulated devices each; about 15 s.
 def test_show_sharding_plans_a_mixtral_8x7b_sized_model_on_256_devices_in_4_slices_without_allocating():
   proc = run_script('scripts/launch_local.py', '--num_processes', '4', '--devices', '256', '--',
-                    sys.executable, 'scripts/show_sharding.py', '--config', 'configs/mixtral_8x7b_256.py')
+                    sys.executable, 'scripts/show_sharding.py',
+                    '--config', 'mintrain/configs/mixtral_8x7b_256.py')
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert 'mesh data=4 x fsdp=8 x expert=8 x model=1 (256 devices), 46,702,792,704 parameters' in proc.stdout
   assert ('across 4 processes (DCN): data=4 x fsdp=1 x model=1; within each (ICI): data=1 x fsdp=8 x '

@@ -23,12 +23,12 @@ from collections.abc import Iterator
 import pytest
 from conftest import REPO, SCRIPT_DEFAULTS, script_env
 
-from mintrain import checkpoint as ckpt_lib
+from mintrain.checkpoint import checkpoints as ckpt_lib
 
 pytestmark = pytest.mark.cluster
 
 TIMEOUT = 300  # Seconds for one job, start-up and compilation included, on a busy 2-core machine.
-TRAIN = [sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py']
+TRAIN = [sys.executable, 'scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py']
 # Every step's loss in metrics.jsonl, and one evaluation, at the end.
 FAST = ['--config.train.log_every=1', *SCRIPT_DEFAULTS, '--config.eval.every_steps=0',
         '--config.eval.steps=1']

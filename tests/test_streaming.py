@@ -13,15 +13,16 @@ import numpy as np
 import pytest
 
 from mintrain import config as config_lib
+from mintrain import errors
 from mintrain.data import pipeline, records, streaming, tokenizer
-from mintrain.data.sources import DataError
+from mintrain.errors import DataError
 
 BASE_DATA = config_lib.validate(config_lib.defaults()).data
 WORDS = ('alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta', 'eta', 'theta', 'iota', 'kappa')
 
 
 def data_cfg(**values) -> config_lib.DataConfig:
-  """configs/base.py's data section with `values` set, unchecked, so the data layer's own errors show."""
+  """base.py's data section with `values` set, unchecked, so the data layer's own errors show."""
   return dataclasses.replace(BASE_DATA, **{'prefetch': 0, **values})
 
 
@@ -345,15 +346,15 @@ def test_token_records_outside_the_vocabulary_are_named(tmp_path):
 ])
 def test_bad_mixture_entries_are_config_errors(entry, says):
   from conftest import load_config
-  with pytest.raises(config_lib.ConfigError, match=says):
+  with pytest.raises(errors.ConfigError, match=says):
     load_config('single', 'data.source=mixture', f'data.mixture=[{entry}]')
 
 
 def test_mixture_and_source_go_together():
   from conftest import load_config
-  with pytest.raises(config_lib.ConfigError, match="data.source='mixture' and a non-empty data.mixture"):
+  with pytest.raises(errors.ConfigError, match="data.source='mixture' and a non-empty data.mixture"):
     load_config('single', 'data.source=mixture')
-  with pytest.raises(config_lib.ConfigError, match="data.source='mixture' and a non-empty data.mixture"):
+  with pytest.raises(errors.ConfigError, match="data.source='mixture' and a non-empty data.mixture"):
     load_config('single', "data.mixture=[({'source': 'jsonl', 'path': 'a'}, 1)]")
 
 

@@ -32,7 +32,8 @@ def mixture(tmp_path: pathlib.Path) -> list[str]:
 
 def train(workdir, *args, stop_after: int | None = None) -> subprocess.CompletedProcess | str:
   """scripts/train.py on dp4_tp2; `stop_after`: SIGTERM once step N is logged (it stops at a saved step)."""
-  command = [sys.executable, 'scripts/train.py', '--config', 'configs/dp4_tp2.py', '--workdir', str(workdir),
+  command = [sys.executable, 'scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir',
+             str(workdir),
              *SMALL, *args]
   proc = subprocess.Popen(command, cwd=REPO, env=script_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

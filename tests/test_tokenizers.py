@@ -14,8 +14,7 @@ from conftest import TOKENIZER_VOCAB, load_config, stdlib_texts
 
 from mintrain import config as config_lib
 from mintrain.data import pipeline, sources, tokenizer
-from mintrain.data.sources import DataError
-from mintrain.fields import ConfigError
+from mintrain.errors import ConfigError, DataError
 
 BASE_DATA = config_lib.validate(config_lib.defaults()).data
 UNSEEN = 'naïve café ☕ 日本語 🎉\n\tdef f(x):\n    return x  # ok\n'  # Beside unseen stdlib text.
@@ -162,7 +161,7 @@ def test_eval_bits_per_byte_divide_bits_per_token_by_the_measured_bytes_per_toke
   import jax
   from conftest import build
 
-  from mintrain import train_loop
+  from mintrain import loop as train_loop
 
   write_texts(tmp_path / 'corpus')
   config = load_config('single', 'data.source=text', f'data.path={tmp_path / "corpus" / "*.txt"}',

@@ -8,10 +8,11 @@ import pytest
 from conftest import MESH_CONFIGS, build, load_config, mesh_devices, quiet
 from flax import nnx
 
-from mintrain import train_loop, train_state
+from mintrain import loop as train_loop
+from mintrain import train_state
 from mintrain.data.batches import make_batches
+from mintrain.errors import NonFiniteLossError
 from mintrain.mesh import make_mesh
-from mintrain.metrics import NonFiniteLossError
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_step import loss_fn, make_train_step

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mintrain.data import records, segments, sources, streaming, tokenizer
-from mintrain.data.sources import DataError
-from mintrain.lazy import lazy_import
+from mintrain.errors import DataError
+from mintrain.runtime.lazy import lazy_import
 
 grain = lazy_import('grain')  # Loaded when a file source is first read; synthetic data never needs it.
 

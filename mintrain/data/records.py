@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mintrain.data import sources, tokenizer
-from mintrain.data.sources import DataError
-from mintrain.lazy import lazy_import
+from mintrain.errors import DataError
+from mintrain.runtime.lazy import lazy_import
 
 grain = lazy_import('grain')
 
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 FORMATS = ('jsonl', 'parquet', 'arrayrecord')
 Document = str | np.ndarray
 _OPEN_ARRAY_RECORDS = 16  # ArrayRecord files kept open per process.
-
 
 
 def _parquet_file(path: pathlib.Path) -> Any:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mintrain.data import tokenizer
-from mintrain.lazy import lazy_import
+from mintrain.errors import DataError
+from mintrain.runtime.lazy import lazy_import
 
 grain = lazy_import('grain')  # Loaded when a text source is first read.
 
@@ -43,10 +44,6 @@ STDLIB_EXCLUDED_DIRS = frozenset({'test', 'tests', 'idle_test', 'site-packages',
                                   '__pycache__'})
 _SCAN_CHUNK = 1 << 24  # Tokens checked per step when validating a token file.
 DOCS_PER_MAP = 64  # Text files tokenized together.
-
-
-class DataError(ValueError):
-  """Unusable data or data settings; the message names the file or key and what to change."""
 
 
 def describe(data_cfg: DataConfig) -> str:

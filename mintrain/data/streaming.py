@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from mintrain.data import records, segments, sources, tokenizer
-from mintrain.data.sources import DataError
+from mintrain.errors import DataError
 
 if TYPE_CHECKING:
   from mintrain.config import DataConfig

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from mintrain.fields import ConfigError
+from mintrain.errors import ConfigError
 
 NUM_BYTES = 256
 BOS = NUM_BYTES  # The byte tokenizer's begin-of-document; the separator between packed documents.

@@ -12,9 +12,10 @@ from typing import Any
 
 from etils import epath
 
-from mintrain.fields import ConfigError
-from mintrain.models import mlp, transformer
+from mintrain.errors import ConfigError
 from mintrain.models.family import Family
+from mintrain.models.mlp import model as mlp
+from mintrain.models.transformer import model as transformer
 
 FAMILIES: dict[str, Family] = {
     'transformer': transformer.FAMILY,

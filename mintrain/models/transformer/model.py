@@ -37,7 +37,7 @@ Performance options (`TransformerConfig`), each computing the same function as t
                before attention; 'ring' passes them round the devices overlapped with blockwise
                attention, the sequence stored in zigzag order (`context_attention`). The ring computes
                attention itself, whatever `attention` says.
-  loss_chunks  the output layer and the loss fused (`mintrain.loss.fused_cross_entropy`), over that
+  loss_chunks  the output layer and the loss fused (`mintrain.models.loss.fused_cross_entropy`), over that
                many sequence chunks; 0 computes the logits, then the loss; -1 (auto) fuses on CPU only.
   linear       'custom_vjp' forms weight gradients with the smaller operand transposed (`layers.linear`);
                'einsum' leaves them to autodiff; 'auto' takes the custom VJP on CPU only.
@@ -64,10 +64,8 @@ import numpy as np
 from flax import nnx
 
 from mintrain.data import synthetic, tokenizer
-from mintrain.fields import ConfigError, option
-from mintrain.loss import cross_entropy, fused_cross_entropy
-from mintrain.models import collective_matmul, hf_llama, moe
-from mintrain.models.context_attention import ring_attention, visible, zigzag_order
+from mintrain.errors import ConfigError
+from mintrain.fields import option
 from mintrain.models.family import Family, Ways
 from mintrain.models.layers import (
   LINEAR_OPTIONS,
@@ -81,6 +79,10 @@ from mintrain.models.layers import (
   split_layers,
   stack_layers,
 )
+from mintrain.models.loss import cross_entropy, fused_cross_entropy
+from mintrain.models.transformer import collective_matmul, moe
+from mintrain.models.transformer import hf as hf_llama
+from mintrain.models.transformer.context_attention import ring_attention, visible, zigzag_order
 from mintrain.partitioning import AxisRules
 
 BLD = ('batch', 'length', 'embed')
@@ -123,7 +125,7 @@ def _even(value: int) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """The `model` section of a transformer run; configs/base.py has the defaults and their meaning."""
+  """The `model` section of a transformer run; mintrain/configs/base.py has the defaults and their meaning."""
 
   vocab_size: int = option(at_least=0)  # 0 until `for_tokenizer` sets it.
   embed_dim: int = option(at_least=1)
@@ -701,7 +703,7 @@ def moe_statistics(cfg: TransformerConfig, stats: dict[str, jax.Array]) -> dict[
 
 def forward_flops_per_token(cfg: TransformerConfig, seq_len: int, *,
                             causal_half: bool = True) -> dict[str, float]:
-  """Forward matmul FLOPs per token, by part (all layers summed); MaxText's convention (`mintrain.flops`)."""
+  """Forward matmul FLOPs per token, by part (all layers summed); MaxText's convention (`mintrain.report`)."""
   d, f, h, k = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.head_dim
   attention = 4 * seq_len * h * k  # Scores (q.k) and probs @ v: 2*L*H*K each per query.
   if causal_half:
@@ -738,7 +740,7 @@ def param_count(cfg: TransformerConfig) -> int:
 
 
 def activation_bytes(cfg: TransformerConfig, rows: int, seq_len: int, ways: Ways) -> int:
-  """What the backward pass keeps for `rows` sequences on one device (`mintrain.memory`).
+  """What the backward pass keeps for `rows` sequences on one device (`mintrain.report`).
 
   Per layer, the inputs of every matmul, norm and nonlinearity and the attention probabilities; plus
   the float32 logits and their softmax (with the fused loss, one chunk's at a time, and the hidden

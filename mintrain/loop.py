@@ -21,15 +21,16 @@ import jax
 import numpy as np
 from etils import epath
 
-from mintrain import checkpoint as ckpt_lib
 from mintrain import config as config_lib
-from mintrain import distributed, flops, hardware, host_allocator, memory, metrics, preemption, report
+from mintrain import errors, metrics, report
 from mintrain.build import Run, build
+from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.config import Config, ProfileConfig
 from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.data.batches import GlobalBatches
-from mintrain.metrics import NonFiniteLossError
-from mintrain.run_lock import RunLock
+from mintrain.errors import NonFiniteLossError
+from mintrain.runtime import distributed, hardware, host_allocator, preemption, storage
+from mintrain.runtime.run_lock import RunLock
 from mintrain.train_state import TrainState
 
 Say = Callable[[str], None]
@@ -111,8 +112,8 @@ class Log:
     self.every, self.total = run.config.train.log_every, run.config.train.steps
     self.timer, self.log, self.peak = timer, log, peak
     self.data, self.seed, self.rows = run.config.data, run.config.seed, run.config.train.global_batch_size
-    self.rates = dict(tokens_per_step=flops.tokens_per_step(run.config),
-                      flops_per_step=flops.train_flops_per_step(run.config), num_devices=run.mesh.size)
+    self.rates = dict(tokens_per_step=report.tokens_per_step(run.config),
+                      flops_per_step=report.train_flops_per_step(run.config), num_devices=run.mesh.size)
 
   def due(self, info: StepInfo) -> bool:
     return info.step % self.every == 0 or info.last
@@ -272,7 +273,7 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
       restored = source.restore_newest(run.abstract_state, params_only=params_only, fallback=fallback,
                                        warn=print_fn)
     elif step not in source.steps():
-      raise ckpt_lib.CheckpointError(f'{restore_from}: step {step} is not a complete checkpoint.')
+      raise errors.CheckpointError(f'{restore_from}: step {step} is not a complete checkpoint.')
     else:
       restored = source.restore(step, run.abstract_state, params_only=params_only)
   finally:
@@ -302,7 +303,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
   run_start = time.perf_counter()
   is_main = jax.process_index() == 0
   say = print_fn if is_main else (lambda _: None)
-  workdir = None if workdir is None else ckpt_lib.prepare_dir(workdir)  # A bad one fails before the build.
+  workdir = None if workdir is None else storage.prepare_dir(workdir)  # A bad one fails before the build.
   records, losses, pending = [], [], []
   timer = Timer()
 
@@ -315,7 +316,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan, r.rules))
     for note in config.family.notes(config.model):
       say(f'note: {note}')
-    memory.check(r.plan)
+    report.check(r.plan)
     text = config.data.source != 'synthetic'
     # Data first: unreadable data or tokenizer (a bad file, a bad line in the first blocks) stops the run
     # before it writes anything.
@@ -334,10 +335,10 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     if text and workdir is not None and is_main:  # The run's copy of its tokenizer, for sampling and export.
       tokenizer.load(config.data.tokenizer).save(workdir / tokenizer.RUN_DIR)
     total = config.train.steps
-    flops_per_step, tokens_per_step = flops.train_flops_per_step(config), flops.tokens_per_step(config)
+    flops_per_step, tokens_per_step = report.train_flops_per_step(config), report.tokens_per_step(config)
     peak, peak_source = hardware.peak_tflops(
         r.mesh.devices.flat[0], config.family.compute_dtype(config.model), config.metrics.peak_tflops)
-    say(f'model: {flops.param_count(config):,} parameters, {flops_per_step / 1e9:.3f} GFLOP per step '
+    say(f'model: {report.param_count(config):,} parameters, {flops_per_step / 1e9:.3f} GFLOP per step '
         f'({flops_per_step / tokens_per_step / 1e6:.3f} MFLOP per token); peak {peak:.3f} TFLOP/s per '
         f'device ({peak_source})')
     # As a context, the writer keeps an error already on its way out (a full disk) over its own.

@@ -31,9 +31,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
-import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,112 +39,16 @@ from etils import epath
 
 import mintrain
 from mintrain import mesh as mesh_lib
-from mintrain.lazy import lazy_import
-from mintrain.models.layers import Relayout
+from mintrain.checkpoint.relayout import Relayout
+from mintrain.errors import CheckpointError, DamagedCheckpointError, DiskFullError, StorageError
+from mintrain.runtime.lazy import lazy_import
+from mintrain.runtime.storage import free_bytes, is_remote, os_reason, prepare_dir, run_path
 from mintrain.train_state import TrainState, flat_logical_axes, path_str
 
 ocp = lazy_import('orbax.checkpoint')  # Loaded by the first save or restore.
 
 CHECKPOINTS = 'checkpoints'
 LOGICAL_AXES = 'logical_axes'  # Metadata key: {array path: its logical axes}, for `Relayout`.
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint that is missing, damaged or does not fit the model; one line, names what to do."""
-
-
-class DamagedCheckpointError(CheckpointError):
-  """A checkpoint whose files cannot be read; an older one may still be intact."""
-
-
-class StorageError(CheckpointError):
-  """A run path that cannot hold what a run writes: an existing file where a directory belongs, a
-  read-only file system, no permission. Caught where CheckpointError is, so a script exits 2."""
-
-
-class DiskFullError(StorageError):
-  """A save that did not fit: it names the bytes it needs and those free. Nothing older is lost."""
-
-
-def is_remote(path: str | os.PathLike) -> bool:
-  """A URL (`gs://`, `s3://`, ...) rather than a local path; one-letter schemes are Windows drives."""
-  return bool(re.match(r'[A-Za-z][A-Za-z0-9+.-]+://', os.fspath(path)))
-
-
-def run_path(path: str | os.PathLike) -> epath.Path:
-  """`path` as an epath.Path: a local path made absolute, a URL kept as it is (never absolutised).
-
-  `pathlib.Path('gs://b/run')` reads as `gs:/b/run`, a local folder named `gs:`; such a path is refused
-  rather than written in the working directory.
-  """
-  text = os.fspath(path)
-  if re.match(r'[A-Za-z][A-Za-z0-9+.-]+:/(?!/)', text):
-    raise StorageError(f'{text} looks like a URL that lost one slash of "://" (pathlib.Path does this); '
-                       'pass it as a string or an etils.epath.Path.')
-  if not is_remote(text):
-    return epath.Path(os.path.abspath(text))
-  missing = _missing_gcs_clients() if text.startswith('gs://') else []
-  if missing:
-    raise StorageError(f'{text}: gs:// paths need {" and ".join(missing)}; install them with '
-                       "pip install 'mintrain[gcs]'.")
-  return epath.Path(text)
-
-
-def _missing_gcs_clients() -> list[str]:
-  """What gs:// lacks here: google-cloud-storage (Orbax deletes with it) and gcsfs (epath's files), which
-  TensorFlow's gfile replaces where it is installed (epath then prefers it)."""
-  missing = [] if _importable('google.cloud.storage') else ['google-cloud-storage']
-  if not _importable('gcsfs') and not _importable('tensorflow'):
-    missing.insert(0, 'gcsfs')
-  return missing
-
-
-def _importable(module: str) -> bool:
-  try:
-    return importlib.util.find_spec(module) is not None
-  except ModuleNotFoundError:  # A missing parent package.
-    return False
-
-
-def _os_reason(e: BaseException) -> str:
-  return e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e)
-
-
-def prepare_dir(path: str | os.PathLike, what: str = 'workdir') -> epath.Path:
-  """`path` (as `run_path` gives it), created if missing, once a probe file could be written there.
-
-  Raises StorageError before any work is done when the run could not save: `path` is a file, or its file
-  system is read-only, denies permission or is full. Permission bits alone would not tell: root may write
-  through them, but not to a read-only mount.
-  """
-  path = run_path(path)
-  try:
-    if path.exists() and not path.is_dir():
-      raise StorageError(f'{what} {path} is a file, not a directory; give a directory (it is created if '
-                         'missing).')
-    path.mkdir(parents=True, exist_ok=True)
-    probe = path / f'.mintrain-write-probe-{uuid.uuid4().hex[:12]}'
-    probe.write_bytes(b'')
-    probe.unlink()
-  except ImportError as e:  # fsspec's filesystem for the URL's scheme is not installed.
-    raise StorageError(f'{what} {path} cannot be reached: {_first_line(e)}') from e
-  except OSError as e:
-    blocking = None if is_remote(path) else next((p for p in path.parents if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
-      raise StorageError(f'{what} {path} cannot be created: {blocking} is a file.') from e
-    raise StorageError(f'{what} {path} is not writable ({_os_reason(e)}); give a directory on a writable '
-                       'file system.') from e
-  return path
-
-
-def free_bytes(path: str | os.PathLike) -> int | None:
-  """Free bytes of the local file system holding `path`; None for a remote path or when unknown."""
-  if is_remote(path):
-    return None
-  try:
-    return shutil.disk_usage(os.fspath(path)).free
-  except OSError:
-    return None
 
 
 def save_bytes(tree: Any, *json_items: Any) -> int:
@@ -214,7 +115,7 @@ def find_run_checkpoints(path: str | os.PathLike) -> tuple[epath.Path, int | Non
   except ImportError as e:
     raise StorageError(f'{path} cannot be reached: {_first_line(e)}') from e
   except OSError as e:
-    raise StorageError(f'{path} cannot be read ({_os_reason(e)}).') from e
+    raise StorageError(f'{path} cannot be read ({os_reason(e)}).') from e
 
 
 def _find_run_checkpoints(path: epath.Path) -> tuple[epath.Path, int | None]:
@@ -287,7 +188,7 @@ class Checkpoints:
     if not read_only:
       self._remove_partial_saves()
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
-    # The loop agrees on preemption stops with its own step counter (mintrain.preemption); Orbax asking
+    # The loop agrees on preemption stops with its own step counter (runtime.preemption); Orbax asking
     # JAX's sync point with global steps on every save would skew the counter that agreement relies on.
     self.manager.reached_preemption = lambda step: False
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mintrain.models.transformer import KVCache, Transformer
+from mintrain.models.transformer.model import KVCache, Transformer
 
 # RoPE angles come from float32 positions, which are exact integers only up to 2**24.
 MAX_POSITIONS = 2**24

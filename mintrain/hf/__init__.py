@@ -34,12 +34,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from mintrain import config as config_lib
+from mintrain import errors, train_state
 from mintrain import mesh as mesh_lib
-from mintrain import safetensors_reader, train_state
 from mintrain.build import Run, build
-from mintrain.fields import ConfigError
+from mintrain.checkpoint.relayout import Relayout
+from mintrain.errors import ConfigError
+from mintrain.hf import safetensors as safetensors_reader
 from mintrain.models import FAMILIES, hf_model_options
-from mintrain.models.layers import Relayout
 
 INDEX = 'model.safetensors.index.json'
 SINGLE = 'model.safetensors'
@@ -47,10 +48,10 @@ SINGLE = 'model.safetensors'
 
 def make_config(path: str | os.PathLike, base: ml_collections.ConfigDict | None = None,
                 mesh_sizes: dict[str, int] | None = None) -> config_lib.Config:
-  """`base` (default configs/base.py) with the checkpoint's model options (and mesh sizes), validated.
+  """`base` (default: configs/base.py) with the checkpoint's model options (and mesh sizes), validated.
 
   `base`'s other model options (scan_layers, remat, compute_dtype, ...) stay when its model is of the
-  checkpoint's family; otherwise they are configs/base.py's.
+  checkpoint's family; otherwise they are mintrain/configs/base.py's.
   """
   config = (base or config_lib.defaults()).copy_and_resolve_references()
   options = hf_model_options(path)
@@ -83,7 +84,7 @@ class _Tensors(contextlib.ExitStack):
         self.close()
         raise ConfigError(f'{path}: {INDEX} lists {name}, which is missing: copy the whole checkpoint '
                           'directory.') from None
-      except safetensors_reader.SafetensorsError as e:
+      except errors.SafetensorsError as e:
         self.close()
         raise ConfigError(str(e)) from None
       self.tensors.update(file.tensors)
@@ -223,7 +224,7 @@ def _shape_and_axes(var: nnx.Variable) -> tuple[tuple[int, ...], tuple[str | Non
 
 def from_pretrained(path: str | os.PathLike, *, base: ml_collections.ConfigDict | None = None) -> nnx.Module:
   """The model of a Hugging Face directory on the current mesh (`jax.set_mesh`; one device without one),
-  laid out by `base`'s rules (default configs/base.py); `model(tokens_BL)` gives the logits."""
+  laid out by `base`'s rules (default mintrain/configs/base.py); `model(tokens_BL)` gives the logits."""
   mesh = jax.sharding.get_mesh()
   if mesh.empty:
     sizes, devices = dict.fromkeys(mesh_lib.AXES, 1), jax.devices()[:1]

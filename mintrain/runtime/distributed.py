@@ -20,13 +20,11 @@ from collections.abc import Callable
 
 import jax
 
+from mintrain.errors import DistributedError
+
 ENV_ADDRESS, ENV_COUNT, ENV_ID = 'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'
 # What JAX's SlurmCluster needs; `srun` sets them for every task.
 _SLURM = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')
-
-
-class DistributedError(RuntimeError):
-  """Incomplete or inconsistent multi-process settings."""
 
 
 @dataclasses.dataclass(frozen=True)

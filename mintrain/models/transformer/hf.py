@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from mintrain.fields import ConfigError
+from mintrain.errors import ConfigError
 
 MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                'gemma': 'GemmaForCausalLM', 'mixtral': 'MixtralForCausalLM',

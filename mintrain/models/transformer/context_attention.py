@@ -77,8 +77,6 @@ def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   return jax.lax.slice_in_dim(x, 0, half, axis=axis), jax.lax.slice_in_dim(x, half, None, axis=axis)
 
 
-
-
 def _mask(q_pos: jax.Array, k_pos: jax.Array, q_seg: jax.Array | None, k_seg: jax.Array | None,
           batch: int) -> jax.Array:
   """`visible` as (B, C, M), broadcast over the batch when there are no segment ids."""

@@ -37,13 +37,11 @@ from collections.abc import Callable
 
 from etils import epath
 
+from mintrain.errors import RunLockError
+
 LOCK_FILE = 'run.lock'
 REMOTE_SETTLE_S = 2.0  # Longer than a remote write takes to become visible to every reader.
 WRITE_GRACE_S = 2.0  # How long an unreadable lock may be a run's lock being written (created, not filled).
-
-
-class RunLockError(RuntimeError):
-  """The workdir is held by another run, or cannot hold a lock; one line naming the holder and what to do."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Shared start-up of the scripts: repo on the path, config from the command line, devices.
+"""Shared start-up of the scripts: the config from the command line, one-line failures, the devices.
 
 Runs before the JAX backend starts, so it can still ask XLA for simulated CPU devices.
 """
@@ -6,19 +6,15 @@ Runs before the JAX backend starts, so it can still ask XLA for simulated CPU de
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 from typing import NoReturn
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+import jax
 
-import jax  # noqa: E402  (importing JAX does not start its backend)
-
-from mintrain import config as config_lib  # noqa: E402
-from mintrain import distributed  # noqa: E402
-from mintrain import mesh as mesh_lib  # noqa: E402
+from mintrain import config as config_lib
+from mintrain import errors
+from mintrain import mesh as mesh_lib
+from mintrain.runtime import distributed
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -40,7 +36,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None):
   args = parser.parse_args(rest)
   try:
     config = config_lib.validate(config_lib.load(args.config, overrides))
-  except config_lib.ConfigError as e:
+  except errors.ConfigError as e:
     fail(str(e))
   return args, config
 
@@ -70,7 +66,7 @@ def devices_for(mesh: config_lib.MeshConfig, args: argparse.Namespace | None = N
   try:
     dist = distributed.settings(getattr(args, 'coordinator_address', None),
                                 getattr(args, 'num_processes', None), getattr(args, 'process_id', None))
-  except distributed.DistributedError as e:
+  except errors.DistributedError as e:
     fail(str(e))
   processes = dist.num_processes if dist is not None and dist.num_processes else 1
   if needed % processes:
@@ -80,7 +76,7 @@ def devices_for(mesh: config_lib.MeshConfig, args: argparse.Namespace | None = N
     distributed.initialize(dist, getattr(args, 'init_timeout', distributed.DEFAULT_TIMEOUT))
   try:
     devices, note = mesh_lib.pick_devices(None if all_devices else needed)
-  except mesh_lib.MeshError as e:
+  except errors.MeshError as e:
     fail(str(e))
   if note and jax.process_index() == 0:
     print(note, flush=True)

@@ -17,9 +17,9 @@ from flax import nnx
 
 from mintrain.data import synthetic
 from mintrain.fields import option
-from mintrain.loss import cross_entropy
 from mintrain.models.family import Family, Ways
 from mintrain.models.layers import dropout, gather, param
+from mintrain.models.loss import cross_entropy
 from mintrain.partitioning import AxisRules
 
 DTYPES = ('float32', 'bfloat16')
@@ -31,7 +31,7 @@ def _positive(dims: tuple[int, ...]) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
-  """The `model` section of an MLP run (configs/mlp_dp4_tp2.py)."""
+  """The `model` section of an MLP run (mintrain/configs/mlp_dp4_tp2.py)."""
 
   input_dim: int = option(at_least=1)
   hidden_dims: tuple[int, ...] = option(check=_positive)

@@ -21,14 +21,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from mintrain.errors import SafetensorsError
+
 DTYPES = {'F64': '<f8', 'F32': '<f4', 'F16': '<f2', 'BF16': ml_dtypes.bfloat16, 'I64': '<i8', 'I32': '<i4',
           'I16': '<i2', 'I8': 'i1', 'U8': 'u1', 'BOOL': '?'}
 BLOCK_BYTES = 4 << 20  # The most a column slice reads at once beyond the slice itself.
 MAX_HEADER = 100 << 20  # As safetensors: a larger header is a damaged (or foreign) file.
-
-
-class SafetensorsError(ValueError):
-  """A file that is not a well-formed safetensors file."""
 
 
 class Tensor:

@@ -1,7 +1,7 @@
 """A Mixtral-8x7B-sized mixture of experts on 256 devices in 4 slices, to plan with show_sharding.py:
 
   python scripts/launch_local.py --num_processes 4 --devices 256 -- python scripts/show_sharding.py \
-      --config configs/mixtral_8x7b_256.py
+      --config mintrain/configs/mixtral_8x7b_256.py
 
 (four processes of 64 simulated CPU devices stand in for the slices; nothing is allocated). Each slice
 holds fsdp 8 x expert 8; data goes 4 ways across the slices, the only traffic on the slower network.

@@ -1,0 +1,2 @@
+"""Checkpoints: Orbax save and restore of a run's state (`checkpoints`), and restores across layer layouts
+(`relayout`)."""
