@@ -1,8 +1,13 @@
 """mintrain's safetensors reader gives the slices that numpy gives of the tensors `safetensors` wrote."""
 
+import copy
+import json
+import struct
+
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors
 from safetensors.numpy import save_file
 
 from mintrain.errors import SafetensorsError
@@ -59,9 +64,84 @@ def test_a_file_cut_short_or_not_safetensors_is_a_one_line_error(tensors, tmp_pa
   path, _ = tensors
   data = path.read_bytes()
   (tmp_path / 'short.safetensors').write_bytes(data[:-10])
-  with pytest.raises(SafetensorsError, match=r"tensor '\w+' of shape .* does not fit .* \(the file is "
+  with pytest.raises(SafetensorsError, match=r'cover \d+ bytes of data but the file holds \d+ \(the file is '
                                              r'damaged or cut short\)'):
     File(tmp_path / 'short.safetensors')
   (tmp_path / 'text.safetensors').write_text('not a checkpoint at all')
   with pytest.raises(SafetensorsError, match='is not a safetensors file'):
     File(tmp_path / 'text.safetensors')
+
+
+def write_raw(path, header, data: bytes, *, raw_header: bytes | None = None) -> None:
+  text = raw_header if raw_header is not None else json.dumps(header).encode()
+  path.write_bytes(struct.pack('<Q', len(text)) + text + data)
+
+
+def header_cases():
+  """(name, header, data) of well-formed and malformed files: types, signs, overlaps, gaps, lengths."""
+  good = {'a': {'dtype': 'F32', 'shape': [2, 3], 'data_offsets': [0, 24]},
+          'b': {'dtype': 'I64', 'shape': [2], 'data_offsets': [24, 40]},
+          'c': {'dtype': 'BF16', 'shape': [0], 'data_offsets': [40, 40]},
+          '__metadata__': {'format': 'pt'}}
+  data = bytes(range(40))
+  yield 'good', good, data
+  rng = np.random.default_rng(0)
+  values = [-8, -1, 0, 1, 7, 8, 23, 24, 25, 39, 40, 41, 2 ** 63, 2.0, '8', None, True, [8], {'x': 8}]
+  for name in ('a', 'b', 'c'):
+    for key, size in (('data_offsets', 2), ('shape', None)):
+      for _ in range(25):
+        h = copy.deepcopy(good)
+        n = size or int(rng.integers(0, 4))
+        h[name][key] = [values[int(rng.integers(len(values)))] for _ in range(n)]
+        yield f'{name}.{key}={h[name][key]}', h, data
+      for v in (None, 8, 'x', [0, 8, 16], [], {'0': 0}):
+        h = copy.deepcopy(good)
+        h[name][key] = v
+        yield f'{name}.{key}={v!r}', h, data
+    for dtype in ('F64', 'I8', 'X9', 'f32', 7):  # Some change the size, some are no dtype at all.
+      h = copy.deepcopy(good)
+      h[name]['dtype'] = dtype
+      yield f'{name}.dtype={dtype!r}', h, data
+    h = copy.deepcopy(good)
+    del h[name]['dtype']
+    yield f'{name} without dtype', h, data
+  swapped = copy.deepcopy(good)  # Listed out of order but tiling the data: fine.
+  swapped['a']['data_offsets'], swapped['b']['data_offsets'] = [16, 40], [0, 16]
+  yield 'out of order', swapped, data
+  for extra in (b'', b'x', bytes(100)):
+    yield f'{len(extra)} extra bytes', good, data + extra
+  for cut in (1, 16, 40):
+    yield f'cut by {cut}', good, data[:-cut]
+  for header in ([], 'text', 3, None, {'__metadata__': {'format': 1}}, {'__metadata__': 'x'}, {}):
+    yield f'header={header!r}', header, data if header != {} else b''
+
+
+@pytest.mark.parametrize('case', list(header_cases()), ids=lambda c: c[0])
+def test_a_header_reads_exactly_when_the_safetensors_library_reads_it(case, tmp_path):
+  _, header, data = case
+  path = tmp_path / 'x.safetensors'
+  write_raw(path, header, data)
+  try:
+    with safetensors.safe_open(path, 'numpy'):
+      theirs = 'reads'
+  except Exception as e:  # The library's own verdict; which exception it raises is its business.
+    theirs = f'refuses ({e})'
+  try:
+    with File(path) as file:
+      names = sorted(file.tensors)
+    ours = 'reads'
+  except SafetensorsError as e:
+    ours = f'refuses ({e})'
+  assert ours.split()[0] == theirs.split()[0], (ours, theirs)
+  if ours == 'reads':
+    assert names == sorted(k for k in header if k != '__metadata__')
+
+
+@pytest.mark.parametrize('raw', [b'{"a": NaN}', b'\xff\xfe{', b'{"a": {"dtype": "F32"', b'[]'])
+def test_a_header_that_is_not_a_json_object_is_one_line(raw, tmp_path):
+  write_raw(tmp_path / 'x.safetensors', None, b'', raw_header=raw)
+  with pytest.raises(SafetensorsError, match='is not a safetensors file') as e:
+    File(tmp_path / 'x.safetensors')
+  assert '\n' not in str(e.value)
+  with pytest.raises(Exception):  # noqa: B017  The library refuses these too.
+    safetensors.safe_open(tmp_path / 'x.safetensors', 'numpy')

@@ -89,34 +89,54 @@ class File:
       raise
 
   def _header(self) -> dict[str, Tensor]:
+    """The tensors, once the header passes the format's checks (as the `safetensors` library makes them):
+    a JSON object of entries whose byte spans, sorted, tile the data area exactly."""
     size = os.fstat(self.fd).st_size
     prefix = os.pread(self.fd, 8, 0)
     length = struct.unpack('<Q', prefix)[0] if len(prefix) == 8 else -1
     if not 0 < length <= min(MAX_HEADER, size - 8):
       raise SafetensorsError(f'{self.path} is not a safetensors file (no valid header length).')
+    text = os.pread(self.fd, length, 8)
     try:
-      header = json.loads(os.pread(self.fd, length, 8))
+      header = json.loads(text.decode('utf-8'), parse_constant=_no_constant)
     except ValueError as e:
       raise SafetensorsError(f'{self.path} is not a safetensors file: its header is not JSON ({e}).'
                              ) from None
-    data = 8 + length
+    if not isinstance(header, dict):
+      raise SafetensorsError(f'{self.path} is not a safetensors file: its header is not a JSON object.')
+    metadata = header.pop('__metadata__', {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+      raise SafetensorsError(f'{self.path}: its __metadata__ must map names to strings.')
+    entries = sorted(((self._entry(name, info), name) for name, info in header.items()),
+                     key=lambda e: e[0][2])
+    data, expected = 8 + length, 0
     tensors = {}
-    for name, info in header.items():
-      if name == '__metadata__':
-        continue
-      tensors[name] = self._tensor(name, info, data, size)
+    for (dtype, shape, (begin, end)), name in entries:
+      if begin != expected or end < begin:
+        raise SafetensorsError(f'{self.path}: tensor {name!r} spans bytes {begin}..{end} of the data, but '
+                               'the spans must follow each other without gaps or overlaps (next free byte: '
+                               f'{expected}); the file is damaged.')
+      if end - begin != math.prod(shape) * dtype.itemsize:
+        raise SafetensorsError(f'{self.path}: tensor {name!r} of shape {shape} ({dtype.name}) does not fit '
+                               f'its {end - begin} bytes at {begin}; the file is damaged.')
+      tensors[name], expected = Tensor(self.fd, data + begin, shape, dtype), end
+    if data + expected != size:
+      raise SafetensorsError(f'{self.path}: its tensors cover {expected} bytes of data but the file holds '
+                             f'{size - data} (the file is damaged or cut short).')
     return tensors
 
-  def _tensor(self, name: str, info: Any, data: int, size: int) -> Tensor:
+  def _entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, (begin, end)) of a header entry whose values have the format's types."""
     try:
-      dtype, shape, (begin, end) = np.dtype(DTYPES[info['dtype']]), tuple(info['shape']), info['data_offsets']
+      dtype, shape, offsets = np.dtype(DTYPES[info['dtype']]), info['shape'], info['data_offsets']
     except (KeyError, TypeError, ValueError):
       raise SafetensorsError(f'{self.path}: tensor {name!r} has an unreadable entry {info!r} (dtypes read: '
                              f'{", ".join(DTYPES)}).') from None
-    if end - begin != math.prod(shape) * dtype.itemsize or data + end > size:
-      raise SafetensorsError(f'{self.path}: tensor {name!r} of shape {shape} ({info["dtype"]}) does not fit '
-                             f'its {end - begin} bytes at {begin} (the file is damaged or cut short).')
-    return Tensor(self.fd, data + begin, shape, dtype)
+    if not (isinstance(shape, list) and all(_is_size(n) for n in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(n) for n in offsets)):
+      raise SafetensorsError(f'{self.path}: tensor {name!r} needs a shape and two data_offsets of '
+                             f'non-negative integers, not {info!r}.')
+    return dtype, tuple(shape), tuple(offsets)
 
   def close(self) -> None:
     os.close(self.fd)
@@ -126,3 +146,11 @@ class File:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
+
+
+def _is_size(n: Any) -> bool:
+  return isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2 ** 64
+
+
+def _no_constant(name: str) -> None:
+  raise ValueError(f'{name} is not JSON')
