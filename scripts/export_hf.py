@@ -28,6 +28,8 @@ def main() -> int:
   parser.add_argument('--dtype', default=None, choices=('float32', 'bfloat16'),
                       help="the tensors' dtype (default: the model's parameter dtype)")
   parser.add_argument('--max_shard_size', type=int, default=2**30, help='bytes per safetensors file')
+  parser.add_argument('--overwrite', action='store_true',
+                      help='replace --out even if it holds files that no export writes')
   args = parser.parse_args()
   one_device = {'mesh': config_lib.one_device_mesh().to_dict()}
   devices = startup.devices_for(config_lib.validate(config_lib.upgrade(one_device)).mesh)
@@ -40,6 +42,7 @@ def main() -> int:
   from mintrain.data import tokenizer
 
   try:
+    hf.check_out_dir(args.out, overwrite=args.overwrite)  # Before anything is read.
     directory, step = ckpt_lib.find_run_checkpoints(args.workdir)
     checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
     steps = checkpoints.steps()
@@ -57,9 +60,8 @@ def main() -> int:
     checkpoints.close()
     with jax.set_mesh(run.mesh):
       files = hf.save_pretrained(run.model(params), args.out, dtype=args.dtype,
-                                 max_shard_size=args.max_shard_size)
-    files += tok.save(args.out)
-  except (errors.CheckpointError, errors.ConfigError) as e:
+                                 max_shard_size=args.max_shard_size, tokenizer=tok, overwrite=args.overwrite)
+  except errors.MintrainError as e:
     startup.fail(str(e))
   print(f'Wrote step {step} of {directory} to {args.out}: {", ".join(files)}.')
   return 0

@@ -23,6 +23,9 @@ import dataclasses
 import json
 import math
 import os
+import re
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -44,6 +47,10 @@ from mintrain.models import FAMILIES, hf_model_options
 
 INDEX = 'model.safetensors.index.json'
 SINGLE = 'model.safetensors'
+# What an export writes: a directory holding only these (or nothing) may be replaced by a new export whole.
+EXPORTED = re.compile(r'config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|'
+                      r'model\.safetensors\.index\.json|tokenizer(_config)?\.json|tokenizer\.model|'
+                      r'special_tokens_map\.json|chat_template\.jinja')
 
 
 def make_config(path: str | os.PathLike, base: ml_collections.ConfigDict | None = None,
@@ -70,7 +77,10 @@ class _Tensors(contextlib.ExitStack):
     super().__init__()
     root = epath.Path(path)
     if (root / INDEX).exists():
-      files = sorted(set(json.loads((root / INDEX).read_text())['weight_map'].values()))
+      files = _indexed_files(root)
+      if (root / SINGLE).exists() and SINGLE not in files:
+        raise ConfigError(f'{path} holds {SINGLE} beside an {INDEX} that names other files: two exports '
+                          'mixed in one directory; export again into a fresh one.')
     elif (root / SINGLE).exists():
       files = [SINGLE]
     else:
@@ -100,6 +110,21 @@ class _Tensors(contextlib.ExitStack):
       raise ConfigError(f'{self.path}: tensor {name} has shape {tensor.shape}, but config.json makes it '
                         f'{shape}: use the config.json saved with these weights.')
     return tensor
+
+
+def _indexed_files(root: epath.Path) -> list[str]:
+  """The shard files an index names, each a file of `root`; a damaged index is a one-line ConfigError."""
+  try:
+    weight_map = json.loads((root / INDEX).read_text()).get('weight_map')
+  except (ValueError, AttributeError) as e:
+    raise ConfigError(f'{root / INDEX} is not a JSON object ({e}); copy it again.') from None
+  if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+    raise ConfigError(f'{root / INDEX} has no weight_map of tensor names to files; copy it again.')
+  files = sorted(set(weight_map.values()))
+  for name in files:
+    if '/' in name or (root / name).is_dir():
+      raise ConfigError(f'{root / INDEX} lists {name!r}, which is not a file of the directory.')
+  return files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,12 +267,54 @@ def _host(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> epath.Path:
+  """`out_dir` if an export may write it: missing, empty, an earlier export, or anything with `overwrite`."""
+  out = epath.Path(out_dir)
+  if out.exists() and not out.is_dir():
+    raise errors.StorageError(f'{out} is a file; give a directory to export into.')
+  foreign = sorted(p.name for p in out.iterdir() if not EXPORTED.fullmatch(p.name)) if out.exists() else []
+  if foreign and not overwrite:
+    raise errors.StorageError(f'{out} holds {", ".join(foreign[:3])}{", ..." if len(foreign) > 3 else ""}, '
+                              'which no export writes; give a new or empty directory, or --overwrite to '
+                              'replace it whole.')
+  return out
+
+
+@contextlib.contextmanager
+def _replacing(out: epath.Path) -> Iterator[epath.Path]:
+  """A fresh directory beside `out` that replaces it whole once everything is written, and is removed if
+  anything fails: `out` never mixes two exports nor holds half of one."""
+  out.parent.mkdir(parents=True, exist_ok=True)
+  staging = out.parent / f'.{out.name}.export-{uuid.uuid4().hex[:8]}'
+  staging.mkdir()
+  try:
+    yield staging
+  except BaseException:
+    staging.rmtree()
+    raise
+  old = out.parent / f'.{out.name}.replaced-{uuid.uuid4().hex[:8]}'
+  if out.exists():
+    out.rename(old)
+  staging.rename(out)
+  if old.exists():
+    old.rmtree()
+
+
 def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str | None = None,
-                    max_shard_size: int = 2**30) -> list[str]:
-  """Writes `model` as a Hugging Face directory that `transformers` loads; returns the files written.
+                    max_shard_size: int = 2**30, tokenizer: Any = None, overwrite: bool = False) -> list[str]:
+  """Writes `model` (and `tokenizer`'s files) as a Hugging Face directory that `transformers` loads, in
+  place of what `out_dir` held (`check_out_dir`); returns the files written.
 
   Every process must call it (a sharded parameter is gathered collectively); process 0 writes.
   """
+  is_main = jax.process_index() == 0
+  out = check_out_dir(out_dir, overwrite=overwrite)
+  with _replacing(out) if is_main else contextlib.nullcontext(out) as staging:
+    return _write(model, staging, dtype, max_shard_size, tokenizer, is_main)
+
+
+def _write(model: nnx.Module, out: epath.Path, dtype: str | None, max_shard_size: int, tokenizer: Any,
+           is_main: bool) -> list[str]:
   from safetensors.numpy import save_file
 
   cfg = model.cfg
@@ -258,10 +325,6 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
   _, params = nnx.split(model, nnx.Param)
   variables = {train_state.path_str(key): var for key, var in nnx.to_flat_state(params)}
   where = _sources(family.hf, cfg, {path: _shape_and_axes(var) for path, var in variables.items()})
-  is_main = jax.process_index() == 0
-  out = epath.Path(out_dir)
-  if is_main:
-    out.mkdir(parents=True, exist_ok=True)
   # Each shard is written once full; its final name needs the shard count, so it is renamed at the end.
   shard: dict[str, np.ndarray] = {}
   shard_names: list[list[str]] = []
@@ -300,5 +363,6 @@ def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str
     (out / INDEX).write_text(json.dumps({'metadata': {'total_size': total}, 'weight_map': weight_map},
                                         indent=2))
   (out / 'config.json').write_text(json.dumps(family.hf.config_json(cfg, str(out_dtype)), indent=2))
-  return files + ([INDEX] if len(files) > 1 else []) + ['config.json']
+  tokenizer_files = tokenizer.save(out) if tokenizer is not None else []
+  return files + ([INDEX] if len(files) > 1 else []) + ['config.json'] + tokenizer_files
 
