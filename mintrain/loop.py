@@ -23,9 +23,10 @@ from etils import epath
 
 from mintrain import config as config_lib
 from mintrain import errors, metrics, report
+from mintrain.actions import ProfileConfig
 from mintrain.build import Run, build
 from mintrain.checkpoint import checkpoints as ckpt_lib
-from mintrain.config import Config, ProfileConfig
+from mintrain.config import Config
 from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.data.batches import GlobalBatches
 from mintrain.errors import NonFiniteLossError

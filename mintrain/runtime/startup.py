@@ -57,7 +57,7 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                      help='seconds to wait for every process to join (default %(default)s)')
 
 
-def devices_for(mesh: config_lib.MeshConfig, args: argparse.Namespace | None = None):
+def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = None):
   """Devices for the mesh: joins a multi-process run if one is set up; on the CPU backend, simulates
   the mesh's devices (each process its share); elsewhere, the accelerators or a one-line error."""
   quiet_libraries()
