@@ -83,7 +83,10 @@ class Config:
 
 
 def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
-  """The typed config; a ConfigError names the first key whose value cannot work, and what can."""
+  """The typed config; a ConfigError names the first key whose value cannot work, and what can.
+
+  Reads no files: what init.hf_checkpoint and data.tokenizer name is read by `resolve`.
+  """
   values = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
   expected = {'seed', 'model', *SECTIONS}
   for key in values:
@@ -97,17 +100,27 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
     raise ConfigError(f"model must be a section of keys (a ConfigDict), not {values['model']!r}.")
   model = dict(values['model'])
   sections = {key: fields.build(cls, values[key], key) for key, cls in SECTIONS.items()}
-  hf_checkpoint = sections['init'].hf_checkpoint
-  if hf_checkpoint:  # Its config.json sets the model; other model options stay.
-    model.update(models.hf_model_options(hf_checkpoint))
-  spec = tokenizer.resolve(sections['data'].tokenizer, hf_checkpoint)
-  sections['data'] = dataclasses.replace(sections['data'], tokenizer=spec)
   name = model.pop('name', None)
+  return Config(seed=seed, model_name=name, model=fields.build(models.family(name).config, model, 'model'),
+                **sections)
+
+
+def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:
+  """The config the run uses and its tokenizer, each input read once: init.hf_checkpoint's config.json
+  sets the model (its other options stay), data.tokenizer is loaded (its ids give model.vocab_size=0),
+  and the model is checked against the train section."""
+  hf_checkpoint, name, model = config.init.hf_checkpoint, config.model_name, config.model
+  if hf_checkpoint:
+    options = models.hf_model_options(hf_checkpoint)
+    name = options.pop('name')
+    model = fields.build(models.family(name).config, {**fields.to_dict(model), **options}, 'model')
+  spec = tokenizer.resolve(config.data.tokenizer, hf_checkpoint)
+  tok = tokenizer.load(spec)
   family = models.family(name)
-  model_cfg = family.for_tokenizer(fields.build(family.config, model, 'model'),
-                                   lambda: tokenizer.load(spec).vocab_size)
-  family.check(model_cfg, sections['train'].seq_len)
-  return Config(seed=seed, model_name=name, model=model_cfg, **sections)
+  model = family.for_tokenizer(model, lambda: tok.vocab_size)
+  family.check(model, config.train.seq_len)
+  data = dataclasses.replace(config.data, tokenizer=spec)
+  return config.replace(model_name=name, model=model, data=data), tok
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,7 +108,7 @@ def main() -> int:
   parser.add_argument('--out', required=True, help='the directory to write the tokenized files to')
   parser.add_argument('--format', default='arrayrecord', choices=tuple(OUTPUT_SUFFIX))
   parser.add_argument('--workers', type=int, default=os.cpu_count(), help='files tokenized at once')
-  args, config = startup.parse(parser)
+  args, config, _ = startup.parse(parser)  # Each worker process loads the tokenizer.
   data_cfg = config.data
   if data_cfg.source not in records.FORMATS:
     startup.fail(f'data.source={data_cfg.source!r}: tokenize_corpus.py reads {records.FORMATS}; set '

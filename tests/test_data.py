@@ -84,7 +84,8 @@ def test_vocab_size_counts_bytes_and_bos_and_pads_to_a_multiple():
   assert byte.vocab_size == 257 and byte.bos_id == 256 and byte.eos_id is None
   assert tokenizer.padded_vocab_size() == 384
   assert tokenizer.padded_vocab_size(257, 8) == 264
-  assert config_lib.validate(config_lib.defaults()).model.vocab_size == 384  # model.vocab_size=0: from it.
+  resolved, _ = config_lib.resolve(config_lib.validate(config_lib.defaults()))
+  assert resolved.model.vocab_size == 384  # model.vocab_size=0: from it.
 
 
 def test_the_byte_tokenizer_has_one_byte_per_token_and_no_files(tmp_path):
@@ -308,7 +309,7 @@ def test_a_source_that_is_no_file_source_names_the_key():
 @pytest.mark.parametrize('overrides, message', [
     (['data.source=tokens', 'data.path=x', 'data.token_dtype=int8'], "data.token_dtype='int8'"),
     (['data.eval_fraction=1.0'], r'data.eval_fraction=1.0 must be in \[0, 1\)'),
-    (['train.global_batch_size=6', 'train.grad_accum_steps=4'], r'train.global_batch_size=6 is not divisible'),
+    (['train.global_batch_size=6', 'train.grad_accum_steps=4'], 'train.global_batch_size=6 is not divisible'),
 ])
 def test_bad_settings_name_the_key_once_when_the_config_is_read(overrides, message):
   from conftest import load_config

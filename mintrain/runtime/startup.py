@@ -31,14 +31,15 @@ def fail(message: str) -> NoReturn:
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None):
-  """Parses `--config FILE` plus `--config.key.path=value` overrides into the validated config."""
+  """Parses `--config FILE` plus `--config.key.path=value` overrides into (args, the validated and resolved
+  config, its loaded tokenizer)."""
   overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
   try:
-    config = config_lib.validate(config_lib.load(args.config, overrides))
+    config, tok = config_lib.resolve(config_lib.validate(config_lib.load(args.config, overrides)))
   except errors.ConfigError as e:
     fail(str(e))
-  return args, config
+  return args, config, tok
 
 
 def quiet_libraries() -> None:
