@@ -34,6 +34,7 @@ import numpy as np
 
 from mintrain import config as config_lib
 from mintrain.data import streaming
+from mintrain.data.config import DataConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,7 @@ def bpe_tokenizer(corpus: pathlib.Path, vocab: int, out: pathlib.Path) -> tuple[
   return str(out / 'tokenizer.json'), len(sample.encode()) / len(tok.encode(sample).ids)
 
 
-def throughput(data_cfg: config_lib.DataConfig, seconds: float) -> float:
+def throughput(data_cfg: DataConfig, seconds: float) -> float:
   """Tokens per second of one process reading all ROWS of each batch with the run's tokenizer
   (`data.tokenizer`; prefetch on, as in training)."""
   it = streaming.make_iterator(data_cfg, split='train', seq_len=SEQ_LEN, global_batch_size=ROWS,

@@ -80,7 +80,7 @@ def missing_keys(path: pathlib.Path, overrides: Sequence[str]) -> list[str]:
 
 
 def load(path: pathlib.Path, overrides: Sequence[str]) -> Config:
-  return config_lib.validate(config_lib.load(path, tuple(overrides)))
+  return config_lib.resolve(config_lib.validate(config_lib.load(path, tuple(overrides))))[0]
 
 
 def build(config: Config, devices: Sequence[jax.Device]) -> Run:

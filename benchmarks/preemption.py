@@ -39,7 +39,7 @@ def worker(steps: int, workdir: str) -> None:
 
   # The README's default run; the stopped job logs every step, so the signal can follow step N.
   overrides = [f'train.steps={steps}'] + (['train.log_every=1'] if workdir else [])
-  config = config_lib.validate(config_lib.load(configs.DIR / 'dp4_tp2.py', overrides))
+  config, _ = config_lib.resolve(config_lib.validate(config_lib.load(configs.DIR / 'dp4_tp2.py', overrides)))
   devices = startup.devices_for(config.mesh)
   calls = []
   should_stop = preemption.StopRequests.should_stop

@@ -1,10 +1,10 @@
 """The run's config: ml_collections files and `key.path=value` overrides, parsed once into frozen sections.
 
 `load` reads a config file by path; `validate` turns the ConfigDict into a `Config` whose sections
-(mesh, partitioning, model, data, train, optimizer, eval, checkpoint, metrics, profile) are frozen
-dataclasses, every option checked against its meaning before any device is touched. Each module
-receives only its own section. Defaults live in `mintrain/configs/base.py` alone; a config saved by an older
-mintrain goes through `upgrade`, which fills the keys added since from there.
+are frozen dataclasses, every option checked against its meaning before any device is touched. Each
+section is defined by the module that owns it (`SECTIONS`), which receives only that section. Defaults
+live in `mintrain/configs/base.py` alone; a config saved by an older mintrain goes through `upgrade`,
+which fills the keys added since from there.
 """
 
 from __future__ import annotations
@@ -23,180 +23,26 @@ from typing import Any
 
 import ml_collections
 
-from mintrain import configs, errors, fields, models, partitioning
+from mintrain import configs, fields, models
 from mintrain import mesh as mesh_lib
+from mintrain.actions import EvalConfig, ProfileConfig
+from mintrain.checkpoint.checkpoints import CheckpointConfig
 from mintrain.data import tokenizer
+from mintrain.data.config import DataConfig
 from mintrain.errors import ConfigError
 from mintrain.fields import option
+from mintrain.mesh import MeshConfig
+from mintrain.metrics import MetricsConfig
+from mintrain.optimizer import OptimizerConfig
+from mintrain.partitioning import PartitioningConfig
+from mintrain.train_step import TrainConfig
 
 BASE = configs.path('base')
-STREAMED_SOURCES = ('jsonl', 'parquet', 'arrayrecord')  # Read a block at a time (mintrain.data.records).
-
-
-def _mesh_size(value: int) -> str | None:
-  return None if value >= 1 or value == -1 else 'must be a positive integer, or -1 for all remaining devices'
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  data: int = option(check=_mesh_size)
-  fsdp: int = option(check=_mesh_size)
-  expert: int = option(check=_mesh_size)
-  context: int = option(check=_mesh_size)
-  model: int = option(check=_mesh_size)
-  # Of those ways, how many go across slices (multi-slice); only the axes in mesh.SPANS_SLICES have one.
-  dcn_data: int = option(at_least=1)
-  dcn_fsdp: int = option(at_least=1)
-
-  def __post_init__(self):
-    if list(self.sizes.values()).count(-1) > 1:
-      raise ConfigError(f'mesh sizes may have one -1 (all remaining devices), not several; got '
-                        f'{", ".join(f"mesh.{k}={v}" for k, v in self.sizes.items())}.')
-    for axis, ways in self.slices.items():
-      size = self.sizes[axis]
-      if size != -1 and size % ways:
-        raise ConfigError(f'mesh.dcn_{axis}={ways} must divide mesh.{axis}={size}: of its {size} ways, that '
-                          'many go across slices and the rest stay within each.')
-
-  @property
-  def sizes(self) -> dict[str, int]:
-    return {axis: getattr(self, axis) for axis in mesh_lib.AXES}
-
-  @property
-  def slices(self) -> dict[str, int]:
-    """Ways of each axis across slices (`mesh.make_mesh`)."""
-    return {axis: getattr(self, f'dcn_{axis}') for axis in mesh_lib.SPANS_SLICES}
-
-
-@dataclasses.dataclass(frozen=True)
-class PartitioningConfig:
-  rules: tuple = option()
-  param_rules: tuple = option()
-
-  def __post_init__(self):
-    for key in ('rules', 'param_rules'):
-      try:
-        partitioning.normalize_rules(getattr(self, key))
-      except errors.PartitioningError as e:
-        raise ConfigError(f'partitioning.{key}: {e}') from None
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  source: str = option(choices=('stdlib', 'text', 'tokens', 'synthetic', *STREAMED_SOURCES, 'mixture'))
-  path: str = option()
-  tokenizer: str = option()  # 'byte', a tokenizer file or directory; '' resolved by `validate`.
-  eval_fraction: float = option(at_least=0, below=1)
-  token_dtype: str = option(choices=('uint16', 'uint32'))
-  max_bytes: int = option(at_least=0)
-  packing: str = option(choices=('pack', 'pad'))
-  num_threads: int = option(at_least=0)
-  prefetch: int = option(at_least=0)
-  device_prefetch: int = option(at_least=0)
-  text_field: str = option()
-  record_format: str = option(choices=('text', 'tokens'))
-  block_bytes: int = option(at_least=1)
-  shuffle_window: int = option(at_least=1)
-  skip_bad_records: bool = option()
-  mixture: tuple = option()  # ((settings as sorted (key, value) pairs, weight), ...), from (dict, weight)s.
-
-  def __post_init__(self):
-    entries = tuple(_mixture_entry(i, entry) for i, entry in enumerate(self.mixture))
-    object.__setattr__(self, 'mixture', entries)
-    if (self.source == 'mixture') != bool(entries):
-      raise ConfigError("data.source='mixture' and a non-empty data.mixture go together: set both (a list of "
-                        "({'source': 'jsonl', 'path': ...}, weight)) or neither.")
-
-
-# What each source of a mixture may set; the rest (threads, prefetch) belongs to the whole mixture.
-MIXTURE_KEYS = ('source', 'path', 'eval_fraction', 'token_dtype', 'text_field', 'record_format',
-                'block_bytes', 'shuffle_window', 'skip_bad_records')
-
-
-def _mixture_entry(i: int, entry: Any) -> tuple[tuple[tuple[str, Any], ...], float]:
-  """A mixture entry as ((key, value), ...) and its weight, checked; ConfigError names the entry."""
-  where = f'data.mixture[{i}]'
-  if not isinstance(entry, (list, tuple)) or len(entry) != 2:
-    raise ConfigError(f"{where}={entry!r} must be a pair (settings, weight), e.g. "
-                      f"({{'source': 'jsonl', 'path': 'a/*.jsonl'}}, 0.5).")
-  settings, weight = entry
-  if isinstance(settings, (list, tuple)):  # As saved in a checkpoint's config.
-    settings = dict(settings)
-  if not isinstance(settings, Mapping):
-    raise ConfigError(f'{where}: settings {settings!r} must be a dict of data options.')
-  for key in settings:
-    if key not in MIXTURE_KEYS:
-      raise ConfigError(f'{where}: {key!r} is not an option a mixture source may set; choose from '
-                        f'{MIXTURE_KEYS}.')
-  source = settings.get('source')
-  if source not in STREAMED_SOURCES:
-    raise ConfigError(f"{where}: source={source!r} is not a source a mixture can draw from; choose one of "
-                      f'{STREAMED_SOURCES}.')
-  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float('inf'):
-    raise ConfigError(f'{where}: weight={weight!r} must be a finite number > 0.')
-  probe = {**defaults().to_dict()['data'], 'mixture': (), **settings}
-  checked = fields.build(DataConfig, probe, where)  # Each value's own check.
-  return tuple(sorted((k, getattr(checked, k)) for k in settings)), float(weight)
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-  every_steps: int = option(at_least=0)
-  steps: int = option(at_least=0)  # 0: no evaluation.
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  steps: int = option(at_least=1)
-  global_batch_size: int = option(at_least=1)
-  seq_len: int = option(at_least=1)
-  grad_accum_steps: int = option(at_least=1)
-  log_every: int = option(at_least=1)
-
-  def __post_init__(self):
-    if self.global_batch_size % self.grad_accum_steps:
-      raise ConfigError(
-          f'train.global_batch_size={self.global_batch_size} is not divisible by '
-          f'train.grad_accum_steps={self.grad_accum_steps}; every micro-batch must have the same size.')
-
-  @property
-  def micro_batch_size(self) -> int:
-    return self.global_batch_size // self.grad_accum_steps
-
-
-@dataclasses.dataclass(frozen=True)
-class MetricsConfig:
-  peak_tflops: float = option(at_least=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileConfig:
-  start_step: int = option(at_least=-1)
-  num_steps: int = option(at_least=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class InitConfig:
   hf_checkpoint: str = option()  # '' or a Hugging Face model directory.
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-  every_steps: int = option(at_least=0)
-  keep: int = option(at_least=0)
-  fallback_to_previous: bool = option()
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  learning_rate: float = option(above=0)
-  warmup_steps: int = option(at_least=0)
-  end_lr_fraction: float = option(at_least=0, at_most=1)
-  b1: float = option(at_least=0, below=1)
-  b2: float = option(at_least=0, below=1)
-  eps: float = option(above=0)
-  weight_decay: float = option(at_least=0)
-  grad_clip_norm: float = option(at_least=0)
 
 
 SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,
@@ -237,7 +83,10 @@ class Config:
 
 
 def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
-  """The typed config; a ConfigError names the first key whose value cannot work, and what can."""
+  """The typed config; a ConfigError names the first key whose value cannot work, and what can.
+
+  Reads no files: what init.hf_checkpoint and data.tokenizer name is read by `resolve`.
+  """
   values = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
   expected = {'seed', 'model', *SECTIONS}
   for key in values:
@@ -251,17 +100,27 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
     raise ConfigError(f"model must be a section of keys (a ConfigDict), not {values['model']!r}.")
   model = dict(values['model'])
   sections = {key: fields.build(cls, values[key], key) for key, cls in SECTIONS.items()}
-  hf_checkpoint = sections['init'].hf_checkpoint
-  if hf_checkpoint:  # Its config.json sets the model; other model options stay.
-    model.update(models.hf_model_options(hf_checkpoint))
-  spec = tokenizer.resolve(sections['data'].tokenizer, hf_checkpoint)
-  sections['data'] = dataclasses.replace(sections['data'], tokenizer=spec)
   name = model.pop('name', None)
+  return Config(seed=seed, model_name=name, model=fields.build(models.family(name).config, model, 'model'),
+                **sections)
+
+
+def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:
+  """The config the run uses and its tokenizer, each input read once: init.hf_checkpoint's config.json
+  sets the model (its other options stay), data.tokenizer is loaded (its ids give model.vocab_size=0),
+  and the model is checked against the train section."""
+  hf_checkpoint, name, model = config.init.hf_checkpoint, config.model_name, config.model
+  if hf_checkpoint:
+    options = models.hf_model_options(hf_checkpoint)
+    name = options.pop('name')
+    model = fields.build(models.family(name).config, {**fields.to_dict(model), **options}, 'model')
+  spec = tokenizer.resolve(config.data.tokenizer, hf_checkpoint)
+  tok = tokenizer.load(spec)
   family = models.family(name)
-  model_cfg = family.for_tokenizer(fields.build(family.config, model, 'model'),
-                                   lambda: tokenizer.load(spec).vocab_size)
-  family.check(model_cfg, sections['train'].seq_len)
-  return Config(seed=seed, model_name=name, model=model_cfg, **sections)
+  model = family.for_tokenizer(model, lambda: tok.vocab_size)
+  family.check(model, config.train.seq_len)
+  data = dataclasses.replace(config.data, tokenizer=spec)
+  return config.replace(model_name=name, model=model, data=data), tok
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,16 @@ def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
   """The dataclass `cls` from the ConfigDict section `values` (named `prefix`), every value checked."""
   if not isinstance(values, Mapping):
     raise ConfigError(f'{prefix} must be a section of keys (a ConfigDict), not {values!r}.')
+  kwargs = check(cls, values, prefix)
+  for f in dataclasses.fields(cls):
+    if f.name not in values and f.default is dataclasses.MISSING and not f.metadata.get('derived'):
+      raise ConfigError(f'Config key {prefix}.{f.name} is missing; mintrain/configs/base.py has its default '
+                        'and meaning.')
+  return cls(**kwargs)
+
+
+def check(cls: type, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+  """Some of the options of `cls`, each checked and coerced: what a section's part (a mixture entry) sets."""
   hints = typing.get_type_hints(cls)
   fields = [f for f in dataclasses.fields(cls) if not f.metadata.get('derived')]
   names = [f.name for f in fields]
@@ -116,9 +126,7 @@ def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
   for f in fields:
     key = f'{prefix}.{f.name}'
     if f.name not in values:
-      if f.default is not dataclasses.MISSING:
-        continue
-      raise ConfigError(f'Config key {key} is missing; mintrain/configs/base.py has its default and meaning.')
+      continue
     value = _coerce(values[f.name], hints[f.name], key)
     meta = f.metadata
     if meta.get('choices') is not None and value not in meta['choices']:
@@ -132,7 +140,7 @@ def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
       if problem:
         raise ConfigError(f'{key}={value!r}: {problem}.')
     kwargs[f.name] = value
-  return cls(**kwargs)
+  return kwargs
 
 
 def to_dict(section: Any) -> dict[str, Any]:

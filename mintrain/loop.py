@@ -23,9 +23,10 @@ from etils import epath
 
 from mintrain import config as config_lib
 from mintrain import errors, metrics, report
+from mintrain.actions import ProfileConfig
 from mintrain.build import Run, build
 from mintrain.checkpoint import checkpoints as ckpt_lib
-from mintrain.config import Config, ProfileConfig
+from mintrain.config import Config
 from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.data.batches import GlobalBatches
 from mintrain.errors import NonFiniteLossError
@@ -294,7 +295,7 @@ def _has_saves(workdir: epath.Path | None) -> bool:
 
 def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[jax.Device] | None = None,
         restore_from: str | None = None, restore_params_only: bool = False, force: bool = False,
-        print_fn: Say = print) -> RunResult:
+        print_fn: Say = print, tok: tokenizer.Tokenizer | None = None) -> RunResult:
   """Trains `config` up to `config.train.steps` steps on a mesh over `devices`.
 
   Process 0 holds the workdir's lock (`run_lock.RunLock`) from before anything is built or written to
@@ -333,7 +334,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
 
       hf.check(config.init.hf_checkpoint, r)  # Its tensors and shapes, before the run writes anything.
     if text and workdir is not None and is_main:  # The run's copy of its tokenizer, for sampling and export.
-      tokenizer.load(config.data.tokenizer).save(workdir / tokenizer.RUN_DIR)
+      (tok or tokenizer.load(config.data.tokenizer)).save(workdir / tokenizer.RUN_DIR)
     total = config.train.steps
     flops_per_step, tokens_per_step = report.train_flops_per_step(config), report.tokens_per_step(config)
     peak, peak_source = hardware.peak_tflops(

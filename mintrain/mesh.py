@@ -18,6 +18,7 @@ twice in every MoE layer. The device grid is JAX's hybrid mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -27,12 +28,50 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from mintrain.errors import MeshError
+from mintrain.errors import ConfigError, MeshError
+from mintrain.fields import option
 from mintrain.runtime import host_allocator
 
 AXES = ('data', 'fsdp', 'expert', 'context', 'model')
 NAMED_IF_SPLIT = ('expert', 'context')  # Axes that `describe` leaves out at size 1.
 SPANS_SLICES = ('data', 'fsdp')  # Axes whose ways may go across slices (`slices` of make_mesh).
+
+
+def _mesh_size(value: int) -> str | None:
+  return None if value >= 1 or value == -1 else 'must be a positive integer, or -1 for all remaining devices'
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The `mesh` section: ways of each axis."""
+
+  data: int = option(check=_mesh_size)
+  fsdp: int = option(check=_mesh_size)
+  expert: int = option(check=_mesh_size)
+  context: int = option(check=_mesh_size)
+  model: int = option(check=_mesh_size)
+  # Of those ways, how many go across slices (multi-slice); only the axes in SPANS_SLICES have one.
+  dcn_data: int = option(at_least=1)
+  dcn_fsdp: int = option(at_least=1)
+
+  def __post_init__(self):
+    if list(self.sizes.values()).count(-1) > 1:
+      raise ConfigError(f'mesh sizes may have one -1 (all remaining devices), not several; got '
+                        f'{", ".join(f"mesh.{k}={v}" for k, v in self.sizes.items())}.')
+    for axis, ways in self.slices.items():
+      size = self.sizes[axis]
+      if size != -1 and size % ways:
+        raise ConfigError(f'mesh.dcn_{axis}={ways} must divide mesh.{axis}={size}: of its {size} ways, that '
+                          'many go across slices and the rest stay within each.')
+
+  @property
+  def sizes(self) -> dict[str, int]:
+    return {axis: getattr(self, axis) for axis in AXES}
+
+  @property
+  def slices(self) -> dict[str, int]:
+    """Ways of each axis across slices (`make_mesh`)."""
+    return {axis: getattr(self, f'dcn_{axis}') for axis in SPANS_SLICES}
 _XLA_CPU_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
 

@@ -15,6 +15,7 @@ the achieved model FLOP/s per device by the device's peak.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -30,6 +31,7 @@ from typing import Any, Protocol
 from etils import epath
 
 from mintrain.errors import StorageError
+from mintrain.fields import option
 from mintrain.runtime import hardware
 from mintrain.runtime.storage import free_bytes, is_remote, prepare_dir
 
@@ -52,6 +54,12 @@ from tensorboardX.event_file_writer import EventsWriter  # noqa: E402
 from tensorboardX.proto.event_pb2 import Event  # noqa: E402
 from tensorboardX.summary import hparams as hparams_summaries  # noqa: E402
 from tensorboardX.summary import scalar as scalar_summary  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+  peak_tflops: float = option(at_least=0)
+
 
 SYNC_SECS = 60.0  # How often at most a remote workdir's metrics are copied there while the run writes.
 

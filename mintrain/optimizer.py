@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import optax
 from flax import nnx
 
-from mintrain.config import OptimizerConfig
+from mintrain.fields import option
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  learning_rate: float = option(above=0)
+  warmup_steps: int = option(at_least=0)
+  end_lr_fraction: float = option(at_least=0, at_most=1)
+  b1: float = option(at_least=0, below=1)
+  b2: float = option(at_least=0, below=1)
+  eps: float = option(above=0)
+  weight_decay: float = option(at_least=0)
+  grad_clip_norm: float = option(at_least=0)
 
 
 def schedule(opt: OptimizerConfig, total_steps: int) -> optax.Schedule:

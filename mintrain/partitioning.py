@@ -30,7 +30,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from mintrain.errors import PartitioningError
+from mintrain.errors import ConfigError, PartitioningError
+from mintrain.fields import option
 
 MeshAxes = str | tuple[str, ...] | None
 Rule = tuple[str, MeshAxes]
@@ -67,6 +68,21 @@ def normalize_rules(rules: Iterable[Sequence[Any]]) -> tuple[tuple[str, tuple[st
           'a dimension can be split over each mesh axis at most once.')
     out.append((name, axes))
   return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitioningConfig:
+  """The `partitioning` section: activation and parameter rules, checked as `normalize_rules` reads them."""
+
+  rules: tuple = option()
+  param_rules: tuple = option()
+
+  def __post_init__(self):
+    for key in ('rules', 'param_rules'):
+      try:
+        normalize_rules(getattr(self, key))
+      except PartitioningError as e:
+        raise ConfigError(f'partitioning.{key}: {e}') from None
 
 
 def resolve(logical_axes: Sequence[str | None], rules: Sequence[tuple[str, tuple[str, ...]]],
@@ -117,7 +133,7 @@ class AxisRules:
 
   @classmethod
   def from_config(cls, partitioning: Any) -> AxisRules:
-    """From the `partitioning` section (`config.PartitioningConfig`)."""
+    """From the `partitioning` section (`PartitioningConfig`)."""
     return cls(normalize_rules(partitioning.rules), normalize_rules(partitioning.param_rules))
 
   def activation_spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,

@@ -12,6 +12,7 @@ index, so they do not depend on the mesh.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -19,7 +20,28 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mintrain.errors import ConfigError
+from mintrain.fields import option
 from mintrain.train_state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = option(at_least=1)
+  global_batch_size: int = option(at_least=1)
+  seq_len: int = option(at_least=1)
+  grad_accum_steps: int = option(at_least=1)
+  log_every: int = option(at_least=1)
+
+  def __post_init__(self):
+    if self.global_batch_size % self.grad_accum_steps:
+      raise ConfigError(
+          f'train.global_batch_size={self.global_batch_size} is not divisible by '
+          f'train.grad_accum_steps={self.grad_accum_steps}; every micro-batch must have the same size.')
+
+  @property
+  def micro_batch_size(self) -> int:
+    return self.global_batch_size // self.grad_accum_steps
 
 Batch = dict[str, jax.Array]
 

@@ -18,7 +18,7 @@ from mintrain.runtime import startup
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--config', default='mintrain/configs/dp4_tp2.py', help='ml_collections config file')
-  _, config = startup.parse(parser)
+  _, config, _ = startup.parse(parser)
   devices = startup.devices_for(config.mesh)
 
   from mintrain import report

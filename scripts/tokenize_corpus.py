@@ -26,6 +26,7 @@ import numpy as np
 
 from mintrain import config as config_lib
 from mintrain.data import records, sources, streaming
+from mintrain.data.config import DataConfig
 from mintrain.errors import DataError
 from mintrain.runtime import startup
 
@@ -39,7 +40,7 @@ def output_path(key: str, out: pathlib.Path, fmt: str) -> pathlib.Path:
   return out / (stem + OUTPUT_SUFFIX[fmt])
 
 
-def tokenize_file(data_cfg: config_lib.DataConfig, path: pathlib.Path, target: pathlib.Path,
+def tokenize_file(data_cfg: DataConfig, path: pathlib.Path, target: pathlib.Path,
                   fmt: str) -> tuple[int, int, int, int]:
   """Writes `path`'s documents as ids to `target` (through a temporary name); (documents, tokens, bytes
   read, records skipped)."""
@@ -107,7 +108,7 @@ def main() -> int:
   parser.add_argument('--out', required=True, help='the directory to write the tokenized files to')
   parser.add_argument('--format', default='arrayrecord', choices=tuple(OUTPUT_SUFFIX))
   parser.add_argument('--workers', type=int, default=os.cpu_count(), help='files tokenized at once')
-  args, config = startup.parse(parser)
+  args, config, _ = startup.parse(parser)  # Each worker process loads the tokenizer.
   data_cfg = config.data
   if data_cfg.source not in records.FORMATS:
     startup.fail(f'data.source={data_cfg.source!r}: tokenize_corpus.py reads {records.FORMATS}; set '

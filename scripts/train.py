@@ -25,7 +25,7 @@ def main() -> int:
                       help="take over the workdir's run lock even if its holder may still run: another\n"
                            "host's lock on a shared file system, when that run is known to be gone")
   startup.add_distributed_flags(parser)
-  args, config = startup.parse(parser)
+  args, config, tok = startup.parse(parser)
   if args.restore_params_only and not args.restore_from:
     parser.error('--restore_params_only needs --restore_from PATH')
   devices = startup.devices_for(config.mesh, args)
@@ -36,7 +36,7 @@ def main() -> int:
   from mintrain.errors import MintrainError, NonFiniteLossError
   try:
     result = train_loop.run(config, args.workdir, devices=devices, restore_from=args.restore_from,
-                            restore_params_only=args.restore_params_only, force=args.force)
+                            restore_params_only=args.restore_params_only, force=args.force, tok=tok)
   except NonFiniteLossError as e:  # The input was fine; training diverged.
     print(f'error: {e}', file=sys.stderr)
     return 1

@@ -50,8 +50,9 @@ TEST_DEFAULTS = ('metrics.peak_tflops=1.0', 'eval.steps=0')
 
 
 def load_config(name: str, *overrides: str) -> config_lib.Config:
-  """mintrain/configs/NAME.py with TEST_DEFAULTS and `key=value` overrides, validated."""
-  return config_lib.validate(config_lib.load(configs.DIR / f'{name}.py', (*TEST_DEFAULTS, *overrides)))
+  """mintrain/configs/NAME.py with TEST_DEFAULTS and `key=value` overrides, validated and resolved."""
+  return config_lib.resolve(config_lib.validate(config_lib.load(configs.DIR / f'{name}.py',
+                                                                (*TEST_DEFAULTS, *overrides))))[0]
 
 
 SCRIPT_DEFAULTS = [f'--config.{item}' for item in TEST_DEFAULTS]  # The same for scripts/train.py.

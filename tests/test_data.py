@@ -12,14 +12,15 @@ import pytest
 
 from mintrain import config as config_lib
 from mintrain.data import pipeline, segments, sources, tokenizer
-from mintrain.errors import DataError
+from mintrain.data.config import DataConfig
+from mintrain.errors import ConfigError, DataError
 
 BYTES = segments.Separators.of(tokenizer.BYTES)  # The byte tokenizer's: BOS starts a document.
 
 BASE_DATA = config_lib.validate(config_lib.defaults()).data
 
 
-def data_cfg(**values) -> config_lib.DataConfig:
+def data_cfg(**values) -> DataConfig:
   """base.py's data section with `values` set, unchecked, so the data layer's own errors show."""
   return dataclasses.replace(BASE_DATA, **values)
 
@@ -83,7 +84,8 @@ def test_vocab_size_counts_bytes_and_bos_and_pads_to_a_multiple():
   assert byte.vocab_size == 257 and byte.bos_id == 256 and byte.eos_id is None
   assert tokenizer.padded_vocab_size() == 384
   assert tokenizer.padded_vocab_size(257, 8) == 264
-  assert config_lib.validate(config_lib.defaults()).model.vocab_size == 384  # model.vocab_size=0: from it.
+  resolved, _ = config_lib.resolve(config_lib.validate(config_lib.defaults()))
+  assert resolved.model.vocab_size == 384  # model.vocab_size=0: from it.
 
 
 def test_the_byte_tokenizer_has_one_byte_per_token_and_no_files(tmp_path):
@@ -299,15 +301,20 @@ def test_empty_eval_split_names_eval_fraction(tmp_path):
     sources.load_split(data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=0.05), 'eval')
 
 
-@pytest.mark.parametrize('cfg, kwargs, message', [
-    (data_cfg(source='synthetic'), {}, "data.source='synthetic' is not a file source"),
-    (data_cfg(source='tokens', path='x', token_dtype='int8'), {}, "data.token_dtype='int8'"),
-    (data_cfg(eval_fraction=1.0), {}, r'data.eval_fraction=1.0 must be in \[0, 1\)'),
-    (data_cfg(), {'batch': 6, 'micro': 4}, r'global_batch_size=6 must be a positive multiple of the micro'),
+def test_a_source_that_is_no_file_source_names_the_key():
+  with pytest.raises(DataError, match="data.source='synthetic' is not a file source"):
+    train_iter(data_cfg(source='synthetic'))
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (['data.source=tokens', 'data.path=x', 'data.token_dtype=int8'], "data.token_dtype='int8'"),
+    (['data.eval_fraction=1.0'], r'data.eval_fraction=1.0 must be in \[0, 1\)'),
+    (['train.global_batch_size=6', 'train.grad_accum_steps=4'], 'train.global_batch_size=6 is not divisible'),
 ])
-def test_bad_settings_name_the_key(cfg, kwargs, message):
-  with pytest.raises(DataError, match=message):
-    train_iter(cfg, **kwargs)
+def test_bad_settings_name_the_key_once_when_the_config_is_read(overrides, message):
+  from conftest import load_config
+  with pytest.raises(ConfigError, match=message):
+    load_config('single', *overrides)
 
 
 # The embedded stdlib corpus.

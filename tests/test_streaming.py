@@ -15,13 +15,14 @@ import pytest
 from mintrain import config as config_lib
 from mintrain import errors
 from mintrain.data import pipeline, records, streaming, tokenizer
+from mintrain.data.config import DataConfig
 from mintrain.errors import DataError
 
 BASE_DATA = config_lib.validate(config_lib.defaults()).data
 WORDS = ('alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta', 'eta', 'theta', 'iota', 'kappa')
 
 
-def data_cfg(**values) -> config_lib.DataConfig:
+def data_cfg(**values) -> DataConfig:
   """base.py's data section with `values` set, unchecked, so the data layer's own errors show."""
   return dataclasses.replace(BASE_DATA, **{'prefetch': 0, **values})
 
@@ -267,7 +268,7 @@ def first_batch(cfg):
   return next(rows_iter(dataclasses.replace(cfg, eval_fraction=0.0), rows=[0], batch=1, seq_len=8))
 
 
-def bad_jsonl(tmp_path, line: str) -> config_lib.DataConfig:
+def bad_jsonl(tmp_path, line: str) -> DataConfig:
   lines = [json.dumps({'text': 'fine'})] * 3 + [line] + [json.dumps({'text': 'fine too'})]
   (tmp_path / 'a.jsonl').write_text('\n'.join(lines) + '\n')
   return data_cfg(source='jsonl', path=str(tmp_path / 'a.jsonl'), block_bytes=20)

@@ -14,6 +14,7 @@ from conftest import TOKENIZER_VOCAB, load_config, stdlib_texts
 
 from mintrain import config as config_lib
 from mintrain.data import pipeline, sources, tokenizer
+from mintrain.data.config import DataConfig
 from mintrain.errors import ConfigError, DataError
 
 BASE_DATA = config_lib.validate(config_lib.defaults()).data
@@ -26,7 +27,7 @@ def spec(request, bpe_tokenizer, sentencepiece_model) -> str:
   return str(bpe_tokenizer if request.param == 'bpe' else sentencepiece_model)
 
 
-def data_cfg(**values) -> config_lib.DataConfig:
+def data_cfg(**values) -> DataConfig:
   return dataclasses.replace(BASE_DATA, **values)
 
 

@@ -41,11 +41,21 @@ import mintrain
 from mintrain import mesh as mesh_lib
 from mintrain.checkpoint.relayout import Relayout
 from mintrain.errors import CheckpointError, DamagedCheckpointError, DiskFullError, StorageError
+from mintrain.fields import option
 from mintrain.runtime.lazy import lazy_import
 from mintrain.runtime.storage import free_bytes, is_remote, os_reason, prepare_dir, run_path
 from mintrain.train_state import TrainState, flat_logical_axes, path_str
 
 ocp = lazy_import('orbax.checkpoint')  # Loaded by the first save or restore.
+
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = option(at_least=0)
+  keep: int = option(at_least=0)
+  fallback_to_previous: bool = option()
+
 
 CHECKPOINTS = 'checkpoints'
 LOGICAL_AXES = 'logical_axes'  # Metadata key: {array path: its logical axes}, for `Relayout`.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,9 +22,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from mintrain.data import pipeline, streaming
 from mintrain.partitioning import AxisRules
-
-if TYPE_CHECKING:
-  from mintrain.config import Config
 
 LocalBatch = dict[str, np.ndarray]
 EVAL_STEP_OFFSET = 1 << 40  # Synthetic eval batches use step numbers training never reaches.
@@ -129,8 +126,9 @@ class GlobalBatches:
     self.local.set_state(state['iterator'])
 
 
-def make_batches(config: Config, mesh: Mesh, rules: AxisRules, *, split: str = 'train') -> GlobalBatches:
-  """Global batches of `split`: train batches run on forever (`data.device_prefetch` of them on their
+def make_batches(config: Any, mesh: Mesh, rules: AxisRules, *, split: str = 'train') -> GlobalBatches:
+  """Global batches of `split` of a run's `config` (`mintrain.config.Config`, whose sections the data
+  layer reads but never imports): train batches run on forever (`data.device_prefetch` of them on their
   devices ahead of the step), eval batches restart per evaluation."""
   data, train = config.data, config.train
   shape = (train.grad_accum_steps, train.micro_batch_size)

@@ -35,9 +35,7 @@ from mintrain.runtime.lazy import lazy_import
 grain = lazy_import('grain')  # Loaded when a file source is first read; synthetic data never needs it.
 
 if TYPE_CHECKING:
-  from mintrain.config import DataConfig
-
-PACKINGS = ('pack', 'pad')
+  from mintrain.data.config import DataConfig
 
 
 class PackedSequences:
@@ -110,16 +108,9 @@ def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch
   `rows` of its micro-batch; `separators` (default: the tokenizer's) tell documents apart. Every id is below
   `vocab_size` (the model's; default: the tokenizer's), or it is a DataError.
   """
-  if not isinstance(seq_len, int) or seq_len < 1:
-    raise DataError(f'train.seq_len={seq_len!r} must be a positive integer.')
-  if global_batch_size < 1 or micro_batch_size < 1 or global_batch_size % micro_batch_size:
-    raise DataError(f'train.global_batch_size={global_batch_size} must be a positive multiple of the '
-                    f'micro-batch ({micro_batch_size}).')
   if not len(rows) or min(rows) < 0 or max(rows) >= micro_batch_size:
     raise DataError(f'rows {list(rows)} must be some of the micro-batch\'s {micro_batch_size} rows.')
   separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer))
-  if data_cfg.packing not in PACKINGS:
-    raise DataError(f'data.packing={data_cfg.packing!r}; choose one of {PACKINGS}.')
   streams = sources.load_split(data_cfg, split, vocab_size=vocab_size)
   if data_cfg.packing == 'pad':
     windows = PaddedDocuments(streams, seq_len, separators)

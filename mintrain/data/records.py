@@ -33,7 +33,7 @@ from mintrain.runtime.lazy import lazy_import
 grain = lazy_import('grain')
 
 if TYPE_CHECKING:
-  from mintrain.config import DataConfig
+  from mintrain.data.config import DataConfig
 
 FORMATS = ('jsonl', 'parquet', 'arrayrecord')
 Document = str | np.ndarray
@@ -89,8 +89,6 @@ class Reader:
   def __init__(self, data_cfg: DataConfig, vocab_size: int | None = None):
     if data_cfg.source not in FORMATS:
       raise DataError(f'data.source={data_cfg.source!r} is not a streamed format; choose one of {FORMATS}.')
-    if data_cfg.block_bytes < 1:
-      raise DataError(f'data.block_bytes={data_cfg.block_bytes} must be >= 1.')
     self.kind, self.field = data_cfg.source, data_cfg.text_field
     self.block_bytes = data_cfg.block_bytes
     self.tokens = self.kind == 'arrayrecord' and data_cfg.record_format == 'tokens'

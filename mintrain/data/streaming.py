@@ -36,7 +36,7 @@ from mintrain.data import records, segments, sources, tokenizer
 from mintrain.errors import DataError
 
 if TYPE_CHECKING:
-  from mintrain.config import DataConfig
+  from mintrain.data.config import DataConfig
 
 _BLOCK_ORDER, _DOCUMENT_ORDER, _MIX = 0x0B10C, 0xD0C5, 0x313C  # Separate random streams drawn from the seed.
 _BASELINE_TOKENS = 1 << 26  # Tokens of the eval split counted for its unigram entropy.
@@ -78,12 +78,8 @@ class Split:
 
   def __init__(self, data_cfg: DataConfig, split: str, seed: int, encode: Encoder = byte_encoder,
                vocab_size: int | None = None):
-    if not 0.0 <= data_cfg.eval_fraction < 1.0:
-      raise DataError(f'data.eval_fraction={data_cfg.eval_fraction} must be in [0, 1).')
     if split == 'eval' and data_cfg.eval_fraction == 0.0:
       raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
-    if data_cfg.shuffle_window < 1:
-      raise DataError(f'data.shuffle_window={data_cfg.shuffle_window} must be >= 1.')
     self.reader, self.encode = records.Reader(data_cfg, vocab_size), encode
     every = self.reader.all_blocks()
     in_eval = np.array([sources.in_eval(every.key(i), data_cfg.eval_fraction) for i in range(len(every))])

@@ -67,7 +67,7 @@ def make_config(path: str | os.PathLike, base: ml_collections.ConfigDict | None 
   config.model.update(options)
   if mesh_sizes:
     config.mesh.update(mesh_sizes)
-  return config_lib.validate(config)
+  return config_lib.resolve(config_lib.validate(config))[0]
 
 
 class _Tensors(contextlib.ExitStack):

@@ -31,14 +31,15 @@ def fail(message: str) -> NoReturn:
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None):
-  """Parses `--config FILE` plus `--config.key.path=value` overrides into the validated config."""
+  """Parses `--config FILE` plus `--config.key.path=value` overrides into (args, the validated and resolved
+  config, its loaded tokenizer)."""
   overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
   try:
-    config = config_lib.validate(config_lib.load(args.config, overrides))
+    config, tok = config_lib.resolve(config_lib.validate(config_lib.load(args.config, overrides)))
   except errors.ConfigError as e:
     fail(str(e))
-  return args, config
+  return args, config, tok
 
 
 def quiet_libraries() -> None:
@@ -57,7 +58,7 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                      help='seconds to wait for every process to join (default %(default)s)')
 
 
-def devices_for(mesh: config_lib.MeshConfig, args: argparse.Namespace | None = None):
+def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = None):
   """Devices for the mesh: joins a multi-process run if one is set up; on the CPU backend, simulates
   the mesh's devices (each process its share); elsewhere, the accelerators or a one-line error."""
   quiet_libraries()

@@ -1,0 +1,68 @@
+"""The `data` section, parsed once here; the data layer reads it as given and checks only the data."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from mintrain import fields
+from mintrain.errors import ConfigError
+from mintrain.fields import option
+
+STREAMED_SOURCES = ('jsonl', 'parquet', 'arrayrecord')  # Read a block at a time (mintrain.data.records).
+# What each source of a mixture may set; the rest (threads, prefetch) belongs to the whole mixture.
+MIXTURE_KEYS = ('source', 'path', 'eval_fraction', 'token_dtype', 'text_field', 'record_format',
+                'block_bytes', 'shuffle_window', 'skip_bad_records')
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: str = option(choices=('stdlib', 'text', 'tokens', 'synthetic', *STREAMED_SOURCES, 'mixture'))
+  path: str = option()
+  tokenizer: str = option()  # 'byte', a tokenizer file or directory; '' the HF checkpoint's, or 'byte'.
+  eval_fraction: float = option(at_least=0, below=1)
+  token_dtype: str = option(choices=('uint16', 'uint32'))
+  max_bytes: int = option(at_least=0)
+  packing: str = option(choices=('pack', 'pad'))
+  num_threads: int = option(at_least=0)
+  prefetch: int = option(at_least=0)
+  device_prefetch: int = option(at_least=0)
+  text_field: str = option()
+  record_format: str = option(choices=('text', 'tokens'))
+  block_bytes: int = option(at_least=1)
+  shuffle_window: int = option(at_least=1)
+  skip_bad_records: bool = option()
+  mixture: tuple = option()  # ((settings as sorted (key, value) pairs, weight), ...), from (dict, weight)s.
+
+  def __post_init__(self):
+    entries = tuple(_mixture_entry(i, entry) for i, entry in enumerate(self.mixture))
+    object.__setattr__(self, 'mixture', entries)
+    if (self.source == 'mixture') != bool(entries):
+      raise ConfigError("data.source='mixture' and a non-empty data.mixture go together: set both (a list of "
+                        "({'source': 'jsonl', 'path': ...}, weight)) or neither.")
+
+
+def _mixture_entry(i: int, entry: Any) -> tuple[tuple[tuple[str, Any], ...], float]:
+  """A mixture entry as ((key, value), ...) and its weight, checked; ConfigError names the entry."""
+  where = f'data.mixture[{i}]'
+  if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+    raise ConfigError(f"{where}={entry!r} must be a pair (settings, weight), e.g. "
+                      f"({{'source': 'jsonl', 'path': 'a/*.jsonl'}}, 0.5).")
+  settings, weight = entry
+  if isinstance(settings, (list, tuple)):  # As saved in a checkpoint's config.
+    settings = dict(settings)
+  if not isinstance(settings, Mapping):
+    raise ConfigError(f'{where}: settings {settings!r} must be a dict of data options.')
+  for key in settings:
+    if key not in MIXTURE_KEYS:
+      raise ConfigError(f'{where}: {key!r} is not an option a mixture source may set; choose from '
+                        f'{MIXTURE_KEYS}.')
+  source = settings.get('source')
+  if source not in STREAMED_SOURCES:
+    raise ConfigError(f"{where}: source={source!r} is not a source a mixture can draw from; choose one of "
+                      f'{STREAMED_SOURCES}.')
+  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float('inf'):
+    raise ConfigError(f'{where}: weight={weight!r} must be a finite number > 0.')
+  checked = fields.check(DataConfig, settings, where)  # Each value's own check.
+  return tuple(sorted(checked.items())), float(weight)
