@@ -169,6 +169,20 @@ def bpe():
   return tok
 
 
+@pytest.fixture(scope='module')
+def metaspace():
+  """A SentencePiece-style BPE (spaces as '▁', no byte fallback): offsets that skip a normalized text."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement='▁', prepend_scheme='first')
+  tok.decoder = decoders.Metaspace(replacement='▁', prepend_scheme='first')
+  texts = [t for t, _, _ in TEMPLATES.values()] + [json.dumps(c, ensure_ascii=False)
+                                                   for c in [*CHATS.values(), TOOL_CHAT, WEATHER]]
+  tok.train_from_iterator(texts * 3, trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIAL))
+  return tok
+
+
 def save(bpe, directory, template, **special):
   """(transformers' tokenizer, ours), read from one directory saved by transformers."""
   import transformers
@@ -240,6 +254,17 @@ def test_chatml_without_markers_weights_what_the_same_template_with_markers_mark
   _, weights, _ = assert_same(theirs, ours, CHATS[name])
   mask = theirs.apply_chat_template(CHATS[name], return_dict=True, return_assistant_tokens_mask=True)
   assert weights.tolist() == mask['assistant_masks']
+
+
+@pytest.mark.parametrize('template', sorted(TEMPLATES))
+def test_a_sentencepiece_style_tokenizer_gives_the_same_ids_and_mask(metaspace, tmp_path, template):
+  theirs, ours = save(metaspace, tmp_path / 'tok', TEMPLATES[template][0], **TEMPLATES[template][1])
+  marked, _ = save(metaspace, tmp_path / 'marked', QWEN, **TEMPLATES['qwen'][1])
+  for messages in CHATS.values():
+    _, weights, _ = assert_same(theirs, ours, messages)
+    if template in ('qwen', 'chatml'):  # The same text; one template marks it, the other not.
+      mask = marked.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+      assert weights.tolist() == mask['assistant_masks']
 
 
 def test_tool_calls_and_tool_results_with_generation_markers(bpe, tmp_path):
