@@ -27,10 +27,12 @@ QWEN = """{%- if tools %}
 {%- else %}
 {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
 {%- endif %}
+{%- set ns = namespace(answered=false) %}
 {%- for message in messages %}
 {%- if message.role == 'system' and loop.first %}
 {%- continue %}
 {%- elif message.role == 'assistant' %}
+{%- set ns.answered = true %}
 {{- '<|im_start|>assistant\\n' }}{% generation %}{{- message.content if message.content else '' }}
 {%- for call in message.tool_calls %}
 {{- '<tool_call>\\n{"name": "' + call.function.name + '", "arguments": '
@@ -368,6 +370,17 @@ def test_a_role_the_template_refuses_is_a_one_line_data_error(bpe, tmp_path):
   assert '\n' not in str(e.value)
   with pytest.raises(DataError, match='must alternate'):
     chat.encode(ours, [{'role': 'user', 'content': 'a'}, {'role': 'user', 'content': 'b'}])
+
+
+def test_tool_calls_and_reasoning_need_generation_markers_to_be_weighed(bpe, tmp_path):
+  _, ours = save(bpe, tmp_path, CHATML, **TEMPLATES['chatml'][1])
+  with pytest.raises(DataError, match=r'^message 2 \(assistant\) has tool_calls, .* markers can weigh'):
+    chat.encode(ours, TOOL_CHAT, tools=[WEATHER])
+  thought = [{'role': 'user', 'content': 'Hi'},
+             {'role': 'assistant', 'content': 'Hello', 'reasoning': 'Greet.'}]
+  with pytest.raises(DataError, match=r'^message 1 \(assistant\) has reasoning_content'):
+    chat.encode(ours, thought)
+  assert chat.encode(ours, TOOL_CHAT, tools=[WEATHER], loss_on='all')[1].all()
 
 
 def test_no_chat_template_is_a_data_error(bpe, tmp_path):

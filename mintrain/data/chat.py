@@ -6,8 +6,8 @@ transformers is not imported: it is only the tests' reference.
 
 Loss weights (`loss_on='assistant'`) come from the template where it marks the assistant's text with
 `{% generation %}` (transformers' `return_assistant_tokens_mask`); otherwise each assistant message's rendered
-content and the control token that ends its turn (`<|im_end|>`, `<end_of_turn>`, `<|eot_id|>`, EOS, ...).
-A token is weighted when its characters overlap a weighted span.
+content and the control token that ends its turn (`<|im_end|>`, `<end_of_turn>`, `<|eot_id|>`, EOS, ...);
+tool calls and reasoning need the markers. A token is weighted when its characters overlap a weighted span.
 """
 
 from __future__ import annotations
@@ -387,5 +387,10 @@ def encode(tok: Tokenizer, messages: Sequence[dict], *, tools: list[dict] | None
   if loss_on == 'all':
     return ids, np.ones(len(ids), np.float32)
   if not _GENERATION_TAG.search(source):
+    for i, message in enumerate(plain):
+      extra = [k for k in ('tool_calls', *_REASONING_FIELDS) if k in message]
+      if message['role'] == 'assistant' and extra:
+        raise DataError(f'message {i} (assistant) has {extra[0]}, which only a chat template with '
+                        "{% generation %} markers can weigh; use one, or loss_on='all'.")
     spans = _assistant_spans(tok, plain, tools, source, text)
   return ids, _weights(encoding.offsets, spans)
