@@ -4,7 +4,8 @@
 - 'byte': ids 0..255 are the UTF-8 bytes, then BOS (256). No vocabulary file and no training: any text
   round-trips exactly, and one token is one byte, so a loss in nats per token is one in nats per byte.
 - a Hugging Face tokenizer (the `tokenizers` package): a `tokenizer.json`, or a directory holding one;
-  its `tokenizer_config.json`, beside it, names BOS and EOS.
+  its `tokenizer_config.json`, beside it, names BOS and EOS (and a `chat_template.jinja` there, the chat
+  template `mintrain.data.chat` renders, travels with it).
 - a SentencePiece model: a `.model` file, or a directory holding `tokenizer.model`.
 
 Every tokenizer gives the same small interface (`ByteTokenizer` is the reference): `encode(text)` ids
@@ -34,7 +35,7 @@ NUM_BYTES = 256
 BOS = NUM_BYTES  # The byte tokenizer's begin-of-document; the separator between packed documents.
 VOCAB_SIZE = NUM_BYTES + 1  # Ids the byte tokenizer produces.
 RUN_DIR = 'tokenizer'  # A run's copy of its tokenizer's files, in its workdir (for sampling, export).
-HF_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json')
+HF_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'chat_template.jinja')
 SP_FILE = 'tokenizer.model'
 
 
