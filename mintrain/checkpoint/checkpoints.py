@@ -74,16 +74,33 @@ class _DiskFullLogFilter(logging.Filter):
 _DISK_FULL_LOG_FILTER = _DiskFullLogFilter()
 
 
+def _chain(e: BaseException | None):
+  """`e` and the exceptions it was raised from."""
+  while e is not None:
+    yield e
+    e = e.__cause__ or e.__context__
+
+
 def _is_disk_full(e: BaseException | None) -> bool:
   """Whether `e` or an exception it was raised from says the disk (or the quota) is full."""
-  while e is not None:
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-      return True
-    text = str(e)
-    if 'No space left on device' in text or 'Disk quota exceeded' in text:
-      return True
-    e = e.__cause__ or e.__context__
-  return False
+  return any((isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
+             or 'No space left on device' in str(x) or 'Disk quota exceeded' in str(x) for x in _chain(e))
+
+
+# TensorStore's status codes for a file that is missing, shorter than its index says, or does not decode.
+_DAMAGE_CODES = ('NOT_FOUND', 'DATA_LOSS', 'OUT_OF_RANGE', 'FAILED_PRECONDITION')
+
+
+def _is_damage(e: BaseException) -> bool:
+  """Whether a failed read is the checkpoint's own damage (missing or unreadable files, undecodable arrays or
+  metadata), which an older checkpoint may not share; anything else (out of memory, a sharding bug) is not."""
+  return any(isinstance(x, (OSError, json.JSONDecodeError))
+             or (isinstance(x, ValueError) and str(x).startswith(_DAMAGE_CODES)) for x in _chain(e))
+
+
+def _note_not_damage(e: Exception, what: str) -> None:
+  """Notes on `e`, raised as it is, what it interrupted and that it was not taken for damage."""
+  e.add_note(f'{what}; this is not damage to the files, so no older checkpoint was tried.')
 
 
 def versions() -> dict[str, str]:
@@ -299,6 +316,9 @@ class Checkpoints:
     try:
       tree = self.manager.item_metadata(step)['state']
     except Exception as e:
+      if not _is_damage(e):
+        _note_not_damage(e, f'Reading the array metadata of checkpoint step {step} at {self.step_dir(step)}')
+        raise
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: its array '
                             f'metadata cannot be read ({_first_line(e)}).') from e
     if tree is None:
@@ -359,6 +379,9 @@ class Checkpoints:
           data=ocp.args.JsonRestore(),
           metadata=ocp.args.JsonRestore()))
     except Exception as e:
+      if not _is_damage(e):
+        _note_not_damage(e, f'Restoring checkpoint step {step} at {self.step_dir(step)}')
+        raise
       bad = self._unreadable_arrays(step, source)
       what = f'array(s) {", ".join(bad)}' if bad else 'its data or metadata files'
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: cannot read '
