@@ -71,7 +71,19 @@ class _DiskFullLogFilter(logging.Filter):
                 or 'No space left on device' in record.getMessage())
 
 
-_DISK_FULL_LOG_FILTER = _DiskFullLogFilter()
+_FILTERED_LOGGERS = ('absl', 'asyncio')
+
+
+def _manager_class() -> type:
+  """Orbax's CheckpointManager, saving only when told to (`Save` decides, with `force=True`) and never
+  asking JAX's preemption sync point itself: with global steps it would skew the run's own step counter,
+  on which every process's agreement to stop relies (`runtime.preemption`)."""
+
+  class Manager(ocp.CheckpointManager):
+    def reached_preemption(self, step: int) -> bool:
+      return False
+
+  return Manager
 
 
 def _chain(e: BaseException | None):
@@ -172,25 +184,15 @@ class Restored:
 class Checkpoints:
   """The checkpoints of one run directory: when to save, how many to keep, how to restore."""
 
-  def __init__(self, directory: str | os.PathLike, *, every_steps: int = 0, keep: int = 1,
-               read_only: bool = False):
+  def __init__(self, directory: str | os.PathLike, *, keep: int = 1, read_only: bool = False):
     if is_remote(directory) and not os.fspath(directory).startswith('gs://'):
       raise StorageError(f'{os.fspath(directory)}: checkpoints go to local paths or gs:// only (Orbax writes '
                          "arrays through TensorStore's file and GCS drivers).")
     self.directory = run_path(directory) if read_only else prepare_dir(directory, 'checkpoint directory')
-    for logger in ('absl', 'asyncio'):
-      logging.getLogger(logger).addFilter(_DISK_FULL_LOG_FILTER)  # A logger keeps one filter once.
     self._pending: tuple[int, int] | None = None  # (step, bytes it needs) of the save in flight.
-    policies = ocp.checkpoint_managers
-    save_policy = policies.AnySavePolicy([
-        policies.FixedIntervalPolicy(every_steps if every_steps > 0 else 2**62),
-        # A policy of our own replaces the default, which would have included this one.
-        policies.PreemptionCheckpointingPolicy(),
-    ])
     # `read_only` here means: never create, clean up or save (Orbax's own flag only warns).
     options = ocp.CheckpointManagerOptions(
-        save_decision_policy=save_policy,
-        preservation_policy=policies.LatestN(max(keep, 1)),
+        preservation_policy=ocp.checkpoint_managers.LatestN(max(keep, 1)),
         enable_async_checkpointing=True,
         # Orbax's own clean-up runs in a thread that only a save waits for: a run that ends before its
         # first save (a bad --restore_from) would exit under it. The clean-up below is synchronous.
@@ -204,16 +206,13 @@ class Checkpoints:
     handlers = {'state': state, 'data': ocp.JsonCheckpointHandler(), 'metadata': ocp.JsonCheckpointHandler()}
     if not read_only:
       self._remove_partial_saves()
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
-    # The loop agrees on preemption stops with its own step counter (runtime.preemption); Orbax asking
-    # JAX's sync point with global steps on every save would skew the counter that agreement relies on.
-    self.manager.reached_preemption = lambda step: False
+    self.manager = _manager_class()(self.directory, options=options, item_handlers=handlers)
+    self._log_filter = None if read_only else _DiskFullLogFilter()  # Until `close`: these saves only.
+    for logger in _FILTERED_LOGGERS if self._log_filter else ():
+      logging.getLogger(logger).addFilter(self._log_filter)
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
-
-  def should_save(self, step: int) -> bool:
-    return self.manager.should_save(step)
 
   def save(self, step: int, state: TrainState, *, data_state: Mapping[str, Any],
            metadata: Mapping[str, Any]) -> None:
@@ -291,7 +290,11 @@ class Checkpoints:
           child.rmtree(missing_ok=True)
 
   def close(self) -> None:
-    self.manager.close()
+    try:
+      self.manager.close()
+    finally:
+      for logger in _FILTERED_LOGGERS:
+        logging.getLogger(logger).removeFilter(self._log_filter)
 
   def step_dir(self, step: int) -> epath.Path:
     return self.directory / str(step)

@@ -1,0 +1,248 @@
+"""The loop's periodic actions (Levanter's hooks): after a step each says whether it is `due`, and the loop
+calls the due ones with a `StepInfo`. Each owns its timing and, as a context entered in the run's
+`ExitStack`, its cleanup: on every exit path the save in flight is finished (or abandoned if it failed),
+the profiler trace is closed and the metrics are flushed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
+
+from mintrain import metrics, report
+from mintrain.build import Run
+from mintrain.checkpoint import checkpoints as ckpt_lib
+from mintrain.config import ProfileConfig
+from mintrain.data import streaming
+from mintrain.data.batches import GlobalBatches
+from mintrain.runtime import host_allocator
+from mintrain.train_state import TrainState
+
+Say = Callable[[str], None]
+LogFn = Callable[[int, dict], None]
+
+
+def to_host(tree):
+  """Host values of a tree of replicated or addressable arrays. In a multi-process run no process can
+  address every copy, so each reads its own; an array split over processes is gathered first."""
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(x)
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(one, tree)
+
+
+class Timer:
+  """Wall time of the steps between logging records, with the actions' own time left out."""
+
+  def __init__(self):
+    self.restart()
+
+  def restart(self) -> None:
+    """Forget everything so far (the first step, with its compilation, is left out of the rates)."""
+    self.steps, self.seconds, self.all_steps, self.all_seconds = 0, 0.0, 0, 0.0
+    self.data_wait = 0.0
+    self._since = time.perf_counter()
+
+  def resume(self) -> None:
+    self._since = time.perf_counter()
+
+  def pause(self) -> None:
+    self.seconds += time.perf_counter() - self._since
+
+  def take(self) -> tuple[int, float, float]:
+    """(steps, seconds, seconds waiting for data) since the last take."""
+    out = (self.steps, self.seconds, self.data_wait)
+    self.all_steps, self.all_seconds = self.all_steps + self.steps, self.all_seconds + self.seconds
+    self.steps, self.seconds, self.data_wait = 0, 0.0, 0.0
+    return out
+
+
+@dataclasses.dataclass
+class StepInfo:
+  """What the actions see after a step."""
+
+  step: int  # Steps done, this one included.
+  last: bool  # The run's final step.
+  stopping: bool  # A stop was requested: this step is the last, and it is saved.
+  state: TrainState
+  metrics: list[dict] = dataclasses.field(default_factory=list)  # Host values of the steps since the last.
+
+
+class Log:
+  """Every `train.log_every` steps and at the end: the step's metrics and the interval's throughput."""
+
+  def __init__(self, run: Run, timer: Timer, log: LogFn, peak: float):
+    self.every, self.total = run.config.train.log_every, run.config.train.steps
+    self.timer, self.log, self.peak = timer, log, peak
+    self.data, self.seed, self.rows = run.config.data, run.config.seed, run.config.train.global_batch_size
+    self.rates = dict(tokens_per_step=report.tokens_per_step(run.config),
+                      flops_per_step=report.train_flops_per_step(run.config), num_devices=run.mesh.size)
+
+  def due(self, info: StepInfo) -> bool:
+    return info.step % self.every == 0 or info.last
+
+  def __call__(self, info: StepInfo) -> None:
+    scalars = {k: float(v) for k, v in info.metrics[-1].items()}
+    steps, seconds, data_wait = self.timer.take()
+    if steps:
+      scalars.update(metrics.throughput(steps, seconds, **self.rates, peak_tflops=self.peak))
+      scalars['data_wait_fraction'] = min(data_wait / seconds, 1.0)
+      scalars['eta_sec'] = (self.total - info.step) * scalars['step_time']
+    if self.data.source == 'mixture':  # Each source's share of the tokens of the last `every` steps.
+      steps = range(max(info.step - self.every, 0), info.step)
+      scalars.update(streaming.token_fractions(self.data, self.seed, self.rows, steps))
+    self.log(info.step, scalars)
+
+
+class Evaluate:
+  """Every `eval.every_steps` steps and at the end: mean loss on the same held-out batches each time."""
+
+  def __init__(self, run: Run, log: LogFn, batches: GlobalBatches | None, bytes_per_token: float | None):
+    self.run, self.log, self.every = run, log, run.config.eval.every_steps
+    self.batches, self.bytes_per_token = batches, bytes_per_token
+    self.start = self.batches.get_state() if self.batches is not None else {}
+    self.last: dict[str, float] = {}
+
+  def due(self, info: StepInfo) -> bool:
+    if not self.run.config.eval.steps:
+      return False
+    return info.last or bool(self.every and info.step % self.every == 0)
+
+  def __call__(self, info: StepInfo) -> None:
+    self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token)
+    self.log(info.step, self.last)
+
+
+def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
+             bytes_per_token: float | None = None) -> dict[str, float]:
+  """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
+  time), and what follows: perplexity, the family's own figures, and bits per byte where the text's bytes
+  per token are known."""
+  steps = run.config.eval.steps
+  batches.set_state(start_state)
+  sums, counts = zip(*to_host([run.eval_step(params, next(batches)) for _ in range(steps)]))
+  loss = float(sum(sums) / sum(counts))
+  out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
+  if bytes_per_token:
+    out['eval_bits_per_byte'] = loss / math.log(2) / bytes_per_token
+  return out | run.config.family.eval_metrics(run.config.model, loss)
+
+
+def checkpoint_metadata(run: Run, step: int) -> dict:
+  """What a checkpoint records beside the arrays: the config, the mesh and the versions that saved it."""
+  return {'step': step, 'config': run.config.to_dict(),
+          'mesh': {k: int(v) for k, v in run.mesh.shape.items()},
+          'process_count': jax.process_count(), 'versions': ckpt_lib.versions()}
+
+
+class Save:
+  """A checkpoint every `checkpoint.every_steps` steps, at the end and on a stop: the decision is this
+  action's alone (Orbax's manager is told to save). As a context, it opens the checkpoints and finishes
+  the save in flight on exit; after a failure it abandons it rather than hide the failure. Each save then
+  hands the host heap's free pages back, so the RSS after a save stays where it was after the first."""
+
+  def __init__(self, run: Run, checkpoints: ckpt_lib.Checkpoints, batches: GlobalBatches):
+    self.run, self.checkpoints, self.batches = run, checkpoints, batches
+    self.every = run.config.checkpoint.every_steps
+
+  def due(self, info: StepInfo) -> bool:
+    return bool(self.every and info.step % self.every == 0) or info.last or info.stopping
+
+  def __call__(self, info: StepInfo) -> None:
+    self.checkpoints.save(info.step, info.state, data_state=self.batches.get_state(),
+                          metadata=checkpoint_metadata(self.run, info.step))
+    host_allocator.release_freed_memory()
+
+  def __enter__(self) -> Save:
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is None:
+      self.checkpoints.wait()
+      self.checkpoints.close()
+      return
+    with contextlib.suppress(Exception):  # The error already on its way out is the one to report.
+      self.checkpoints.close()
+
+
+class Profile:
+  """A JAX profiler trace of steps start_step .. start_step + num_steps - 1 into WORKDIR/profile; as a
+  context, it closes a trace still open on exit. The profiler writes local files: for a remote workdir
+  it traces into a local `metrics.Staging` directory, copied to WORKDIR/profile when the trace closes.
+  A run without a workdir writes no profile."""
+
+  def __init__(self, cfg: ProfileConfig, workdir: epath.Path | None, say: Say):
+    self.start, self.count, self.say = cfg.start_step, cfg.num_steps, say
+    if workdir is None and self.start > 0:
+      say('note: profile.start_step is set but there is no workdir: no profile is written.')
+      self.start = 0
+    self.directory = None if workdir is None else workdir / 'profile'
+    self.staging: metrics.Staging | None = None
+    self.active = False
+
+  def before(self, step: int) -> None:
+    if self.start > 0 and step == self.start:
+      self.staging = metrics.Staging(self.directory)
+      jax.profiler.start_trace(str(self.staging.local))
+      self.active = True
+
+  def due(self, info: StepInfo) -> bool:
+    return self.active and info.step >= self.start + self.count - 1
+
+  def __call__(self, info: StepInfo) -> None:
+    self.close()
+
+  def close(self) -> None:
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+      self.staging.close()
+      self.say(f'profile: steps {self.start}..{self.start + self.count - 1} written to {self.directory} '
+               f'(open with TensorBoard\'s profile plugin or https://ui.perfetto.dev)')
+
+  def __enter__(self) -> Profile:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class Actions:
+  """A run's actions in the order they run (a save first, so the others see it done), each entered in
+  `stack`; `log` records a step's scalars and writes them (the metrics writer is entered first)."""
+
+  def __init__(self, stack: contextlib.ExitStack, run: Run, workdir: epath.Path | None, timer: Timer,
+               peak: float, batches: GlobalBatches, eval_batches: GlobalBatches | None,
+               bytes_per_token: float | None, *, is_main: bool, say: Say, print_fn: Say):
+    config = run.config
+    self.records: list[dict] = []
+    # As a context, the writer keeps an error already on its way out (a full disk) over its own.
+    self.writer = stack.enter_context(metrics.make_writer(workdir, is_main=is_main,
+                                                          total_steps=config.train.steps, print_fn=print_fn))
+    self.writer.write_hparams(metrics.flat_hparams(config.to_dict()))
+    self.checkpoints = None
+    if workdir is not None and config.checkpoint.keep > 0:
+      self.checkpoints = ckpt_lib.Checkpoints(workdir / ckpt_lib.CHECKPOINTS, keep=config.checkpoint.keep)
+    self.profile = stack.enter_context(Profile(config.profile, workdir, say))
+    self.evaluation = Evaluate(run, self.log, eval_batches, bytes_per_token)
+    self.all: list = [Log(run, timer, self.log, peak), self.evaluation, self.profile]
+    if self.checkpoints is not None:
+      self.all.insert(0, stack.enter_context(Save(run, self.checkpoints, batches)))
+
+  def log(self, step: int, scalars: dict[str, float]) -> None:
+    self.records.append({'step': step, **scalars})
+    self.writer.write_scalars(step, scalars)
+
+  def due(self, info: StepInfo) -> list:
+    return [action for action in self.all if action.due(info)]
