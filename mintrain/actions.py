@@ -157,7 +157,9 @@ class Save:
     self.every = run.config.checkpoint.every_steps
 
   def due(self, info: StepInfo) -> bool:
-    return bool(self.every and info.step % self.every == 0) or info.last or info.stopping
+    """A periodic save never replaces a saved step (a damaged one that a fallback skipped stays)."""
+    periodic = self.every > 0 and info.step % self.every == 0 and info.step > self.checkpoints.newest_step()
+    return periodic or info.last or info.stopping
 
   def __call__(self, info: StepInfo) -> None:
     self.checkpoints.save(info.step, info.state, data_state=self.batches.get_state(),

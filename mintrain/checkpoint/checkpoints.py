@@ -214,6 +214,10 @@ class Checkpoints:
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
+  def newest_step(self) -> int:
+    """The newest saved step (0 if none), as the manager last listed or saved it: no reads."""
+    return self.manager.latest_step() or 0
+
   def save(self, step: int, state: TrainState, *, data_state: Mapping[str, Any],
            metadata: Mapping[str, Any]) -> None:
     """Starts an asynchronous save; returns once the arrays are copied off the devices.
