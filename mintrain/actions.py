@@ -233,14 +233,13 @@ class Actions:
     self.writer = stack.enter_context(metrics.make_writer(workdir, is_main=is_main,
                                                           total_steps=config.train.steps, print_fn=print_fn))
     self.writer.write_hparams(metrics.flat_hparams(config.to_dict()))
-    self.checkpoints = None
+    self.checkpoints, save = None, []
     if workdir is not None and config.checkpoint.keep > 0:
       self.checkpoints = ckpt_lib.Checkpoints(workdir / ckpt_lib.CHECKPOINTS, keep=config.checkpoint.keep)
+      save = [stack.enter_context(Save(run, self.checkpoints, batches))]
     self.profile = stack.enter_context(Profile(config.profile, workdir, say))
     self.evaluation = Evaluate(run, self.log, eval_batches, bytes_per_token)
-    self.all: list = [Log(run, timer, self.log, peak), self.evaluation, self.profile]
-    if self.checkpoints is not None:
-      self.all.insert(0, stack.enter_context(Save(run, self.checkpoints, batches)))
+    self.all: list = [*save, Log(run, timer, self.log, peak), self.evaluation, self.profile]
 
   def log(self, step: int, scalars: dict[str, float]) -> None:
     self.records.append({'step': step, **scalars})
