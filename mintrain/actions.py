@@ -1,8 +1,5 @@
-"""The loop's periodic actions (Levanter's hooks): after a step each says whether it is `due`, and the loop
-calls the due ones with a `StepInfo`. Each owns its timing and, as a context entered in the run's
-`ExitStack`, its cleanup: on every exit path the save in flight is finished (or abandoned if it failed),
-the profiler trace is closed and the metrics are flushed.
-"""
+"""The loop's periodic actions (Levanter's hooks): each says when it is `due` after a step and owns its
+timing and, as a context in the run's `ExitStack`, its cleanup on every exit path."""
 
 from __future__ import annotations
 
@@ -31,8 +28,8 @@ LogFn = Callable[[int, dict], None]
 
 
 def to_host(tree):
-  """Host values of a tree of replicated or addressable arrays. In a multi-process run no process can
-  address every copy, so each reads its own; an array split over processes is gathered first."""
+  """Host values of a tree of arrays: a replicated one from this process's own copy, one split over
+  processes gathered from all (every process must call it)."""
   def one(x):
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
       return np.asarray(x)
@@ -48,10 +45,8 @@ class Timer:
   def __init__(self):
     self.restart()
 
-  def restart(self) -> None:
-    """Forget everything so far (the first step, with its compilation, is left out of the rates)."""
-    self.steps, self.seconds, self.all_steps, self.all_seconds = 0, 0.0, 0, 0.0
-    self.data_wait = 0.0
+  def restart(self) -> None:  # The first step, with its compilation, is left out of the rates.
+    self.steps, self.seconds, self.all_steps, self.all_seconds, self.data_wait = 0, 0.0, 0, 0.0, 0.0
     self._since = time.perf_counter()
 
   def resume(self) -> None:
@@ -60,8 +55,7 @@ class Timer:
   def pause(self) -> None:
     self.seconds += time.perf_counter() - self._since
 
-  def take(self) -> tuple[int, float, float]:
-    """(steps, seconds, seconds waiting for data) since the last take."""
+  def take(self) -> tuple[int, float, float]:  # (steps, seconds, seconds waiting for data) since the last.
     out = (self.steps, self.seconds, self.data_wait)
     self.all_steps, self.all_seconds = self.all_steps + self.steps, self.all_seconds + self.seconds
     self.steps, self.seconds, self.data_wait = 0, 0.0, 0.0
@@ -127,8 +121,7 @@ class Evaluate:
 def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
              bytes_per_token: float | None = None) -> dict[str, float]:
   """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
-  time), and what follows: perplexity, the family's own figures, and bits per byte where the text's bytes
-  per token are known."""
+  time), perplexity, the family's own figures, and bits per byte where bytes per token are known."""
   steps = run.config.eval.steps
   batches.set_state(start_state)
   sums, counts = zip(*to_host([run.eval_step(params, next(batches)) for _ in range(steps)]))
@@ -147,17 +140,16 @@ def checkpoint_metadata(run: Run, step: int) -> dict:
 
 
 class Save:
-  """A checkpoint every `checkpoint.every_steps` steps, at the end and on a stop: the decision is this
-  action's alone (Orbax's manager is told to save). As a context, it opens the checkpoints and finishes
-  the save in flight on exit; after a failure it abandons it rather than hide the failure. Each save then
-  hands the host heap's free pages back, so the RSS after a save stays where it was after the first."""
+  """A checkpoint every `checkpoint.every_steps` steps, at the end and on a stop (this action decides, not
+  Orbax). On exit it finishes the save in flight, or after a failure abandons it rather than hide the
+  failure. Each save hands the host heap's free pages back, so the RSS stays where the first left it."""
 
   def __init__(self, run: Run, checkpoints: ckpt_lib.Checkpoints, batches: GlobalBatches):
     self.run, self.checkpoints, self.batches = run, checkpoints, batches
     self.every = run.config.checkpoint.every_steps
 
   def due(self, info: StepInfo) -> bool:
-    """A periodic save never replaces a saved step (a damaged one that a fallback skipped stays)."""
+    # A periodic save never replaces a saved step (a damaged one that a fallback skipped stays).
     periodic = self.every > 0 and info.step % self.every == 0 and info.step > self.checkpoints.newest_step()
     return periodic or info.last or info.stopping
 
@@ -179,10 +171,8 @@ class Save:
 
 
 class Profile:
-  """A JAX profiler trace of steps start_step .. start_step + num_steps - 1 into WORKDIR/profile; as a
-  context, it closes a trace still open on exit. The profiler writes local files: for a remote workdir
-  it traces into a local `metrics.Staging` directory, copied to WORKDIR/profile when the trace closes.
-  A run without a workdir writes no profile."""
+  """A JAX profiler trace of steps start_step .. start_step + num_steps - 1 into WORKDIR/profile (staged
+  locally for a remote workdir), closed on exit; none without a workdir."""
 
   def __init__(self, cfg: ProfileConfig, workdir: epath.Path | None, say: Say):
     self.start, self.count, self.say = cfg.start_step, cfg.num_steps, say
@@ -221,8 +211,8 @@ class Profile:
 
 
 class Actions:
-  """A run's actions in the order they run (a save first, so the others see it done), each entered in
-  `stack`; `log` records a step's scalars and writes them (the metrics writer is entered first)."""
+  """A run's actions in the order they run (a save first), each entered in `stack` after the metrics
+  writer that `log` writes to."""
 
   def __init__(self, stack: contextlib.ExitStack, run: Run, workdir: epath.Path | None, timer: Timer,
                peak: float, batches: GlobalBatches, eval_batches: GlobalBatches | None,

@@ -1,8 +1,5 @@
-"""The training loop: build the run, start it (resume, restore or the seed), then step; after the steps
-where some action is due (`actions`: log, evaluate, save, profile), every pending step's values are
-fetched at once and checked (the finite check) before any action runs, so no checkpoint follows a
-non-finite loss. The actions and the signal handlers are entered in one `ExitStack`, which cleans up
-on every exit path.
+"""The training loop: build the run, start it (resume, restore or the seed), then step. Where an action is
+due, the pending steps' values are fetched and checked first, so no checkpoint follows a non-finite loss.
 """
 
 from __future__ import annotations
@@ -11,7 +8,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 from etils import epath
@@ -19,18 +16,15 @@ from etils import epath
 from mintrain import actions as actions_lib
 from mintrain import config as config_lib
 from mintrain import errors, metrics, report
-from mintrain.actions import StepInfo, Timer, to_host
+from mintrain.actions import Say, StepInfo, Timer, to_host
 from mintrain.build import Run, build
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.config import Config
 from mintrain.data import pipeline, tokenizer
 from mintrain.data.batches import GlobalBatches
-from mintrain.errors import NonFiniteLossError
 from mintrain.runtime import distributed, hardware, preemption, storage
 from mintrain.runtime.run_lock import RunLock
 from mintrain.train_state import TrainState
-
-Say = Callable[[str], None]
 
 
 @dataclasses.dataclass
@@ -49,7 +43,7 @@ def check_finite(first_step: int, fetched: list[dict]) -> None:
     bad = [k for k in ('loss', 'grad_norm', 'param_norm') if not math.isfinite(float(m[k]))]
     if bad:
       values = ', '.join(f'{k}={float(m[k])}' for k in bad)
-      raise NonFiniteLossError(
+      raise errors.NonFiniteLossError(
           f'Non-finite {values} at step {first_step + i + 1}: training stopped; the newest checkpoint '
           'is from before it. Lower optimizer.learning_rate, enable optimizer.grad_clip_norm, or check '
           'the data.')
@@ -57,11 +51,8 @@ def check_finite(first_step: int, fetched: list[dict]) -> None:
 
 def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore_from: str | None,
                   params_only: bool, print_fn: Say) -> tuple[TrainState, dict]:
-  """(state, data position): resumed from this run, restored from another, or drawn from the seed.
-
-  A restore reads straight into the run's layout; only what the checkpoint lacks is initialised
-  (the optimizer state and step, for `params_only`).
-  """
+  """(state, data position): resumed from this run, restored from another into this run's layout (only
+  what the checkpoint lacks initialised), or drawn from the seed."""
   fallback = run.config.checkpoint.fallback_to_previous
   if checkpoints is not None and checkpoints.steps():
     restored = checkpoints.restore_newest(run.abstract_state, params_only=False, fallback=fallback,
@@ -103,15 +94,14 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
 
 def _has_saves(workdir: epath.Path | None) -> bool:
   """Whether the workdir's checkpoint directory holds anything (a resume, which ignores init.*)."""
-  directory = None if workdir is None else workdir / ckpt_lib.CHECKPOINTS
-  return directory is not None and directory.exists() and any(directory.iterdir())
+  directory = workdir / ckpt_lib.CHECKPOINTS if workdir is not None else None
+  return bool(directory and directory.exists() and any(directory.iterdir()))
 
 
 def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_main: bool, say: Say
             ) -> tuple[GlobalBatches, GlobalBatches | None, float | None, dict, float]:
-  """Everything that can fail on bad input before the run writes: the report and memory plan, the data
-  and tokenizer, the HF checkpoint's tensors. (train batches, eval batches, bytes per token, baseline
-  record, peak TFLOP/s per device)."""
+  """What can fail on bad input, checked before the run writes (memory plan, data, tokenizer, HF tensors):
+  (train batches, eval batches, bytes per token, baseline record, peak TFLOP/s per device)."""
   config = r.config
   say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan, r.rules))
   for note in config.family.notes(config.model):
@@ -144,8 +134,7 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
 def train(r: Run, state: TrainState, batches: GlobalBatches, actions: actions_lib.Actions,
           stop: preemption.StopRequests, timer: Timer, say: Say
           ) -> tuple[TrainState, list[float], float, bool]:
-  """Steps from the state's step to `train.steps` or an agreed stop: (state, losses, compile seconds,
-  stopped). Metrics stay on device until some action is due."""
+  """Steps to `train.steps` or an agreed stop: (state, losses, compile seconds, stopped)."""
   first_step, total = int(to_host(state.step)), r.config.train.steps
   train_step, compile_time, stopped, pending, losses = r.train_step, 0.0, False, [], []
   for step in range(first_step, total):
@@ -187,11 +176,8 @@ def train(r: Run, state: TrainState, batches: GlobalBatches, actions: actions_li
 def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[jax.Device] | None = None,
         restore_from: str | None = None, restore_params_only: bool = False, force: bool = False,
         print_fn: Say = print) -> RunResult:
-  """Trains `config` up to `config.train.steps` steps on a mesh over `devices`.
-
-  Process 0 holds the workdir's lock (`run_lock.RunLock`) from before anything is built or written to
-  the end; `force` takes it over even from a holder that may still run.
-  """
+  """Trains `config` up to `config.train.steps` steps on a mesh over `devices`. Process 0 holds the
+  workdir's lock from before anything is built to the end; `force` takes it over from a live holder."""
   run_start = time.perf_counter()
   is_main = jax.process_index() == 0
   say = print_fn if is_main else (lambda _: None)

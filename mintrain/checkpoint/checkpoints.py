@@ -1,33 +1,17 @@
 """Sharded, asynchronous checkpoints with Orbax's CheckpointManager.
 
-A run directory holds `checkpoints/<step>/` with three items:
-  state     params, optimizer state, step and PRNG key (arrays, OCDBT)
-  data      the input pipeline's iterator state (JSON)
-  metadata  the full config, the mesh it was saved on, library versions (JSON)
-
-Orbax writes each step into a temporary directory and renames it when every
-item is complete, so a half-written checkpoint is never listed; leftover
-temporary directories are removed when a manager opens the directory.
-Restoring takes the abstract state of the *current* mesh as its target, so
-each device reads only its own shard, whatever mesh the checkpoint came from.
-
-Layers stacked on a leading `layers` axis (`model.scan_layers`) and layers saved one by one
-restore into each other (`layers.Relayout`): the checkpoint is read in its own layout, then each
-array is stacked or split on the devices. The metadata records every array's logical axes for it.
-
-Run paths are `etils.epath` paths: a local one is made absolute (OCDBT needs that), a URL such as
-`gs://bucket/run` is kept as it is (Orbax writes it through TensorStore's GCS driver). A path that
-cannot hold a run (a file, a read-only or full file system) is a one-line `StorageError`; a save that
-runs out of disk space says how much it needs and how much is free, and its partial files are removed.
+A run directory holds `checkpoints/<step>/` with three items: `state` (params, optimizer state, step and
+PRNG key; OCDBT arrays), `data` (the input pipeline's position) and `metadata` (the config, the mesh, the
+versions and every array's logical axes; JSON). A step is listed only once complete. Restoring targets the
+*current* mesh's abstract state, so each device reads only its own shard, and converts between stacked and
+per-layer layouts (`Relayout`). Paths are local (made absolute) or `gs://` URLs.
 """
-
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import errno
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
@@ -60,9 +44,8 @@ def save_bytes(tree: Any, *json_items: Any) -> int:
 
 
 class _DiskFullLogFilter(logging.Filter):
-  """Drops the log records of a save that ran out of disk space, each with a traceback: Orbax's (through
-  absl, from its background threads) and asyncio's (its failed write tasks, collected at exit). The
-  save's DiskFullError reports it in one line, with the space it needs."""
+  """Drops the tracebacks that Orbax (through absl) and asyncio log for a save that ran out of disk space:
+  its DiskFullError says it in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.name == 'absl' and f'{os.sep}orbax{os.sep}' not in record.pathname:
@@ -75,9 +58,8 @@ _FILTERED_LOGGERS = ('absl', 'asyncio')
 
 
 def _manager_class() -> type:
-  """Orbax's CheckpointManager, saving only when told to (`Save` decides, with `force=True`) and never
-  asking JAX's preemption sync point itself: with global steps it would skew the run's own step counter,
-  on which every process's agreement to stop relies (`runtime.preemption`)."""
+  """Orbax's CheckpointManager that never asks JAX's preemption sync point (the loop decides each save): its
+  global step numbers would skew the counter that the processes' agreed stop relies on (`preemption`)."""
 
   class Manager(ocp.CheckpointManager):
     def reached_preemption(self, step: int) -> bool:
@@ -190,15 +172,12 @@ class Checkpoints:
                          "arrays through TensorStore's file and GCS drivers).")
     self.directory = run_path(directory) if read_only else prepare_dir(directory, 'checkpoint directory')
     self._pending: tuple[int, int] | None = None  # (step, bytes it needs) of the save in flight.
-    # `read_only` here means: never create, clean up or save (Orbax's own flag only warns).
+    # `read_only` here means: never create, clean up or save (Orbax's own flag only warns). Orbax's own
+    # clean-up runs in a thread that only a save waits for (a run that fails before its first save would
+    # exit under it); `_remove_partial_saves` is synchronous.
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(max(keep, 1)),
-        enable_async_checkpointing=True,
-        # Orbax's own clean-up runs in a thread that only a save waits for: a run that ends before its
-        # first save (a bad --restore_from) would exit under it. The clean-up below is synchronous.
-        cleanup_tmp_directories=False,
-        create=not read_only,
-    )
+        preservation_policy=ocp.checkpoint_managers.LatestN(max(keep, 1)), enable_async_checkpointing=True,
+        cleanup_tmp_directories=False, create=not read_only)
     # Handlers named up front, so metadata can be read before (or without) any restore.
     registry = _array_handlers()
     state = (ocp.PyTreeCheckpointHandler(type_handler_registry=registry) if registry is not None
@@ -220,12 +199,8 @@ class Checkpoints:
 
   def save(self, step: int, state: TrainState, *, data_state: Mapping[str, Any],
            metadata: Mapping[str, Any]) -> None:
-    """Starts an asynchronous save; returns once the arrays are copied off the devices.
-
-    The previous save is finished first (Orbax would wait for it too), so that its failure is reported
-    with its own step, and a local disk's free space is read after it: a save that cannot fit is refused
-    before it writes anything.
-    """
+    """Starts an asynchronous save, after finishing the previous one (so its failure names its own step)
+    and refusing one that cannot fit on a local disk; returns once the arrays are off the devices."""
     self.wait()
     tree = state_tree(state)
     metadata = {**metadata, LOGICAL_AXES: {k: v for k, v in flat_logical_axes(tree).items() if v is not None}}
@@ -280,12 +255,8 @@ class Checkpoints:
     return text + f'; the checkpoints saved before (steps {", ".join(map(str, steps))}) are intact.'
 
   def _remove_partial_saves(self) -> None:
-    """Removes unfinished saves (of a failed save, or of a run killed mid-save) on process 0, now rather
-    than in the background, so that a full disk gets its space back and nothing half-written is left.
-
-    Unfinished is Orbax's meaning: locally a `*.orbax-checkpoint-tmp*` directory (a save renames it when
-    done); on gs://, where nothing is renamed, a step directory without `commit_success.txt`.
-    """
+    """Removes unfinished saves (Orbax's tmp directories; on gs://, steps without `commit_success.txt`)
+    on process 0, now rather than in the background, so that a full disk gets its space back."""
     if jax.process_index() != 0:
       return
     with contextlib.suppress(OSError):
@@ -334,10 +305,8 @@ class Checkpoints:
     return tree.tree if hasattr(tree, 'tree') else tree
 
   def check_shapes(self, step: int, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
-    """Raises listing every array whose saved shape or presence differs from the target's.
-
-    Both sides are flat {path: array or metadata}, `saved` as `array_metadata(step)` gives it.
-    """
+    """Raises listing every array whose saved shape or presence differs from the target's (both flat
+    {path: array or metadata}, `saved` as `array_metadata(step)` gives it)."""
     problems = {}
     for path, x in expected.items():
       if path not in saved:
@@ -357,11 +326,8 @@ class Checkpoints:
           f'(scripts/inspect_checkpoint.py {self.step_dir(step)} shows it).')
 
   def restore(self, step: int, abstract_state: TrainState, *, params_only: bool = False) -> Restored:
-    """`step` laid out as `abstract_state` (the current mesh); only `params` with `params_only`.
-
-    A checkpoint whose layers are stacked differently from the target's is read in its own layout,
-    then converted (`Relayout`).
-    """
+    """`step` laid out as `abstract_state` (the current mesh), only `params` with `params_only`; layers
+    stacked differently are read in their own layout, then converted (`Relayout`)."""
     target = state_tree(abstract_state)
     if params_only:
       target = {'params': target['params']}
@@ -434,9 +400,8 @@ class Checkpoints:
 
 
 def _array_handlers() -> ocp.type_handlers.TypeHandlerRegistry | None:
-  """On one host, no replica-parallel writes: they split every replicated shard with small XLA programs
-  (the first save of a run stalled ~2 s on compiling them) and only pay off when several hosts share the
-  writes (BENCHMARKS.md). None keeps Orbax's default."""
+  """On one host, no replica-parallel writes: their small XLA programs cost the first save a compile, and
+  they pay off only when several hosts share the writes (BENCHMARKS.md). None keeps Orbax's default."""
   if jax.process_count() > 1:
     return None
   return ocp.type_handlers.create_type_handler_registry(
@@ -458,16 +423,3 @@ def _restore_args(target: Any, partial: bool) -> ocp.args.PyTreeRestore:
 def _first_line(e: BaseException) -> str:
   text = str(e).strip().splitlines()
   return (text[0] if text else type(e).__name__)[:200]
-
-
-def summarize_config(config: Mapping[str, Any]) -> str:
-  """A few lines of the saved config for inspection."""
-  model, train = config.get('model', {}), config.get('train', {})
-  sizes = ', '.join(f'{k}={v}' for k, v in model.items() if k != 'name')
-  return '\n'.join([
-      f"model: {model.get('name')} ({sizes})",
-      f"train: steps={train.get('steps')} global_batch_size={train.get('global_batch_size')} "
-      f"seq_len={train.get('seq_len')} grad_accum_steps={train.get('grad_accum_steps')}",
-      f"data: {json.dumps(config.get('data', {}))}",
-      f"seed: {config.get('seed')}",
-  ])
