@@ -26,9 +26,9 @@ import jax
 
 from mintrain import configs
 from mintrain import mesh as mesh_lib
+from mintrain.actions import checkpoint_metadata
 from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
-from mintrain.loop import checkpoint_metadata
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -1,10 +1,30 @@
-"""The loop's periodic actions and their config sections."""
+"""The loop's periodic actions (Levanter's hooks): each says when it is `due` after a step and owns its
+timing and, as a context in the run's `ExitStack`, its cleanup on every exit path."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
+import time
+from collections.abc import Callable
 
+import jax
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
+
+from mintrain import metrics, report
+from mintrain.build import Run
+from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.fields import option
+from mintrain.data import streaming
+from mintrain.data.batches import GlobalBatches
+from mintrain.runtime import host_allocator
+from mintrain.train_state import TrainState
+
+Say = Callable[[str], None]
+LogFn = Callable[[int, dict], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,3 +37,215 @@ class EvalConfig:
 class ProfileConfig:
   start_step: int = option(at_least=-1)
   num_steps: int = option(at_least=1)
+
+
+def to_host(tree):
+  """Host values of a tree of arrays: a replicated one from this process's own copy, one split over
+  processes gathered from all (every process must call it)."""
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(x)
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(one, tree)
+
+
+class Timer:
+  """Wall time of the steps between logging records, with the actions' own time left out."""
+
+  def __init__(self):
+    self.restart()
+
+  def restart(self) -> None:  # The first step, with its compilation, is left out of the rates.
+    self.steps, self.seconds, self.all_steps, self.all_seconds, self.data_wait = 0, 0.0, 0, 0.0, 0.0
+    self._since = time.perf_counter()
+
+  def resume(self) -> None:
+    self._since = time.perf_counter()
+
+  def pause(self) -> None:
+    self.seconds += time.perf_counter() - self._since
+
+  def take(self) -> tuple[int, float, float]:  # (steps, seconds, seconds waiting for data) since the last.
+    out = (self.steps, self.seconds, self.data_wait)
+    self.all_steps, self.all_seconds = self.all_steps + self.steps, self.all_seconds + self.seconds
+    self.steps, self.seconds, self.data_wait = 0, 0.0, 0.0
+    return out
+
+
+@dataclasses.dataclass
+class StepInfo:
+  """What the actions see after a step."""
+
+  step: int  # Steps done, this one included.
+  last: bool  # The run's final step.
+  stopping: bool  # A stop was requested: this step is the last, and it is saved.
+  state: TrainState
+  metrics: list[dict] = dataclasses.field(default_factory=list)  # Host values of the steps since the last.
+
+
+class Log:
+  """Every `train.log_every` steps and at the end: the step's metrics and the interval's throughput."""
+
+  def __init__(self, run: Run, timer: Timer, log: LogFn, peak: float):
+    self.every, self.total = run.config.train.log_every, run.config.train.steps
+    self.timer, self.log, self.peak = timer, log, peak
+    self.data, self.seed, self.rows = run.config.data, run.config.seed, run.config.train.global_batch_size
+    self.rates = dict(tokens_per_step=report.tokens_per_step(run.config),
+                      flops_per_step=report.train_flops_per_step(run.config), num_devices=run.mesh.size)
+
+  def due(self, info: StepInfo) -> bool:
+    return info.step % self.every == 0 or info.last
+
+  def __call__(self, info: StepInfo) -> None:
+    scalars = {k: float(v) for k, v in info.metrics[-1].items()}
+    steps, seconds, data_wait = self.timer.take()
+    if steps:
+      scalars.update(metrics.throughput(steps, seconds, **self.rates, peak_tflops=self.peak))
+      scalars['data_wait_fraction'] = min(data_wait / seconds, 1.0)
+      scalars['eta_sec'] = (self.total - info.step) * scalars['step_time']
+    if self.data.source == 'mixture':  # Each source's share of the tokens of the last `every` steps.
+      steps = range(max(info.step - self.every, 0), info.step)
+      scalars.update(streaming.token_fractions(self.data, self.seed, self.rows, steps))
+    self.log(info.step, scalars)
+
+
+class Evaluate:
+  """Every `eval.every_steps` steps and at the end: mean loss on the same held-out batches each time."""
+
+  def __init__(self, run: Run, log: LogFn, batches: GlobalBatches | None, bytes_per_token: float | None):
+    self.run, self.log, self.every = run, log, run.config.eval.every_steps
+    self.batches, self.bytes_per_token = batches, bytes_per_token
+    self.start = self.batches.get_state() if self.batches is not None else {}
+    self.last: dict[str, float] = {}
+
+  def due(self, info: StepInfo) -> bool:
+    if not self.run.config.eval.steps:
+      return False
+    return info.last or bool(self.every and info.step % self.every == 0)
+
+  def __call__(self, info: StepInfo) -> None:
+    self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token)
+    self.log(info.step, self.last)
+
+
+def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
+             bytes_per_token: float | None = None) -> dict[str, float]:
+  """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
+  time), perplexity, the family's own figures, and bits per byte where bytes per token are known."""
+  steps = run.config.eval.steps
+  batches.set_state(start_state)
+  sums, counts = zip(*to_host([run.eval_step(params, next(batches)) for _ in range(steps)]))
+  loss = float(sum(sums) / sum(counts))
+  out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
+  if bytes_per_token:
+    out['eval_bits_per_byte'] = loss / math.log(2) / bytes_per_token
+  return out | run.config.family.eval_metrics(run.config.model, loss)
+
+
+def checkpoint_metadata(run: Run, step: int) -> dict:
+  """What a checkpoint records beside the arrays: the config, the mesh and the versions that saved it."""
+  return {'step': step, 'config': run.config.to_dict(),
+          'mesh': {k: int(v) for k, v in run.mesh.shape.items()},
+          'process_count': jax.process_count(), 'versions': ckpt_lib.versions()}
+
+
+class Save:
+  """A checkpoint every `checkpoint.every_steps` steps, at the end and on a stop (this action decides, not
+  Orbax). On exit it finishes the save in flight, or after a failure abandons it rather than hide the
+  failure. Each save hands the host heap's free pages back, so the RSS stays where the first left it."""
+
+  def __init__(self, run: Run, checkpoints: ckpt_lib.Checkpoints, batches: GlobalBatches):
+    self.run, self.checkpoints, self.batches = run, checkpoints, batches
+    self.every = run.config.checkpoint.every_steps
+
+  def due(self, info: StepInfo) -> bool:
+    # A periodic save never replaces a saved step (a damaged one that a fallback skipped stays).
+    periodic = self.every > 0 and info.step % self.every == 0 and info.step > self.checkpoints.newest_step()
+    return periodic or info.last or info.stopping
+
+  def __call__(self, info: StepInfo) -> None:
+    self.checkpoints.save(info.step, info.state, data_state=self.batches.get_state(),
+                          metadata=checkpoint_metadata(self.run, info.step))
+    host_allocator.release_freed_memory()
+
+  def __enter__(self) -> Save:
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is None:
+      self.checkpoints.wait()
+      self.checkpoints.close()
+      return
+    with contextlib.suppress(Exception):  # The error already on its way out is the one to report.
+      self.checkpoints.close()
+
+
+class Profile:
+  """A JAX profiler trace of steps start_step .. start_step + num_steps - 1 into WORKDIR/profile (staged
+  locally for a remote workdir), closed on exit; none without a workdir."""
+
+  def __init__(self, cfg: ProfileConfig, workdir: epath.Path | None, say: Say):
+    self.start, self.count, self.say = cfg.start_step, cfg.num_steps, say
+    if workdir is None and self.start > 0:
+      say('note: profile.start_step is set but there is no workdir: no profile is written.')
+      self.start = 0
+    self.directory = None if workdir is None else workdir / 'profile'
+    self.staging: metrics.Staging | None = None
+    self.active = False
+
+  def before(self, step: int) -> None:
+    if self.start > 0 and step == self.start:
+      self.staging = metrics.Staging(self.directory)
+      jax.profiler.start_trace(str(self.staging.local))
+      self.active = True
+
+  def due(self, info: StepInfo) -> bool:
+    return self.active and info.step >= self.start + self.count - 1
+
+  def __call__(self, info: StepInfo) -> None:
+    self.close()
+
+  def close(self) -> None:
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+      self.staging.close()
+      self.say(f'profile: steps {self.start}..{self.start + self.count - 1} written to {self.directory} '
+               f'(open with TensorBoard\'s profile plugin or https://ui.perfetto.dev)')
+
+  def __enter__(self) -> Profile:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class Actions:
+  """A run's actions in the order they run (a save first), each entered in `stack` after the metrics
+  writer that `log` writes to."""
+
+  def __init__(self, stack: contextlib.ExitStack, run: Run, workdir: epath.Path | None, timer: Timer,
+               peak: float, batches: GlobalBatches, eval_batches: GlobalBatches | None,
+               bytes_per_token: float | None, *, is_main: bool, say: Say, print_fn: Say):
+    config = run.config
+    self.records: list[dict] = []
+    # As a context, the writer keeps an error already on its way out (a full disk) over its own.
+    self.writer = stack.enter_context(metrics.make_writer(workdir, is_main=is_main,
+                                                          total_steps=config.train.steps, print_fn=print_fn))
+    self.writer.write_hparams(metrics.flat_hparams(config.to_dict()))
+    self.checkpoints, save = None, []
+    if workdir is not None and config.checkpoint.keep > 0:
+      self.checkpoints = ckpt_lib.Checkpoints(workdir / ckpt_lib.CHECKPOINTS, keep=config.checkpoint.keep)
+      save = [stack.enter_context(Save(run, self.checkpoints, batches))]
+    self.profile = stack.enter_context(Profile(config.profile, workdir, say))
+    self.evaluation = Evaluate(run, self.log, eval_batches, bytes_per_token)
+    self.all: list = [*save, Log(run, timer, self.log, peak), self.evaluation, self.profile]
+
+  def log(self, step: int, scalars: dict[str, float]) -> None:
+    self.records.append({'step': step, **scalars})
+    self.writer.write_scalars(step, scalars)
+
+  def due(self, info: StepInfo) -> list:
+    return [action for action in self.all if action.due(info)]

@@ -24,6 +24,14 @@ from mintrain import partitioning
 from mintrain.models import Family
 from mintrain.partitioning import AxisRules
 
+# Keys are drawn and wrapped with this implementation whatever `jax_default_prng_impl` says: a saved key's
+# data (uint32[2]) means nothing under another.
+PRNG_IMPL = 'threefry2x32'
+
+
+def key(seed: int) -> jax.Array:
+  return jax.random.key(seed, impl=PRNG_IMPL)
+
 
 @struct.dataclass
 class TrainState:
@@ -76,7 +84,7 @@ def _is_variable(x: Any) -> bool:
 def abstract_model(family: Family, model: Any, rules: AxisRules, seed: int) -> nnx.Module:
   """The model with ShapeDtypeStructs for parameters, found outside any mesh: allocates nothing."""
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    return nnx.eval_shape(lambda: family.make(model, rules, nnx.Rngs(params=seed)))
+    return nnx.eval_shape(lambda: family.make(model, rules, nnx.Rngs(params=key(seed))))
 
 
 def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[ParamInfo]:
@@ -100,11 +108,11 @@ def make_init(family: Family, model: Any, rules: AxisRules, tx: optax.GradientTr
   (a fresh optimizer state, step 0). Call them under `jit` on the mesh."""
 
   def from_params(params: nnx.State) -> TrainState:
-    rng = jax.random.key_data(jax.random.key(seed + 1))
+    rng = jax.random.key_data(key(seed + 1))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
 
   def init() -> TrainState:
-    _, params = nnx.split(family.make(model, rules, nnx.Rngs(params=seed)), nnx.Param)
+    _, params = nnx.split(family.make(model, rules, nnx.Rngs(params=key(seed))), nnx.Param)
     return from_params(params)
 
   return init, from_params

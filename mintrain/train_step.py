@@ -22,7 +22,7 @@ from flax import nnx
 
 from mintrain.errors import ConfigError
 from mintrain.fields import option
-from mintrain.train_state import TrainState
+from mintrain.train_state import PRNG_IMPL, TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   """The jitted step, with the state donated."""
 
   def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=PRNG_IMPL), state.step)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro_step(carry, xs):

@@ -8,10 +8,24 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
 from mintrain.runtime import startup
+
+
+def summarize_config(config: dict) -> str:
+  """A few lines of the saved config for inspection."""
+  model, train = config.get('model', {}), config.get('train', {})
+  sizes = ', '.join(f'{k}={v}' for k, v in model.items() if k != 'name')
+  return '\n'.join([
+      f"model: {model.get('name')} ({sizes})",
+      f"train: steps={train.get('steps')} global_batch_size={train.get('global_batch_size')} "
+      f"seq_len={train.get('seq_len')} grad_accum_steps={train.get('grad_accum_steps')}",
+      f"data: {json.dumps(config.get('data', {}))}",
+      f"seed: {config.get('seed')}",
+  ])
 
 
 def main() -> int:
@@ -42,7 +56,7 @@ def main() -> int:
   print(f"saved on mesh {mesh_lib.describe(meta.get('mesh', {}))} by {meta.get('process_count', '?')} "
         'process(es); versions: '
         + ', '.join(f'{k} {v}' for k, v in meta.get('versions', {}).items()))
-  print(ckpt_lib.summarize_config(meta.get('config', {})))
+  print(summarize_config(meta.get('config', {})))
   rows = [('array', 'shape', 'dtype', 'saved sharding')]
   for path, m in arrays.items():
     spec = getattr(getattr(m, 'sharding', None), 'partition_spec', None)

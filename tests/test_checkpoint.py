@@ -257,6 +257,26 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_pa
   assert len(warnings) == 1 and 'Falling back to step 2' in warnings[0]
 
 
+def test_a_restore_error_that_is_not_damage_is_raised_naming_the_step_without_falling_back(tmp_path,
+                                                                                           monkeypatch):
+  train(small('dp8', 'train.steps=4', 'checkpoint.every_steps=2'), tmp_path)
+  restore = ckpt_lib.ocp.CheckpointManager.restore
+
+  def out_of_memory(self, step, args=None):
+    if 'state' in args:
+      raise RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.')
+    return restore(self, step, args=args)
+
+  monkeypatch.setattr(ckpt_lib.ocp.CheckpointManager, 'restore', out_of_memory)
+  lines = []
+  with pytest.raises(RuntimeError, match='RESOURCE_EXHAUSTED') as e:
+    train_loop.run(small('dp8', 'train.steps=6', 'checkpoint.every_steps=2'), tmp_path, print_fn=lines.append)
+  assert not isinstance(e.value, errors.CheckpointError)
+  notes = e.value.__notes__
+  assert any('checkpoint step 4' in note and 'no older checkpoint was tried' in note for note in notes)
+  assert not [line for line in lines if 'Falling back' in line]
+
+
 def test_shape_mismatch_lists_the_mismatched_parameters(tmp_path):
   train(small('dp8', 'train.steps=2'), tmp_path)
   config = small('dp8', 'train.steps=4', 'model.embed_dim=32')

@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO, build, load_config, mesh_devices, quiet, script_env
 from flax import nnx
 
+from mintrain import actions
 from mintrain import loop as train_loop
 from mintrain.checkpoint.checkpoints import Checkpoints
 from mintrain.data import pipeline, segments, tokenizer
@@ -69,7 +70,7 @@ def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path, packin
   with jax.set_mesh(mesh):
     state = setup.init()
     batches = make_batches(config, mesh, rules, split='eval')
-    metrics = train_loop.evaluate(setup, state.params, batches, batches.get_state(),
+    metrics = actions.evaluate(setup, state.params, batches, batches.get_state(),
                                   pipeline.bytes_per_token(config.data))
     model = nnx.merge(setup.graphdef, state.params)
     local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8,

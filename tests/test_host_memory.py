@@ -10,18 +10,18 @@ from conftest import SCRIPT_DEFAULTS, run_script
 # scripts/train.py as a user runs it, plus one line after each save: the process's RSS when it returns.
 DRIVER = """
 import runpy, sys
-from mintrain import loop as train_loop
+from mintrain import actions
 
 def rss_kb():
   with open('/proc/self/status') as f:
     return next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
 
-save = train_loop.Save.__call__
+save = actions.Save.__call__
 def save_and_report(self, info):
   save(self, info)
   print(f'rss after save {info.step}: {rss_kb()} kB', flush=True)
 
-train_loop.Save.__call__ = save_and_report
+actions.Save.__call__ = save_and_report
 sys.argv = ['scripts/train.py', *sys.argv[1:]]
 runpy.run_path('scripts/train.py', run_name='__main__')
 """

@@ -1,9 +1,11 @@
 """Every way out of the training loop leaves the run clean: the asynchronous save in flight is finished,
-the profiler trace is closed, the metrics are flushed and the signal handlers are given back."""
+the profiler trace is closed, the metrics are flushed, the signal handlers are given back and the global
+loggers lose the checkpoints' filters."""
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 
 import jax
@@ -102,3 +104,6 @@ def test_every_exit_finishes_the_save_closes_the_trace_and_flushes_the_metrics(p
   np.testing.assert_allclose([events[s] for s in sorted(events)], [jsonl[s] for s in sorted(jsonl)],
                              rtol=1e-6)
   assert signal.getsignal(signal.SIGTERM) is handler
+  # The checkpoints' log filters were taken off the global loggers with them.
+  assert not [f for name in ('absl', 'asyncio') for f in logging.getLogger(name).filters
+              if type(f).__module__.startswith('mintrain')]

@@ -193,3 +193,26 @@ def test_a_process_that_never_joins_is_named_within_the_join_timeout(tmp_path):
   assert f'error: process 1 found nothing listening at {runs[1][0]}: is process 0 running?' in outputs[1][1]
   assert 'Waiting' not in outputs[1][0]  # Only process 0 speaks.
   assert not (tmp_path / '0').exists()  # Nothing was written.
+
+
+TO_HOST = """
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from mintrain.actions import to_host
+from mintrain.runtime import distributed
+distributed.initialize(distributed.settings(), say=lambda _: None)
+mesh = jax.make_mesh((jax.device_count(),), ('data',))
+values = np.arange(16, dtype=np.float32)
+split = jax.make_array_from_callback((16,), NamedSharding(mesh, P('data')), lambda index: values[index])
+copies = jax.make_array_from_callback((16,), NamedSharding(mesh, P()), lambda index: values[index])
+print('host values', to_host(split).tolist() == to_host(copies).tolist() == values.tolist())
+"""
+
+
+def test_to_host_gathers_an_array_split_over_processes_and_reads_a_replicated_one_locally():
+  command = [sys.executable, 'scripts/launch_local.py', '--num_processes', '2', '--',
+             sys.executable, '-c', TO_HOST]
+  result = subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+  assert result.returncode == 0, result.stdout[-3000:]
+  assert result.stdout.count('host values True') == 2, result.stdout[-3000:]

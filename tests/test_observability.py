@@ -138,6 +138,15 @@ def test_memory_plan_matches_the_bytes_of_the_real_sharded_arrays():
     assert plan.activations > 0
 
 
+def test_a_run_without_a_workdir_writes_no_profile_and_says_so_once(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  config = load_config('single', *SMALL, 'train.steps=3', 'profile.start_step=2', 'profile.num_steps=1')
+  lines = []
+  train_loop.run(config, None, devices=mesh_devices(config), print_fn=lines.append)
+  assert not list(tmp_path.iterdir())
+  assert len([line for line in lines if 'profile' in line]) == 1
+
+
 def test_a_plan_over_the_device_memory_is_refused_before_anything_is_allocated(monkeypatch):
   monkeypatch.setattr(report, 'device_memory_limit', lambda device: (1024, 'a test limit'))
   monkeypatch.setattr(train_loop, 'initial_state', lambda *a, **k: pytest.fail('the state was set up'))

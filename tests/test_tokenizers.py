@@ -162,7 +162,7 @@ def test_eval_bits_per_byte_divide_bits_per_token_by_the_measured_bytes_per_toke
   import jax
   from conftest import build
 
-  from mintrain import loop as train_loop
+  from mintrain import actions
 
   write_texts(tmp_path / 'corpus')
   config = load_config('single', 'data.source=text', f'data.path={tmp_path / "corpus" / "*.txt"}',
@@ -173,7 +173,7 @@ def test_eval_bits_per_byte_divide_bits_per_token_by_the_measured_bytes_per_toke
   bytes_per_token = pipeline.bytes_per_token(config.data)
   with jax.set_mesh(run.mesh):
     batches = run.batches('eval')
-    metrics = train_loop.evaluate(run, run.init().params, batches, batches.get_state(), bytes_per_token)
+    metrics = actions.evaluate(run, run.init().params, batches, batches.get_state(), bytes_per_token)
   assert metrics['eval_bits_per_token'] == pytest.approx(metrics['eval_loss'] / math.log(2))
   assert metrics['eval_bits_per_byte'] == pytest.approx(metrics['eval_bits_per_token'] / bytes_per_token)
   assert 1.5 < bytes_per_token < 4

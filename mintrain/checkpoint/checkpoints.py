@@ -1,33 +1,17 @@
 """Sharded, asynchronous checkpoints with Orbax's CheckpointManager.
 
-A run directory holds `checkpoints/<step>/` with three items:
-  state     params, optimizer state, step and PRNG key (arrays, OCDBT)
-  data      the input pipeline's iterator state (JSON)
-  metadata  the full config, the mesh it was saved on, library versions (JSON)
-
-Orbax writes each step into a temporary directory and renames it when every
-item is complete, so a half-written checkpoint is never listed; leftover
-temporary directories are removed when a manager opens the directory.
-Restoring takes the abstract state of the *current* mesh as its target, so
-each device reads only its own shard, whatever mesh the checkpoint came from.
-
-Layers stacked on a leading `layers` axis (`model.scan_layers`) and layers saved one by one
-restore into each other (`layers.Relayout`): the checkpoint is read in its own layout, then each
-array is stacked or split on the devices. The metadata records every array's logical axes for it.
-
-Run paths are `etils.epath` paths: a local one is made absolute (OCDBT needs that), a URL such as
-`gs://bucket/run` is kept as it is (Orbax writes it through TensorStore's GCS driver). A path that
-cannot hold a run (a file, a read-only or full file system) is a one-line `StorageError`; a save that
-runs out of disk space says how much it needs and how much is free, and its partial files are removed.
+A run directory holds `checkpoints/<step>/` with three items: `state` (params, optimizer state, step and
+PRNG key; OCDBT arrays), `data` (the input pipeline's position) and `metadata` (the config, the mesh, the
+versions and every array's logical axes; JSON). A step is listed only once complete. Restoring targets the
+*current* mesh's abstract state, so each device reads only its own shard, and converts between stacked and
+per-layer layouts (`Relayout`). Paths are local (made absolute) or `gs://` URLs.
 """
-
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import errno
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
@@ -70,9 +54,8 @@ def save_bytes(tree: Any, *json_items: Any) -> int:
 
 
 class _DiskFullLogFilter(logging.Filter):
-  """Drops the log records of a save that ran out of disk space, each with a traceback: Orbax's (through
-  absl, from its background threads) and asyncio's (its failed write tasks, collected at exit). The
-  save's DiskFullError reports it in one line, with the space it needs."""
+  """Drops the tracebacks that Orbax (through absl) and asyncio log for a save that ran out of disk space:
+  its DiskFullError says it in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.name == 'absl' and f'{os.sep}orbax{os.sep}' not in record.pathname:
@@ -81,19 +64,47 @@ class _DiskFullLogFilter(logging.Filter):
                 or 'No space left on device' in record.getMessage())
 
 
-_DISK_FULL_LOG_FILTER = _DiskFullLogFilter()
+_FILTERED_LOGGERS = ('absl', 'asyncio')
+
+
+def _manager_class() -> type:
+  """Orbax's CheckpointManager that never asks JAX's preemption sync point (the loop decides each save): its
+  global step numbers would skew the counter that the processes' agreed stop relies on (`preemption`)."""
+
+  class Manager(ocp.CheckpointManager):
+    def reached_preemption(self, step: int) -> bool:
+      return False
+
+  return Manager
+
+
+def _chain(e: BaseException | None):
+  """`e` and the exceptions it was raised from."""
+  while e is not None:
+    yield e
+    e = e.__cause__ or e.__context__
 
 
 def _is_disk_full(e: BaseException | None) -> bool:
   """Whether `e` or an exception it was raised from says the disk (or the quota) is full."""
-  while e is not None:
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-      return True
-    text = str(e)
-    if 'No space left on device' in text or 'Disk quota exceeded' in text:
-      return True
-    e = e.__cause__ or e.__context__
-  return False
+  return any((isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
+             or 'No space left on device' in str(x) or 'Disk quota exceeded' in str(x) for x in _chain(e))
+
+
+# TensorStore's status codes for a file that is missing, shorter than its index says, or does not decode.
+_DAMAGE_CODES = ('NOT_FOUND', 'DATA_LOSS', 'OUT_OF_RANGE', 'FAILED_PRECONDITION')
+
+
+def _is_damage(e: BaseException) -> bool:
+  """Whether a failed read is the checkpoint's own damage (missing or unreadable files, undecodable arrays or
+  metadata), which an older checkpoint may not share; anything else (out of memory, a sharding bug) is not."""
+  return any(isinstance(x, (OSError, json.JSONDecodeError))
+             or (isinstance(x, ValueError) and str(x).startswith(_DAMAGE_CODES)) for x in _chain(e))
+
+
+def _note_not_damage(e: Exception, what: str) -> None:
+  """Notes on `e`, raised as it is, what it interrupted and that it was not taken for damage."""
+  e.add_note(f'{what}; this is not damage to the files, so no older checkpoint was tried.')
 
 
 def versions() -> dict[str, str]:
@@ -165,31 +176,18 @@ class Restored:
 class Checkpoints:
   """The checkpoints of one run directory: when to save, how many to keep, how to restore."""
 
-  def __init__(self, directory: str | os.PathLike, *, every_steps: int = 0, keep: int = 1,
-               read_only: bool = False):
+  def __init__(self, directory: str | os.PathLike, *, keep: int = 1, read_only: bool = False):
     if is_remote(directory) and not os.fspath(directory).startswith('gs://'):
       raise StorageError(f'{os.fspath(directory)}: checkpoints go to local paths or gs:// only (Orbax writes '
                          "arrays through TensorStore's file and GCS drivers).")
     self.directory = run_path(directory) if read_only else prepare_dir(directory, 'checkpoint directory')
-    for logger in ('absl', 'asyncio'):
-      logging.getLogger(logger).addFilter(_DISK_FULL_LOG_FILTER)  # A logger keeps one filter once.
     self._pending: tuple[int, int] | None = None  # (step, bytes it needs) of the save in flight.
-    policies = ocp.checkpoint_managers
-    save_policy = policies.AnySavePolicy([
-        policies.FixedIntervalPolicy(every_steps if every_steps > 0 else 2**62),
-        # A policy of our own replaces the default, which would have included this one.
-        policies.PreemptionCheckpointingPolicy(),
-    ])
-    # `read_only` here means: never create, clean up or save (Orbax's own flag only warns).
+    # `read_only` here means: never create, clean up or save (Orbax's own flag only warns). Orbax's own
+    # clean-up runs in a thread that only a save waits for (a run that fails before its first save would
+    # exit under it); `_remove_partial_saves` is synchronous.
     options = ocp.CheckpointManagerOptions(
-        save_decision_policy=save_policy,
-        preservation_policy=policies.LatestN(max(keep, 1)),
-        enable_async_checkpointing=True,
-        # Orbax's own clean-up runs in a thread that only a save waits for: a run that ends before its
-        # first save (a bad --restore_from) would exit under it. The clean-up below is synchronous.
-        cleanup_tmp_directories=False,
-        create=not read_only,
-    )
+        preservation_policy=ocp.checkpoint_managers.LatestN(max(keep, 1)), enable_async_checkpointing=True,
+        cleanup_tmp_directories=False, create=not read_only)
     # Handlers named up front, so metadata can be read before (or without) any restore.
     registry = _array_handlers()
     state = (ocp.PyTreeCheckpointHandler(type_handler_registry=registry) if registry is not None
@@ -197,25 +195,22 @@ class Checkpoints:
     handlers = {'state': state, 'data': ocp.JsonCheckpointHandler(), 'metadata': ocp.JsonCheckpointHandler()}
     if not read_only:
       self._remove_partial_saves()
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
-    # The loop agrees on preemption stops with its own step counter (runtime.preemption); Orbax asking
-    # JAX's sync point with global steps on every save would skew the counter that agreement relies on.
-    self.manager.reached_preemption = lambda step: False
+    self.manager = _manager_class()(self.directory, options=options, item_handlers=handlers)
+    self._log_filter = None if read_only else _DiskFullLogFilter()  # Until `close`: these saves only.
+    for logger in _FILTERED_LOGGERS if self._log_filter else ():
+      logging.getLogger(logger).addFilter(self._log_filter)
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
-  def should_save(self, step: int) -> bool:
-    return self.manager.should_save(step)
+  def newest_step(self) -> int:
+    """The newest saved step (0 if none), as the manager last listed or saved it: no reads."""
+    return self.manager.latest_step() or 0
 
   def save(self, step: int, state: TrainState, *, data_state: Mapping[str, Any],
            metadata: Mapping[str, Any]) -> None:
-    """Starts an asynchronous save; returns once the arrays are copied off the devices.
-
-    The previous save is finished first (Orbax would wait for it too), so that its failure is reported
-    with its own step, and a local disk's free space is read after it: a save that cannot fit is refused
-    before it writes anything.
-    """
+    """Starts an asynchronous save, after finishing the previous one (so its failure names its own step)
+    and refusing one that cannot fit on a local disk; returns once the arrays are off the devices."""
     self.wait()
     tree = state_tree(state)
     metadata = {**metadata, LOGICAL_AXES: {k: v for k, v in flat_logical_axes(tree).items() if v is not None}}
@@ -270,12 +265,8 @@ class Checkpoints:
     return text + f'; the checkpoints saved before (steps {", ".join(map(str, steps))}) are intact.'
 
   def _remove_partial_saves(self) -> None:
-    """Removes unfinished saves (of a failed save, or of a run killed mid-save) on process 0, now rather
-    than in the background, so that a full disk gets its space back and nothing half-written is left.
-
-    Unfinished is Orbax's meaning: locally a `*.orbax-checkpoint-tmp*` directory (a save renames it when
-    done); on gs://, where nothing is renamed, a step directory without `commit_success.txt`.
-    """
+    """Removes unfinished saves (Orbax's tmp directories; on gs://, steps without `commit_success.txt`)
+    on process 0, now rather than in the background, so that a full disk gets its space back."""
     if jax.process_index() != 0:
       return
     with contextlib.suppress(OSError):
@@ -284,7 +275,11 @@ class Checkpoints:
           child.rmtree(missing_ok=True)
 
   def close(self) -> None:
-    self.manager.close()
+    try:
+      self.manager.close()
+    finally:
+      for logger in _FILTERED_LOGGERS:
+        logging.getLogger(logger).removeFilter(self._log_filter)
 
   def step_dir(self, step: int) -> epath.Path:
     return self.directory / str(step)
@@ -309,6 +304,9 @@ class Checkpoints:
     try:
       tree = self.manager.item_metadata(step)['state']
     except Exception as e:
+      if not _is_damage(e):
+        _note_not_damage(e, f'Reading the array metadata of checkpoint step {step} at {self.step_dir(step)}')
+        raise
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: its array '
                             f'metadata cannot be read ({_first_line(e)}).') from e
     if tree is None:
@@ -317,10 +315,8 @@ class Checkpoints:
     return tree.tree if hasattr(tree, 'tree') else tree
 
   def check_shapes(self, step: int, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
-    """Raises listing every array whose saved shape or presence differs from the target's.
-
-    Both sides are flat {path: array or metadata}, `saved` as `array_metadata(step)` gives it.
-    """
+    """Raises listing every array whose saved shape or presence differs from the target's (both flat
+    {path: array or metadata}, `saved` as `array_metadata(step)` gives it)."""
     problems = {}
     for path, x in expected.items():
       if path not in saved:
@@ -340,11 +336,8 @@ class Checkpoints:
           f'(scripts/inspect_checkpoint.py {self.step_dir(step)} shows it).')
 
   def restore(self, step: int, abstract_state: TrainState, *, params_only: bool = False) -> Restored:
-    """`step` laid out as `abstract_state` (the current mesh); only `params` with `params_only`.
-
-    A checkpoint whose layers are stacked differently from the target's is read in its own layout,
-    then converted (`Relayout`).
-    """
+    """`step` laid out as `abstract_state` (the current mesh), only `params` with `params_only`; layers
+    stacked differently are read in their own layout, then converted (`Relayout`)."""
     target = state_tree(abstract_state)
     if params_only:
       target = {'params': target['params']}
@@ -369,6 +362,9 @@ class Checkpoints:
           data=ocp.args.JsonRestore(),
           metadata=ocp.args.JsonRestore()))
     except Exception as e:
+      if not _is_damage(e):
+        _note_not_damage(e, f'Restoring checkpoint step {step} at {self.step_dir(step)}')
+        raise
       bad = self._unreadable_arrays(step, source)
       what = f'array(s) {", ".join(bad)}' if bad else 'its data or metadata files'
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: cannot read '
@@ -414,9 +410,8 @@ class Checkpoints:
 
 
 def _array_handlers() -> ocp.type_handlers.TypeHandlerRegistry | None:
-  """On one host, no replica-parallel writes: they split every replicated shard with small XLA programs
-  (the first save of a run stalled ~2 s on compiling them) and only pay off when several hosts share the
-  writes (BENCHMARKS.md). None keeps Orbax's default."""
+  """On one host, no replica-parallel writes: their small XLA programs cost the first save a compile, and
+  they pay off only when several hosts share the writes (BENCHMARKS.md). None keeps Orbax's default."""
   if jax.process_count() > 1:
     return None
   return ocp.type_handlers.create_type_handler_registry(
@@ -438,16 +433,3 @@ def _restore_args(target: Any, partial: bool) -> ocp.args.PyTreeRestore:
 def _first_line(e: BaseException) -> str:
   text = str(e).strip().splitlines()
   return (text[0] if text else type(e).__name__)[:200]
-
-
-def summarize_config(config: Mapping[str, Any]) -> str:
-  """A few lines of the saved config for inspection."""
-  model, train = config.get('model', {}), config.get('train', {})
-  sizes = ', '.join(f'{k}={v}' for k, v in model.items() if k != 'name')
-  return '\n'.join([
-      f"model: {model.get('name')} ({sizes})",
-      f"train: steps={train.get('steps')} global_batch_size={train.get('global_batch_size')} "
-      f"seq_len={train.get('seq_len')} grad_accum_steps={train.get('grad_accum_steps')}",
-      f"data: {json.dumps(config.get('data', {}))}",
-      f"seed: {config.get('seed')}",
-  ])
