@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -101,6 +102,35 @@ class ConsoleWriter:
 
   def close(self) -> None:
     pass
+
+
+class _Console(logging.Handler):
+  """mintrain's log records during a run: warnings to stderr on every process, notices to `say`."""
+
+  def __init__(self, say: Callable[[str], None]):
+    super().__init__(logging.INFO)
+    self.say = say
+
+  def emit(self, record: logging.LogRecord) -> None:
+    if record.levelno >= logging.WARNING:
+      print(record.getMessage(), file=sys.stderr, flush=True)
+    else:
+      self.say(record.getMessage())
+
+
+@contextlib.contextmanager
+def console_logging(say: Callable[[str], None]) -> Iterator[None]:
+  """While a run lasts, the `mintrain` loggers (the data threads' notices and warnings) print to its
+  console; outside one they follow the process's logging set-up."""
+  logger, handler = logging.getLogger('mintrain'), _Console(say)
+  level = logger.level
+  logger.setLevel(logging.INFO)
+  logger.addHandler(handler)
+  try:
+    yield
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @contextlib.contextmanager
