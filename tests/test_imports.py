@@ -3,7 +3,7 @@
 Layers import downwards only (no cycle, counting imports inside functions too), the light layers (metrics,
 the data pipeline, the mesh) load no model or optimizer code, and importing any module changes no
 process-wide state: `sys.modules`, `sys.path`, import hooks, warning filters or the loggers' filters
-and handlers.
+and handlers; nor do a run's metric writers and console once closed.
 """
 
 import ast
@@ -104,7 +104,7 @@ def test_light_layers_load_no_model_or_optimizer_code(module):
 
 
 GLOBAL_STATE = '''
-import ast, importlib, logging, pathlib, sys, warnings
+import ast, importlib, logging, pathlib, sys, tempfile, warnings
 
 def snapshot():
   loggers = {name: (list(logging.getLogger(name).filters), list(logging.getLogger(name).handlers),
@@ -124,17 +124,30 @@ for path in pathlib.Path('mintrain').rglob('*.py'):
       third_party.add(node.module)
 for name in sorted(n for n in third_party if n.split('.')[0] not in ('mintrain', '__future__')):
   importlib.import_module(name)  # What they do to the process is theirs, not mintrain's.
+def compare(before, after, doing):
+  for key in before:
+    if before[key] != after[key]:
+      print(f'{doing} changed {key}: {before[key]} -> {after[key]}')
+
 before = snapshot()
 for name in modules:
   importlib.import_module(name)
-after = snapshot()
-for key in before:
-  if before[key] != after[key]:
-    print(f'{key}: {before[key]} -> {after[key]}')
+compare(before, snapshot(), 'importing mintrain')
+
+def run_writers():  # What a run constructs of its metrics and console, and closes.
+  from mintrain import metrics
+  from mintrain.data import tokenizer
+  with tempfile.TemporaryDirectory() as workdir, metrics.console_logging(print), tokenizer.loaded_once():
+    metrics.make_writer(workdir, is_main=True, total_steps=1).close()
+
+run_writers()  # Once for the libraries it imports on first use.
+before = snapshot()
+run_writers()
+compare(before, snapshot(), "a run's writers")
 '''
 
 
-def test_importing_every_module_changes_no_process_wide_state():
+def test_importing_every_module_and_making_a_runs_writers_changes_no_process_wide_state():
   result = run_script('-c', GLOBAL_STATE, *sorted(MODULES))
   assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
