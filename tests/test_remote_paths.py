@@ -156,7 +156,7 @@ def test_a_url_that_pathlib_collapsed_is_refused_rather_than_made_a_local_folder
 
 
 def test_a_gs_path_without_its_clients_installed_says_what_to_install(monkeypatch):
-  monkeypatch.setattr(ckpt_lib, '_importable', lambda module: False)
+  monkeypatch.setattr(storage, '_importable', lambda module: False)
   with pytest.raises(errors.StorageError) as e:
     storage.run_path('gs://bucket/run')
   assert str(e.value) == ("gs://bucket/run: gs:// paths need gcsfs and google-cloud-storage; install them "
