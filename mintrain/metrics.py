@@ -121,16 +121,19 @@ class _Console(logging.Handler):
 @contextlib.contextmanager
 def console_logging(say: Callable[[str], None]) -> Iterator[None]:
   """While a run lasts, the `mintrain` loggers (the data threads' notices and warnings) print to its
-  console; outside one they follow the process's logging set-up."""
+  console only (not also through the root logger's handlers, which absl installs); outside one they follow
+  the process's logging set-up."""
   logger, handler = logging.getLogger('mintrain'), _Console(say)
-  level = logger.level
+  level, propagate = logger.level, logger.propagate
   logger.setLevel(logging.INFO)
   logger.addHandler(handler)
+  logger.propagate = False
   try:
     yield
   finally:
     logger.removeHandler(handler)
     logger.setLevel(level)
+    logger.propagate = propagate
 
 
 @contextlib.contextmanager

@@ -107,8 +107,8 @@ GLOBAL_STATE = '''
 import ast, importlib, logging, pathlib, sys, tempfile, warnings
 
 def snapshot():
-  loggers = {name: (list(logging.getLogger(name).filters), list(logging.getLogger(name).handlers),
-                    logging.getLogger(name).level) for name in ('', 'absl', 'asyncio', 'jax', 'mintrain')}
+  named = [logging.getLogger(name) for name in ('', 'absl', 'asyncio', 'jax', 'mintrain')]
+  loggers = {g.name: (list(g.filters), list(g.handlers), g.level, g.propagate) for g in named}
   return {'sys.modules None entries': sorted(k for k, v in sys.modules.items() if v is None),
           'sys.path': list(sys.path), 'sys.meta_path': list(sys.meta_path),
           'sys.path_hooks': list(sys.path_hooks),
