@@ -107,7 +107,7 @@ def measure_process(directory: pathlib.Path, mesh_name: str, cache: str) -> None
   from mintrain.runtime import distributed
 
   settings = distributed.settings()
-  processes = settings.num_processes if settings else 1
+  processes = settings.num_processes if settings and settings.num_processes else 1
   mesh_lib.simulate_cpu_devices(harness.DEVICES // processes)
   if settings:
     distributed.initialize(settings, say=lambda _: None)

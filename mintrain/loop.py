@@ -185,6 +185,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
   timer = Timer()
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(preemption.StopRequests())  # First: a stop during the set-up is kept.
+    stack.enter_context(metrics.console_logging(say))
+    stack.enter_context(tokenizer.loaded_once())
     if workdir is not None and is_main:
       stack.enter_context(RunLock(workdir, force=force, warn=say))
     r = build(config, devices)

@@ -8,7 +8,7 @@ stores cannot append, so the files grow locally and each changed one is copied w
 workdir at most every `SYNC_SECS` seconds, on `flush` and on `close`. The profiler's trace
 goes through one too.
 Throughput follows MaxText's conventions: step time excludes the compiling first
-step, model FLOPs come from the analytic count in `flops.py`, and MFU divides
+step, model FLOPs come from the analytic count in `report.py`, and MFU divides
 the achieved model FLOP/s per device by the device's peak.
 """
 
@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -36,24 +37,16 @@ from mintrain.runtime import hardware
 from mintrain.runtime.storage import free_bytes, is_remote, prepare_dir
 
 
-def _import_tensorboardx_without_torch() -> None:
-  """tensorboardX's package import tries `import torch` (to accept torch tensors, which mintrain never
-  passes): 1.5 s of every start-up where the test extra installed torch. It is refused for that import
-  only, unless torch is already loaded."""
-  if 'torch' in sys.modules:
-    return
-  sys.modules['torch'] = None  # type: ignore[assignment]  # `import torch` raises ImportError.
-  try:
-    import tensorboardX  # noqa: F401
-  finally:
-    del sys.modules['torch']
-
-
-_import_tensorboardx_without_torch()
-from tensorboardX.event_file_writer import EventsWriter  # noqa: E402
-from tensorboardX.proto.event_pb2 import Event  # noqa: E402
-from tensorboardX.summary import hparams as hparams_summaries  # noqa: E402
-from tensorboardX.summary import scalar as scalar_summary  # noqa: E402
+def _import_tensorboardx() -> None:
+  """At the first TensorBoard writer, not at import. tensorboardX's package import would load torch (to
+  accept torch tensors, which mintrain never passes) into every run where torch is installed: that one
+  import is refused, unless torch is loaded already, and `sys.modules` is put back at once."""
+  if 'tensorboardX' not in sys.modules and 'torch' not in sys.modules:
+    sys.modules['torch'] = None  # type: ignore[assignment]  # `import torch` raises ImportError.
+    try:
+      import tensorboardX  # noqa: F401
+    finally:
+      del sys.modules['torch']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +111,38 @@ class ConsoleWriter:
     pass
 
 
+class _Console(logging.Handler):
+  """mintrain's log records during a run: warnings to stderr on every process, notices to `say`."""
+
+  def __init__(self, say: Callable[[str], None]):
+    super().__init__(logging.INFO)
+    self.say = say
+
+  def emit(self, record: logging.LogRecord) -> None:
+    if record.levelno >= logging.WARNING:
+      print(record.getMessage(), file=sys.stderr, flush=True)
+    else:
+      self.say(record.getMessage())
+
+
+@contextlib.contextmanager
+def console_logging(say: Callable[[str], None]) -> Iterator[None]:
+  """While a run lasts, the `mintrain` loggers (the data threads' notices and warnings) print to its
+  console only (not also through the root logger's handlers, which absl installs); outside one they follow
+  the process's logging set-up."""
+  logger, handler = logging.getLogger('mintrain'), _Console(say)
+  level, propagate = logger.level, logger.propagate
+  logger.setLevel(logging.INFO)
+  logger.addHandler(handler)
+  logger.propagate = False
+  try:
+    yield
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = propagate
+
+
 @contextlib.contextmanager
 def _writing(path: pathlib.Path) -> Iterator[None]:
   """Turns a failed local write into a one-line StorageError naming the path, the reason and the free
@@ -161,23 +186,26 @@ class TensorBoardWriter:
   """
 
   def __init__(self, logdir: pathlib.Path):
-    self.logdir = logdir
+    _import_tensorboardx()
+    from tensorboardX import event_file_writer, summary
+    from tensorboardX.proto import event_pb2
+    self.logdir, self.summary, self.event = logdir, summary, event_pb2.Event
     with _writing(logdir):
       logdir.mkdir(parents=True, exist_ok=True)
       # The name has the time in seconds and the host; the suffix keeps two writers of one second apart.
-      self.events: EventsWriter | None = EventsWriter(str(logdir / 'events'), f'.{uuid.uuid4().hex[:8]}')
+      self.events: Any = event_file_writer.EventsWriter(str(logdir / 'events'), f'.{uuid.uuid4().hex[:8]}')
 
   def _write(self, **event: Any) -> None:
     if self.events is not None:
       with _writing(self.logdir):
-        self.events.write_event(Event(wall_time=time.time(), **event))
+        self.events.write_event(self.event(wall_time=time.time(), **event))
 
   def write_scalars(self, step: int, scalars: Scalars) -> None:
     for tag, value in scalars.items():
-      self._write(step=int(step), summary=scalar_summary(tag, float(value)))
+      self._write(step=int(step), summary=self.summary.scalar(tag, float(value)))
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-    _, session_start, _ = hparams_summaries(dict(hparams), {})
+    _, session_start, _ = self.summary.hparams(dict(hparams), {})
     self._write(summary=session_start)
 
   def flush(self) -> None:

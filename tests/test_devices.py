@@ -106,51 +106,41 @@ def no_cluster(monkeypatch):
   return monkeypatch
 
 
-def test_no_launcher_variables_means_no_cluster(no_cluster):
-  assert distributed.detected_cluster() is None
-  assert distributed.settings() is None
+def test_no_launcher_variables_leave_the_cluster_to_jax_which_finds_none(no_cluster):
+  assert distributed.settings() == distributed.Settings(None, None, None)
+  code = 'from mintrain.runtime import distributed; print(distributed.initialize(distributed.settings()))'
+  assert fresh_python(code) == 'False'
 
 
-def test_slurm_gives_process_count_and_id(no_cluster):
-  for name, value in {'SLURM_JOB_ID': '4711', 'SLURM_STEP_NODELIST': 'node[001-002]', 'SLURM_NTASKS': '2',
-                      'SLURM_PROCID': '1', 'SLURM_LOCALID': '0'}.items():
+SRUN_STEP = {'SLURM_JOB_ID': '4711', 'SLURM_STEP_NODELIST': 'node[001-002]', 'SLURM_NTASKS': '2',
+             'SLURM_STEP_NUM_TASKS': '2', 'SLURM_PROCID': '1', 'SLURM_LOCALID': '0'}
+
+
+def test_an_srun_step_gives_process_count_and_id(no_cluster):
+  for name, value in SRUN_STEP.items():
     no_cluster.setenv(name, value)
-  assert distributed.detected_cluster() == distributed.Launcher('slurm', 2, 1)
+  assert distributed.settings() == distributed.Settings(None, 2, 1)
+  assert distributed.settings(num_processes=8, process_id=5).num_processes == 8  # Flags win.
 
 
-def test_slurm_without_a_job_step_is_not_a_cluster(no_cluster):
+def test_a_slurm_batch_shell_without_a_job_step_gives_no_count(no_cluster):
   no_cluster.setenv('SLURM_JOB_ID', '4711')
   no_cluster.setenv('SLURM_NTASKS', '2')
-  assert distributed.detected_cluster() is None
+  no_cluster.setenv('SLURM_PROCID', '0')
+  assert distributed.settings() == distributed.Settings(None, None, None)
 
 
 def test_open_mpi_gives_process_count_and_id(no_cluster):
   no_cluster.setenv('OMPI_MCA_orte_hnp_uri', '1531576320.0;tcp://10.96.0.1:34911')
   no_cluster.setenv('OMPI_COMM_WORLD_SIZE', '2')
   no_cluster.setenv('OMPI_COMM_WORLD_RANK', '1')
-  assert distributed.detected_cluster() == distributed.Launcher('ompi', 2, 1)
+  assert distributed.settings() == distributed.Settings(None, 2, 1)
 
 
-def test_open_mpi_comes_before_slurm_as_in_jax(no_cluster):
-  for name in ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID'):
-    no_cluster.setenv(name, '1')
-  no_cluster.setenv('OMPI_MCA_orte_hnp_uri', '1531576320.0;tcp://10.96.0.1:34911')
-  assert distributed.detected_cluster().name == 'ompi'
-
-
-def test_gke_tpu_pod_leaves_count_and_id_to_jax(no_cluster):
-  no_cluster.setattr(distributed, '_on_cloud_tpu', lambda: True)
+def test_a_tpu_pod_leaves_address_count_and_id_to_jax(no_cluster):
   no_cluster.setenv('TPU_WORKER_HOSTNAMES', 'w0,w1')
   no_cluster.setenv('TPU_WORKER_ID', '1')
-  assert distributed.detected_cluster() == distributed.Launcher('gketpu', None, None)
-
-
-def test_settings_take_count_and_id_from_slurm(no_cluster):
-  for name, value in {'SLURM_JOB_ID': '4711', 'SLURM_STEP_NODELIST': 'node001', 'SLURM_NTASKS': '4',
-                      'SLURM_PROCID': '3', 'SLURM_LOCALID': '1'}.items():
-    no_cluster.setenv(name, value)
-  assert distributed.settings() == distributed.Settings(None, 4, 3, 'slurm')
-  assert distributed.settings(num_processes=8, process_id=5).num_processes == 8  # Flags win.
+  assert distributed.settings() == distributed.Settings(None, None, None)
 
 
 def test_inconsistent_launcher_process_id_is_an_error(no_cluster):
@@ -159,6 +149,14 @@ def test_inconsistent_launcher_process_id_is_an_error(no_cluster):
   no_cluster.setenv('OMPI_COMM_WORLD_RANK', '2')
   with pytest.raises(errors.DistributedError, match=r'process id 2 must be in \[0, 2\)'):
     distributed.settings()
+
+
+def test_an_incomplete_setting_is_a_one_line_error_once_jax_finds_no_cluster(no_cluster):
+  no_cluster.setenv(distributed.ENV_ADDRESS, '127.0.0.1:1')
+  code = ('from mintrain.errors import DistributedError\nfrom mintrain.runtime import distributed\n'
+          'try:\n  distributed.initialize(distributed.settings())\nexcept DistributedError as e:\n  print(e)')
+  out = fresh_python(code)
+  assert out.startswith('Multi-process settings are incomplete (') and '\n' not in out, out
 
 
 def fake_devices(platform: str, count: int, processes: int = 1) -> list:
@@ -205,14 +203,14 @@ def test_the_cpu_backend_simulates_the_mesh_even_beside_an_accelerator():
 def announce(address: str, process_id: int) -> subprocess.Popen:
   """A process that waits to join at `address` as `process_id` (it only answers the roll call)."""
   code = ('import time; from mintrain.runtime import distributed; '
-          f'distributed.RollCall.start(distributed.Settings({address!r}, 3, {process_id}, None)); '
+          f'distributed.RollCall.start(distributed.Settings({address!r}, 3, {process_id})); '
           'time.sleep(60)')
   return subprocess.Popen([sys.executable, '-c', code], cwd=REPO)
 
 
 def test_the_roll_call_names_the_processes_that_did_not_join_and_an_id_taken_twice():
   address = f'127.0.0.1:{free_port()}'
-  roll_call = distributed.RollCall.start(distributed.Settings(address, 3, 0, None))
+  roll_call = distributed.RollCall.start(distributed.Settings(address, 3, 0))
   others = [announce(address, 1)]
   try:
     deadline = time.monotonic() + 60

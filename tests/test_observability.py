@@ -1,6 +1,7 @@
 """What a run reports: writers that agree, progress and MFU, compile time, profile, memory plan."""
 
 import json
+import logging
 import time
 import tomllib
 
@@ -184,3 +185,14 @@ def test_no_dependency_names_tensorflow():
   project = tomllib.loads((REPO / 'pyproject.toml').read_text())['project']
   requirements = [*project['dependencies'], *sum(project['optional-dependencies'].values(), [])]
   assert requirements and not [r for r in requirements if 'tensorflow' in r.lower()]
+
+
+def test_the_runs_console_takes_mintrain_log_records_only_while_the_run_lasts(capsys, caplog):
+  lines = []
+  with metrics.console_logging(lines.append):
+    logging.getLogger('mintrain.data.streaming').info('data: x ran out')
+    logging.getLogger('mintrain.data.records').warning('warning: data.skip_bad_records: skipped y')
+  logging.getLogger('mintrain.data.streaming').info('after the run')
+  assert lines == ['data: x ran out'] and 'skipped y' in capsys.readouterr().err
+  assert not caplog.records  # Not also through the root logger's handlers (absl's would print them again).
+  assert not logging.getLogger('mintrain').handlers and logging.getLogger('mintrain').propagate

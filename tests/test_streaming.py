@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mintrain import config as config_lib
-from mintrain import errors
+from mintrain import errors, metrics
 from mintrain.data import pipeline, records, streaming, tokenizer
 from mintrain.data.config import DataConfig
 from mintrain.errors import DataError
@@ -249,7 +249,8 @@ def test_a_source_that_runs_out_repeats_and_says_so(tmp_path, capsys):
   docs = documents(6)
   cfg = data_cfg(source='jsonl', path=write_jsonl(tmp_path, docs, files=1), eval_fraction=0.0,
                  shuffle_window=1)
-  batches = take(rows_iter(cfg, rows=[0], batch=1), sum(len(d) + 1 for d in docs) // 16 + 4)
+  with metrics.console_logging(print):  # As in a run.
+    batches = take(rows_iter(cfg, rows=[0], batch=1), sum(len(d) + 1 for d in docs) // 16 + 4)
   assert 'ran out; repeating it (epoch 2)' in capsys.readouterr().out
   assert len(docs_of(stream_text(batches))) > len(docs)
 
@@ -289,7 +290,8 @@ def test_skip_bad_records_leaves_out_only_the_bad_line_and_counts_it(tmp_path, c
   cfg = dataclasses.replace(bad_jsonl(tmp_path, '{"text": "cut'), skip_bad_records=True)
   reader = records.Reader(cfg)
   blocks = reader.all_blocks()
-  assert [d for i in range(len(blocks)) for d in reader.read(blocks, i)] == ['fine'] * 3 + ['fine too']
+  with metrics.console_logging(print):
+    assert [d for i in range(len(blocks)) for d in reader.read(blocks, i)] == ['fine'] * 3 + ['fine too']
   assert 'warning: data.skip_bad_records: skipped ' in capsys.readouterr().err and reader.bad.count == 1
 
 
@@ -299,8 +301,9 @@ def test_skip_bad_records_leaves_out_bad_files_with_a_warning_each(tmp_path, cap
   (tmp_path / 'broken.parquet').write_bytes(b'PAR1 not really')
   (tmp_path / 'empty.parquet').write_bytes(b'')
   reader = records.Reader(data_cfg(source='parquet', path=str(tmp_path / '*.parquet'), skip_bad_records=True))
-  blocks = reader.all_blocks()
-  assert sorted(d for i in range(len(blocks)) for d in reader.read(blocks, i)) == sorted(docs)
+  with metrics.console_logging(print):
+    blocks = reader.all_blocks()
+    assert sorted(d for i in range(len(blocks)) for d in reader.read(blocks, i)) == sorted(docs)
   err = capsys.readouterr().err
   assert reader.bad.count == 2 and 'broken.parquet is not a readable Parquet file' in err
   assert 'empty.parquet is empty (2 skipped so far)' in err

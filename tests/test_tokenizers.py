@@ -194,3 +194,9 @@ def test_a_path_that_is_not_a_tokenizer_is_a_one_line_config_error(tmp_path, mak
   with pytest.raises(ConfigError, match=says) as raised:
     load_config('single', f'data.tokenizer={path}')
   assert '\n' not in str(raised.value)
+
+
+def test_a_run_reads_each_tokenizer_once_and_the_process_keeps_none_after_it(spec):
+  with tokenizer.loaded_once():
+    assert tokenizer.load(spec) is tokenizer.load(spec)
+  assert tokenizer.load(spec) is not tokenizer.load(spec)

@@ -11,7 +11,7 @@ UTF-8 text) or, for ArrayRecord files written by scripts/tokenize_corpus.py (`da
 an array of `data.token_dtype` ids that already starts with BOS.
 
 Bad input is a DataError naming the file and the line, row or record; with `data.skip_bad_records` it is a
-counted warning on stderr instead, and the record (or unreadable file) is left out.
+counted warning (on stderr in a run) instead, and the record (or unreadable file) is left out.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import logging
 import pathlib
-import sys
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 FORMATS = ('jsonl', 'parquet', 'arrayrecord')
 Document = str | np.ndarray
+_log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 _OPEN_ARRAY_RECORDS = 16  # ArrayRecord files kept open per process.
 
 
@@ -48,7 +49,7 @@ def _parquet_file(path: pathlib.Path) -> Any:
   return pq.ParquetFile(path)
 
 class BadRecords:
-  """Raises on a bad record, or with `skip` counts it and warns on stderr (the first ten, then every
+  """Raises on a bad record, or with `skip` counts it and warns (the first ten, then every
   power of ten), so nothing is left out silently."""
 
   def __init__(self, skip: bool):
@@ -59,8 +60,7 @@ class BadRecords:
       raise DataError(f'{message}; fix it or set data.skip_bad_records=True to skip bad records.')
     self.count += 1
     if self.count <= 10 or str(self.count).rstrip('0') == '1':
-      print(f'warning: data.skip_bad_records: skipped {message} ({self.count} skipped so far)',
-            file=sys.stderr, flush=True)
+      _log.warning(f'warning: data.skip_bad_records: skipped {message} ({self.count} skipped so far)')
 
 
 @dataclasses.dataclass(frozen=True)

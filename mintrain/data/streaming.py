@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 _BLOCK_ORDER, _DOCUMENT_ORDER, _MIX = 0x0B10C, 0xD0C5, 0x313C  # Separate random streams drawn from the seed.
 _BASELINE_TOKENS = 1 << 26  # Tokens of the eval split counted for its unigram entropy.
 _STATE_WIDTH = 3  # (window, document, token) per source.
+_log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 _SAY_EVERY_S = 10.0  # At most one "ran out" line per source this often (a small corpus repeats quickly).
 
 
@@ -96,8 +98,7 @@ class Split:
     epoch, k = divmod(slot, len(self.split_blocks))
     if epoch > self.epochs_said and self.shuffle and time.monotonic() - self.said_at > _SAY_EVERY_S:
       self.epochs_said, self.said_at = epoch, time.monotonic()
-      if jax.process_index() == 0:
-        print(f'data: {self.name} ran out; repeating it (epoch {epoch + 1}).', flush=True)
+      _log.info(f'data: {self.name} ran out; repeating it (epoch {epoch + 1}).')
     if not self.shuffle:
       return k
     if epoch not in self._orders:  # Rows cross an epoch's end at different steps: keep a few.

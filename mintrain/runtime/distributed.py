@@ -1,17 +1,14 @@
 """Multi-process runs on JAX's own multi-controller runtime (`jax.distributed`).
 
-One process per host (or, for tests, several on one machine). The runtime is
-initialised when a cluster launcher that JAX recognises is present (SLURM,
-Open MPI, Kubernetes / GKE, Cloud TPU), or when the coordinator address,
-process count and process id are given as flags or in the standard
-environment variables. On CPU, collectives between processes use gloo.
-Everything here must run before the JAX backend starts.
+One process per host (or, for tests, several on one machine). The coordinator address, process count and
+process id come from flags or JAX's environment variables; what they leave out, JAX's own cluster detection
+(SLURM, Open MPI, Kubernetes, Cloud TPU) fills in, and where it finds no cluster the run is one process.
+On CPU, collectives between processes use gloo. Everything here must run before the JAX backend starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import socket
 import sys
@@ -23,76 +20,37 @@ import jax
 from mintrain.errors import DistributedError
 
 ENV_ADDRESS, ENV_COUNT, ENV_ID = 'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'
-# What JAX's SlurmCluster needs; `srun` sets them for every task.
-_SLURM = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')
+# The count and id that mpirun and an srun step put in each process's environment: the CPU devices each
+# process simulates must be known before the backend starts, and JAX's public API tells them only after.
+_LAUNCHER_COUNT_AND_ID = (('OMPI_COMM_WORLD_SIZE', 'OMPI_COMM_WORLD_RANK'),
+                          ('SLURM_STEP_NUM_TASKS', 'SLURM_PROCID'))
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  coordinator_address: str | None  # None: let the detected cluster say.
+  coordinator_address: str | None  # None: JAX's cluster detection finds it, or finds no cluster.
   num_processes: int | None
   process_id: int | None
-  cluster: str | None  # Name of the detected cluster launcher (`Launcher.name`), if any.
-
-
-@dataclasses.dataclass(frozen=True)
-class Launcher:
-  """A cluster launcher, and what its environment says about this process."""
-  name: str  # slurm, ompi, gketpu, gcetpu or k8s.
-  num_processes: int | None  # None: JAX asks the launcher itself (TPU metadata, Kubernetes API).
-  process_id: int | None
-
-
-def detected_cluster() -> Launcher | None:
-  """The launcher `jax.distributed.initialize()` would detect, checked in JAX's order, or None.
-
-  The tests of JAX 0.10's cluster environments, from the environment only: nothing here asks a
-  metadata server or the Kubernetes API.
-  """
-  env = os.environ
-  if 'OMPI_MCA_orte_hnp_uri' in env:  # Set by mpirun of Open MPI 4 and older (ORTE), not 5 (PRRTE).
-    return Launcher('ompi', _int_env('OMPI_COMM_WORLD_SIZE'), _int_env('OMPI_COMM_WORLD_RANK'))
-  if all(name in env for name in _SLURM):
-    return Launcher('slurm', _int_env('SLURM_NTASKS'), _int_env('SLURM_PROCID'))
-  if _on_cloud_tpu():
-    if 'TPU_PROCESS_ADDRESSES' in env or 'TPU_WORKER_HOSTNAMES' in env:  # A GKE TPU pod.
-      return Launcher('gketpu', None, None)
-    if 'TPU_SKIP_MDS_QUERY' not in env:  # A TPU VM, whose metadata server knows its workers.
-      return Launcher('gcetpu', None, None)
-  if 'KUBERNETES_SERVICE_HOST' in env and importlib.util.find_spec('kubernetes') is not None:
-    return Launcher('k8s', None, _int_env('JOB_COMPLETION_INDEX'))  # The index of an Indexed Job.
-  return None
-
-
-def _on_cloud_tpu() -> bool:
-  """Whether JAX chose the TPU platform, as it does on import on a Cloud TPU VM (`tpu,cpu`)."""
-  return 'tpu' in (jax.config.jax_platforms or '').split(',')
 
 
 def settings(coordinator_address: str | None = None, num_processes: int | None = None,
              process_id: int | None = None) -> Settings | None:
-  """Settings from flags, then environment variables, then cluster detection; None: one process."""
+  """Settings from flags, then JAX's environment variables, then a launcher's count and id; None: one
+  process, as given (a count of 1)."""
   address = coordinator_address or os.environ.get(ENV_ADDRESS)
   count = num_processes if num_processes is not None else _int_env(ENV_COUNT)
   pid = process_id if process_id is not None else _int_env(ENV_ID)
-  given = [x is not None for x in (address, count, pid)]
-  launcher = detected_cluster()
-  cluster = launcher.name if launcher else None
-  if all(given):
+  if address and count is not None and pid is not None:
     _check_id(pid, count)
-    return Settings(address, count, pid, cluster) if count > 1 else None
-  if any(given) and launcher is None:
-    missing = [name for name, g in zip((ENV_ADDRESS, ENV_COUNT, ENV_ID), given) if not g]
-    raise DistributedError(
-        f'Multi-process settings are incomplete: missing {", ".join(missing)} (or the matching '
-        '--coordinator_address / --num_processes / --process_id flags).')
-  if launcher is not None:
-    count = count if count is not None else launcher.num_processes
-    pid = pid if pid is not None else launcher.process_id
-    if count is not None and pid is not None:
-      _check_id(pid, count)
-    return Settings(address, count, pid, cluster)
-  return None
+    return Settings(address, count, pid) if count > 1 else None
+  for count_name, id_name in _LAUNCHER_COUNT_AND_ID:
+    if count_name in os.environ:
+      count = count if count is not None else _int_env(count_name)
+      pid = pid if pid is not None else _int_env(id_name)
+      break
+  if count is not None and pid is not None:
+    _check_id(pid, count)
+  return Settings(address, count, pid)
 
 
 def _check_id(pid: int, count: int) -> None:
@@ -113,18 +71,18 @@ def _int_env(name: str) -> int | None:
 DEFAULT_TIMEOUT = 300  # Seconds: as JAX's own; a cluster's processes may start minutes apart.
 
 
-def initialize(s: Settings, timeout: float = DEFAULT_TIMEOUT, say: Callable[[str], None] = print) -> None:
-  """Starts the runtime (on CPU, gloo carries the collectives between processes), never in silence.
+def initialize(s: Settings, timeout: float = DEFAULT_TIMEOUT, say: Callable[[str], None] = print) -> bool:
+  """Joins the runtime (on CPU, gloo carries the collectives between processes), never in silence;
+  False where nothing was given and JAX detects no cluster (one process).
 
   Process 0 says whom it waits for and where. JAX's own timeout aborts every process with "another
   task died", so a watchdog ends the wait first: after `timeout` seconds it writes one line naming the
   processes that did not join (from the roll call, see `RollCall`), and exits with status 2.
   """
-  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  count = s.num_processes or '?'
   if s.process_id == 0:
     where = f' at {s.coordinator_address}' if s.coordinator_address else ''
-    say(f'Waiting up to {timeout:.0f} s for {count} processes to join{where} (--init_timeout to change).')
+    say(f'Waiting up to {timeout:.0f} s for {s.num_processes or "?"} processes to join{where} '
+        '(--init_timeout to change).')
   roll_call = RollCall.start(s)
   watchdog = threading.Timer(timeout, _give_up, (s, timeout, roll_call))
   watchdog.daemon = True
@@ -132,14 +90,22 @@ def initialize(s: Settings, timeout: float = DEFAULT_TIMEOUT, say: Callable[[str
   try:
     jax.distributed.initialize(coordinator_address=s.coordinator_address, num_processes=s.num_processes,
                                process_id=s.process_id, initialization_timeout=int(timeout) + 60)
+  except ValueError as e:  # What JAX's cluster detection could not fill in.
+    if s == Settings(None, None, None):
+      return False
+    raise DistributedError(
+        f'Multi-process settings are incomplete ({e}): give {ENV_ADDRESS}, {ENV_COUNT} and {ENV_ID} (or the '
+        '--coordinator_address / --num_processes / --process_id flags), or start under a launcher.') from e
   finally:
     watchdog.cancel()
     if roll_call is not None:
       roll_call.stop()
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  return True
 
 
 def _give_up(s: Settings, timeout: float, roll_call: RollCall | None) -> None:
-  address = s.coordinator_address or f"the coordinator {s.cluster or 'JAX'} chose"
+  address = s.coordinator_address or "the coordinator JAX's cluster detection chose"
   check = (f'Check that every process was started with the same coordinator address and process count '
            f'({s.num_processes}), its own process id, and can reach {address}; --init_timeout waits longer.')
   if s.process_id == 0 and roll_call is not None:

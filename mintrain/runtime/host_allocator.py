@@ -1,28 +1,13 @@
 """Keep freed host memory in the process, so XLA:CPU does not page-fault its temporaries every step.
 
-XLA:CPU allocates each execution's temporaries (hundreds of MB per device for a 32k-vocabulary
-model) with `malloc` from its worker threads and frees them when the step ends. glibc serves a
-big block asked for by a thread outside its main arena with a fresh `mmap`, and gives it back
-with `munmap`, so the next step touches new pages: on bench_tiny that was ~515k page faults and
-~1.3 s of kernel time in every ~3.4 s step. With one arena, no `mmap` for big blocks and no
-trimming, glibc reuses the same pages from step to step.
+XLA:CPU mallocs each step's temporaries from worker threads and frees them at its end; glibc serves such
+big blocks with fresh `mmap`s and unmaps them, so every step faults in new pages (BENCHMARKS.md). One arena,
+no `mmap` for big blocks and no trimming make it reuse them; the heap then grows by whatever lands in the
+holes they leave, so the loop hands free pages back after each save (`release_freed_memory`).
 
-The cost: freed pages stay in the process, and the heap does not stay at one step's peak. The next
-step's temporaries are allocated before the last step's are freed, and whatever is allocated meanwhile
-(a save's or an evaluation's buffers, another thread's scratch block) can land in the hole they left;
-then no hole fits them, the heap grows by their size and never shrinks (a single-device run grew from
-1.38 to 1.59 GB over four saves, ~100 MB at a time). So the training loop hands the free pages back
-after each save (`release_freed_memory`); the steps after it fault their temporaries in once.
-
-Measured on the CPU backend only, so `keep_freed_memory_if_cpu` applies it only there: on a GPU or
-TPU the big buffers live in device memory. The backend is not known until JAX starts it, so the rule
-reads what JAX will read then:
-- `jax_platforms` (JAX_PLATFORMS) is set: the first platform listed is the default backend; apply
-  when it is `cpu`. (On import, JAX sets `tpu,cpu` on a Cloud TPU VM.)
-- it is not set: JAX prefers any accelerator that starts; apply when none is installed: no PJRT
-  plugin (a `jax_plugins` namespace module or entry point, as the CUDA and ROCm plugins install), no
-  `libtpu`, no library named by TPU_LIBRARY_PATH or PJRT_NAMES_AND_LIBRARY_PATHS. A plugin without
-  its hardware (JAX falls back to the CPU) goes without the setting; JAX_PLATFORMS=cpu gets it back.
+CPU backend only (`keep_freed_memory_if_cpu`), decided before JAX starts from what JAX will read: the
+first platform of `jax_platforms` when it is set; else whether no accelerator is installed (no PJRT plugin,
+no `libtpu`, no library named by TPU_LIBRARY_PATH or PJRT_NAMES_AND_LIBRARY_PATHS).
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """One run per workdir: process 0 holds `WORKDIR/run.lock` for the run's life.
 
-Two runs on one workdir would both train to the end, write the same checkpoint steps and interleave
-their lines in metrics.jsonl. The lock names its holder (host, pid, start time, command), so a second
-run can say whom it waits for. A holder on this host whose process is gone (no such pid, a zombie, or
-the pid reused by a process started later) left its lock behind: it is taken over with a warning. A
-holder on another host cannot be checked from here; `force` takes over any lock, for a shared
-filesystem whose holder is known to be gone.
+Two runs on one workdir would write the same checkpoint steps and interleave metrics.jsonl. The lock names
+its holder (host, pid, start time, command). A holder on this host (same hostname) whose process is gone
+left its lock behind: it is taken over with a warning. One on another host cannot be checked from here;
+`force` takes over any lock. The caller decides which process is process 0.
 
-Only process 0 of a multi-process run takes the lock; the caller decides which process that is.
-"This host" means the same hostname: containers that share a hostname and a volume, but not a PID
-namespace, would see each other's holders as gone.
-
-What holds where:
-- Local paths create the lock with O_CREAT | O_EXCL (atomic on local disks, NFSv3 and later, Lustre):
-  of any number of runs started at once, exactly one holds it. A stale lock is renamed aside (atomic)
-  and checked to be the one judged stale before a new one is created, so two runs that find the same
-  stale lock cannot both take it over.
-- Remote paths (`gs://`, `s3://`, through `etils.epath`) have no atomic create: the lock is written,
-  then read back after REMOTE_SETTLE_S seconds and must still be ours. That refuses a run started while
-  another holds the lock, but two runs started within the same few seconds may both pass.
+Local paths create the lock with O_CREAT | O_EXCL, and a stale one is renamed aside first, so exactly one
+of many runs started at once holds it. Remote paths (`gs://`, `s3://`) have no atomic create: the lock is
+read back after REMOTE_SETTLE_S seconds and must still be ours, which refuses a run started while another
+holds it, but not two started within the same few seconds.
 """
 
 from __future__ import annotations

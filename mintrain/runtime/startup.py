@@ -73,8 +73,11 @@ def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = Non
   if needed % processes:
     fail(f'the mesh needs {needed} devices, which {processes} processes cannot share evenly.')
   mesh_lib.simulate_cpu_devices(needed // processes)
-  if dist is not None:
-    distributed.initialize(dist, getattr(args, 'init_timeout', distributed.DEFAULT_TIMEOUT))
+  try:
+    if dist is not None:
+      distributed.initialize(dist, getattr(args, 'init_timeout', distributed.DEFAULT_TIMEOUT))
+  except errors.DistributedError as e:
+    fail(str(e))
   try:
     devices, note = mesh_lib.pick_devices(None if all_devices else needed)
   except errors.MeshError as e:
