@@ -258,9 +258,9 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
   sections['data'] = dataclasses.replace(sections['data'], tokenizer=spec)
   name = model.pop('name', None)
   family = models.family(name)
-  model_cfg = family.for_tokenizer(fields.build(family.config, model, 'model'),
-                                   lambda: tokenizer.load(spec).vocab_size)
-  family.check(model_cfg, sections['train'].seq_len)
+  model_cfg = fields.build(family.config, model, 'model')
+  model_cfg = model_cfg.for_tokenizer(lambda: tokenizer.load(spec).vocab_size)
+  model_cfg.check(sections['train'].seq_len)
   return Config(seed=seed, model_name=name, model=model_cfg, **sections)
 
 

@@ -163,7 +163,7 @@ def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
   if bytes_per_token:
     out['eval_bits_per_byte'] = loss / math.log(2) / bytes_per_token
-  return out | run.config.family.eval_metrics(run.config.model, loss)
+  return out | run.config.model.eval_metrics(loss)
 
 
 def checkpoint_metadata(run: Run, step: int) -> dict:
@@ -314,7 +314,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     r = build(config, devices)
     config = r.config
     say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan, r.rules))
-    for note in config.family.notes(config.model):
+    for note in r.notes:
       say(f'note: {note}')
     report.check(r.plan)
     text = config.data.source != 'synthetic'
@@ -337,7 +337,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     total = config.train.steps
     flops_per_step, tokens_per_step = report.train_flops_per_step(config), report.tokens_per_step(config)
     peak, peak_source = hardware.peak_tflops(
-        r.mesh.devices.flat[0], config.family.compute_dtype(config.model), config.metrics.peak_tflops)
+        r.mesh.devices.flat[0], config.model.compute_dtype, config.metrics.peak_tflops)
     say(f'model: {report.param_count(config):,} parameters, {flops_per_step / 1e9:.3f} GFLOP per step '
         f'({flops_per_step / tokens_per_step / 1e6:.3f} MFLOP per token); peak {peak:.3f} TFLOP/s per '
         f'device ({peak_source})')

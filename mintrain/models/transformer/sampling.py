@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mintrain.models.transformer.model import KVCache, Transformer
+from mintrain.models.transformer.attention import KVCache
+from mintrain.models.transformer.model import Transformer
 
 # RoPE angles come from float32 positions, which are exact integers only up to 2**24.
 MAX_POSITIONS = 2**24
@@ -101,7 +102,7 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
   cache = model.init_cache(batch, prompt_len + max_new_tokens, jnp.dtype(model.cfg.compute_dtype))
   # The prefill splits the prompt over `context` (mesh.context); the tokens beyond the split's last
   # multiple follow one at a time, as decode steps.
-  split = prompt_len - prompt_len % model.cfg.length_ways
+  split = prompt_len - prompt_len % model.length_ways
   if split:
     logits_BPV, cache = model.decode(prompt_BP[:, :split], cache, 0)
     last_BV = _at(logits_BPV, split - 1)
