@@ -151,3 +151,18 @@ def test_no_code_outside_the_models_compares_model_names_or_knows_parameter_path
       if MODEL_NAME_COMPARISON.search(line) or PARAMETER_PATH.search(line):
         offenders.append(f'{source.relative_to(REPO)}:{number}: {line.strip()}')
   assert not offenders, '\n'.join(offenders)
+
+
+def test_the_options_are_checked_once_and_the_mesh_reaches_the_model_through_its_constructor(monkeypatch):
+  from conftest import build, load_config
+
+  from mintrain.models.transformer.config import TransformerConfig
+  checked = []
+  monkeypatch.setattr(TransformerConfig, 'check', lambda cfg, seq_len: checked.append(seq_len))
+  config = load_config('cp2_dp2_tp2')
+  run = build(config)
+  assert checked == [config.train.seq_len]
+  assert not any(f.metadata.get('derived') for f in dataclasses.fields(TransformerConfig))
+  assert run.config.model == config.model.for_platform('cpu')  # Only options left to 'auto' are set.
+  assert run.placement.ways('length') == 2 and run.placement.ways('heads') == 2
+  assert run.model(run.abstract_state.params).length_ways == 2

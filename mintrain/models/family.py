@@ -1,9 +1,6 @@
 """What a model family gives the rest of mintrain, so that nothing outside `mintrain/models/` asks which
 model it runs (torchtitan's model bundle): its config class, whose methods say what the model costs and
-needs (`ModelConfig`, as torchtitan's model args and Levanter's `LmConfig`), its constructor and its
-Hugging Face conversion.
-
-Weight decay is not here: each parameter says whether it takes it (`layers.param(..., decay=...)`).
+needs (as torchtitan's model args and Levanter's `LmConfig`), its constructor and its HF conversion.
 """
 
 from __future__ import annotations
@@ -39,13 +36,10 @@ class Placement:
 
 
 class ModelConfig:
-  """The base of a family's config, a frozen dataclass of the `model` section's options (`fields.option`).
-
-  A family defines `param_count()`, `train_flops_per_row(seq_len, causal_half)` (forward + backward),
-  `activation_bytes(rows, seq_len, ways)` (what one device keeps for the backward pass) and
-  `synthetic_rows(seed, step, rows, seq_len)` (rows of a synthetic batch, a pure function of
-  (seed, step, row)); what follows are defaults it may override.
-  """
+  """Base of a family's config (a frozen dataclass of `fields.option`s). A family defines `param_count()`,
+  `train_flops_per_row(seq_len, causal_half)`, `activation_bytes(rows, seq_len, ways)` (kept for the
+  backward pass on one device) and `synthetic_rows(seed, step, rows, seq_len)` (a pure function of
+  (seed, step, row)); the rest are defaults it may override."""
 
   compute_dtype: str = 'float32'  # Of its matmuls: which peak FLOP/s MFU divides by.
   vocab_size: int | None = None  # Token ids it reads; None: data ids are checked against the tokenizer's.

@@ -192,3 +192,20 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
     return run(make_layer, params, x, i, *args)
 
   return jax.lax.scan(body, x, (params_N, jnp.arange(params_N[0].shape[0])))
+
+
+def on_params_mesh(function: Callable) -> Callable:
+  """`function(module, ...)` run under the mesh the module's parameters live on when no mesh is current,
+  so a model made on its own (`hf.from_pretrained`) is callable as it is; under a mesh, as it is."""
+
+  @functools.wraps(function)
+  def wrapped(module: nnx.Module, *args, **kwargs):
+    if jax.sharding.get_abstract_mesh().empty:
+      leaf = jax.tree.leaves(nnx.state(module, nnx.Param))[0]
+      mesh = getattr(getattr(leaf, 'sharding', None), 'mesh', None)
+      if isinstance(mesh, jax.sharding.Mesh):
+        with jax.set_mesh(mesh):
+          return function(module, *args, **kwargs)
+    return function(module, *args, **kwargs)
+
+  return wrapped

@@ -1,45 +1,12 @@
-"""Decoder-only transformer LM: pre-norm blocks of causal attention (RoPE) and gated MLP.
+"""Decoder-only transformer LM: pre-norm blocks of causal attention (RoPE, `attention`) and a gated MLP
+or, every `moe_every`-th block when `num_experts` > 0, a mixture of experts (`moe`).
 
-Shape letters as in `config`. Heads and the MLP hidden dimension are split over the `model`-style
-mesh axis by the rules; the model itself only names logical axes. The KV cache in sampling holds the
-G key/value heads (`attention`).
-
-`__call__` is the training forward pass. `decode` is the same computation for
-sampling: it appends the keys and values of new tokens to a per-layer cache and
-attends over it, so each new token costs one step instead of a re-run of the prefix.
-
-Packed rows (`mintrain.data.pipeline`) hold several documents. Their `segment_ids_BL` (which
-document of the row each token is in; 0 is padding) and `positions_BL` (its position in that
-document) make each document's tokens attend only to earlier tokens of the same document, rotated
-for their own positions, so a document's predictions are those it would get alone; `loss` counts
-only the targets its batch's `target_weights` count. Without them a row is one sequence. What a
-query sees is a function of positions and segment ids (`context_attention.visible`), not of where
-tokens are stored, so packed rows split over `context` too: gathered keys bring their positions and
-segment ids along, and the ring's zigzag reorders them with the tokens and passes them with the keys.
-
-Performance options (`TransformerConfig`), each computing the same function as the default:
-  remat        recompute each block's activations in the backward pass instead of keeping them.
-  scan_layers  parameters stacked on a leading `layers` axis and the blocks run by one `scan`,
-               so compile time does not grow with depth; sampling slices the stack per layer.
-  attention    'dot_product' uses `jax.nn.dot_product_attention` in training (cuDNN flash attention
-               on an NVIDIA GPU in bfloat16/float16, XLA elsewhere: `attention_kernel`).
-  mlp_overlap  the MLP's tensor-parallel communication overlapped with its matmuls
-               (`collective_matmul`).
-  context_attention
-               with `length` split over devices (`mesh.context`): 'all_gather' gathers keys and values
-               before attention; 'ring' passes them round the devices overlapped with blockwise
-               attention, the sequence stored in zigzag order (`context_attention`). The ring computes
-               attention itself, whatever `attention` says.
-  loss_chunks  the output layer and the loss fused (`mintrain.models.loss.fused_cross_entropy`), over that
-               many sequence chunks; 0 computes the logits, then the loss; -1 (auto) fuses on CPU only.
-  linear       'custom_vjp' forms weight gradients with the smaller operand transposed (`layers.linear`);
-               'einsum' leaves them to autodiff; 'auto' takes the custom VJP on CPU only.
-
-Mixture of experts (`num_experts` > 0): every `moe_every`-th block's MLP is an `moe.MoE` layer of that many
-experts, `experts_per_token` of them per token, split over the `expert` mesh axis; the others stay dense.
-`loss`'s statistics then hold `aux_loss` (the router's weighted balancing and z-losses, which the train
-step adds to the objective) and the routing statistics, averaged over the MoE layers; padding (segment 0)
-takes no expert's slot and counts in none of them.
+`__call__` is the training forward pass; `decode` is the same computation over a per-layer KV cache, so
+each sampled token costs one step instead of a re-run of the prefix. Packed rows' `segment_ids_BL` and
+`positions_BL` make each document attend only to itself, at its own positions, so its predictions are
+those it would get alone; `loss` counts only the targets that `target_weights` count. Every performance
+option (remat, scan_layers, attention, mlp_overlap, context_attention, loss_chunks, linear: their
+meaning in mintrain/configs/base.py) computes the same function as the default.
 """
 
 from __future__ import annotations
@@ -56,6 +23,7 @@ from mintrain.models.layers import (
   dropout,
   gather,
   linear,
+  on_params_mesh,
   param,
   run_layers,
   split_layers,
@@ -178,6 +146,7 @@ class Transformer(nnx.Module):
     # How many ways `length` is split (mesh.context), and the key/value (and KV cache) layout.
     self.length_ways, self.kv_layout = placement.ways('length'), kv_layout(cfg.kv_heads_axis(placement))
 
+  @on_params_mesh
   def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, positions_BL: jax.Array | None = None) -> jax.Array:
     """Logits; with `segment_ids_BL` and `positions_BL`, of packed documents (see the module doc)."""
@@ -190,6 +159,7 @@ class Transformer(nnx.Module):
       x_BLD = self._stored(x_BLD, np.argsort(order_L).astype(np.int32))
     return self._logits(x_BLD, table_VD)
 
+  @on_params_mesh
   def loss(self, batch: dict[str, jax.Array], *, dropout_key: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(mean cross-entropy of the next-token predictions over the targets that count, their count,
@@ -217,6 +187,7 @@ class Transformer(nnx.Module):
                                  self.rules, self.cfg.loss_chunks)
     return loss, jnp.sum(weights_BL), moe_statistics(self.cfg, stats) if stats else {}
 
+  @on_params_mesh
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
              start: jax.Array | int) -> tuple[jax.Array, KVCache]:
     """(logits_BLV, cache) for L new tokens at positions start..start+L-1, no dropout.
@@ -232,6 +203,7 @@ class Transformer(nnx.Module):
       new_cache.append(kv)
     return self._logits(x_BLD, table_VD), new_cache
 
+  @on_params_mesh
   def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
     """Zero keys and values for `max_len` positions in every layer, laid out (under a mesh) as the
     attention's keys and values (batch, length, kv heads, kv), so it is split like what fills it. Its

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mintrain.models.layers import on_params_mesh
 from mintrain.models.transformer.attention import KVCache
 from mintrain.models.transformer.model import Transformer
 
@@ -79,6 +80,7 @@ def _next_token(logits_BV: jax.Array, key: jax.Array, i: jax.Array | int, temper
   return sample_token(logits_BV, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k)
 
 
+@on_params_mesh
 def generate(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, key: jax.Array | None = None) -> jax.Array:
   """int32 (B, N) tokens that follow each prompt row: one prefill, then one cached step per token."""
@@ -121,6 +123,7 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
   return jnp.concatenate([first_B[None], rest_NB], axis=0).T
 
 
+@on_params_mesh
 def generate_without_cache(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, *,
                            temperature: float = 0.0, top_k: int = 0,
                            key: jax.Array | None = None) -> jax.Array:
