@@ -106,7 +106,7 @@ class _Tensors(contextlib.ExitStack):
 class _Source:
   """Where one mintrain parameter lives in a Hugging Face checkpoint."""
   names: tuple[str, ...]  # Its tensors: per layer (with `layers`), then per part (with `parts`), row-major.
-  kind: Any  # How the family reshapes each (e.g. `hf_llama.Kind`).
+  kind: Any  # How the family reshapes each (e.g. `transformer.hf.Kind`).
   layers: int  # Stacked on a leading `layers` axis (scan_layers): that many layers; 0 when not.
   parts: int  # Stacked from that many tensors on its next axis (a mixture's experts); 0 for one tensor.
 
