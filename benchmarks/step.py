@@ -88,7 +88,7 @@ def main() -> int:
     batches = harness.device_batches(built, 2)
     compiled = harness.compile_step(built, batches[0])
     # A calibration right after each timed step: other load on a shared machine slows both alike.
-    calibrations, calibrate = calibrator(config.family.compute_dtype(config.model), size, seconds, devices[0])
+    calibrations, calibrate = calibrator(config.model.compute_dtype, size, seconds, devices[0])
     times, losses = harness.time_steps(compiled, built, batches, warmup=warmup, steps=steps,
                                        after_step=calibrate)
     step_s = statistics.median(times)
@@ -109,9 +109,9 @@ def main() -> int:
   print(f'\nconfig {harness.describe_config(path, base)}')
   print(f'mesh {harness.describe_mesh(built.mesh)}, {harness.param_count(built):,} parameters, '
         f'{report.train_flops_per_step(config) / 1e9:.1f} GFLOP and {report.tokens_per_step(config):,} '
-        f'tokens per step, compute {config.family.compute_dtype(config.model)}')
+        f'tokens per step, compute {config.model.compute_dtype}')
   print(f'median of {steps} steps after {warmup} warm-up; model TFLOP/s {where}; matmul_TFLOP_s: a '
-        f'{config.family.compute_dtype(config.model)} {size}x{size} matmul on one device, timed for '
+        f'{config.model.compute_dtype} {size}x{size} matmul on one device, timed for '
         f'{seconds} s after each step; ratio = median over steps of model / matmul rate\n')
   print(harness.table(['variant', 'compile_s', 'step_ms', 'spread', 'tokens_per_s', 'model_TFLOP_s',
                        'matmul_TFLOP_s', 'ratio', 'loss_at_init'], rows))

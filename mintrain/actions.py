@@ -17,9 +17,9 @@ from jax.experimental import multihost_utils
 from mintrain import metrics, report
 from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
-from mintrain.fields import option
 from mintrain.data import streaming
 from mintrain.data.batches import GlobalBatches
+from mintrain.fields import option
 from mintrain.runtime import host_allocator
 from mintrain.train_state import TrainState
 
@@ -141,7 +141,7 @@ def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
   if bytes_per_token:
     out['eval_bits_per_byte'] = loss / math.log(2) / bytes_per_token
-  return out | run.config.family.eval_metrics(run.config.model, loss)
+  return out | run.config.model.eval_metrics(loss)
 
 
 def checkpoint_metadata(run: Run, step: int) -> dict:

@@ -9,6 +9,7 @@ batch split) before anything is traced on the mesh; `init` and the steps are jit
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -21,6 +22,7 @@ from mintrain import partitioning, report, train_state
 from mintrain.config import Config
 from mintrain.data.batches import GlobalBatches, make_batches
 from mintrain.errors import ConfigError
+from mintrain.models.family import Placement
 from mintrain.optimizer import make_optimizer, schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState
@@ -31,9 +33,11 @@ from mintrain.train_step import make_eval_step, make_train_step
 class Run:
   """Everything a run needs that follows from the config and the devices."""
 
-  config: Config  # Its model options set for the devices' platform and the mesh (`Family.for_mesh`).
+  config: Config  # Its model options left to 'auto' set for the devices' platform (`for_platform`).
   mesh: Mesh
   rules: AxisRules
+  placement: Placement  # What the devices and mesh decide for the model, given to its constructor.
+  notes: list[str]  # What the placement changes that a user should read (`placement_notes`).
   layout: list[ParamInfo]
   graphdef: nnx.GraphDef
   tx: optax.GradientTransformation
@@ -59,16 +63,17 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   family = config.family
   rules = AxisRules.from_config(config.partitioning)
   rules.check_mesh_axes(mesh.axis_names)
-  config = config.replace(model=family.for_mesh(config.model, mesh.devices.flat[0].platform,
-                                                lambda name: rules.ways(name, mesh.shape)))
+  placement = Placement.of(rules, mesh)
+  config = config.replace(model=config.model.for_platform(placement.platform))
   _check_batch_split(config, rules, mesh)
   _check_length_split(config, rules, mesh)
-  family.check(config.model, config.train.seq_len)  # Again, with what depends on the mesh set.
-  abstract = train_state.abstract_model(family, config.model, rules, config.seed)
+  notes = config.model.placement_notes(placement, config.train.seq_len)
+  make = functools.partial(family.make, config.model, rules, placement)
+  abstract = train_state.abstract_model(make, config.seed)
   layout = train_state.param_layout(abstract, rules, mesh)
   graphdef, _ = nnx.split(abstract, nnx.Param)
   tx = make_optimizer(config.optimizer, config.train.steps)
-  init, from_params = train_state.make_init(family, config.model, rules, tx, config.seed)
+  init, from_params = train_state.make_init(make, tx, config.seed)
   init = jax.jit(init)
   with jax.set_mesh(mesh):
     abstract_state = _concrete(jax.eval_shape(init), mesh)
@@ -77,8 +82,8 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   # Every step gets dropout keys; a model without dropout never reads them, and XLA drops their math.
   train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True)
   plan = report.plan(config, rules, mesh, layout, abstract_state)
-  return Run(config, mesh, rules, layout, graphdef, tx, abstract_state, init, from_params, train_step,
-             make_eval_step(graphdef), plan)
+  return Run(config, mesh, rules, placement, notes, layout, graphdef, tx, abstract_state, init, from_params,
+             train_step, make_eval_step(graphdef), plan)
 
 
 def _concrete(tree, mesh: Mesh):

@@ -116,9 +116,8 @@ def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:
     model = fields.build(models.family(name).config, {**fields.to_dict(model), **options}, 'model')
   spec = tokenizer.resolve(config.data.tokenizer, hf_checkpoint)
   tok = tokenizer.load(spec)
-  family = models.family(name)
-  model = family.for_tokenizer(model, lambda: tok.vocab_size)
-  family.check(model, config.train.seq_len)
+  model = model.for_tokenizer(lambda: tok.vocab_size)
+  model.check(config.train.seq_len)
   data = dataclasses.replace(config.data, tokenizer=spec)
   return config.replace(model_name=name, model=model, data=data), tok
 

@@ -99,12 +99,13 @@ def _has_saves(workdir: epath.Path | None) -> bool:
 
 
 def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_main: bool, say: Say,
-            tok: tokenizer.Tokenizer | None) -> tuple[GlobalBatches, GlobalBatches | None, float | None, dict, float]:
+            tok: tokenizer.Tokenizer | None
+            ) -> tuple[GlobalBatches, GlobalBatches | None, float | None, dict, float]:
   """What can fail on bad input, checked before the run writes (memory plan, data, tokenizer, HF tensors):
   (train batches, eval batches, bytes per token, baseline record, peak TFLOP/s per device)."""
   config = r.config
   say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan, r.rules))
-  for note in config.family.notes(config.model):
+  for note in r.notes:
     say(f'note: {note}')
   report.check(r.plan)
   text = config.data.source != 'synthetic'
@@ -124,7 +125,7 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
     (tok or tokenizer.load(config.data.tokenizer)).save(workdir / tokenizer.RUN_DIR)
   flops_per_step, tokens_per_step = report.train_flops_per_step(config), report.tokens_per_step(config)
   peak, peak_source = hardware.peak_tflops(
-      r.mesh.devices.flat[0], config.family.compute_dtype(config.model), config.metrics.peak_tflops)
+      r.mesh.devices.flat[0], config.model.compute_dtype, config.metrics.peak_tflops)
   say(f'model: {report.param_count(config):,} parameters, {flops_per_step / 1e9:.3f} GFLOP per step '
       f'({flops_per_step / tokens_per_step / 1e6:.3f} MFLOP per token); peak {peak:.3f} TFLOP/s per '
       f'device ({peak_source})')
@@ -191,7 +192,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       stack.enter_context(RunLock(workdir, force=force, warn=say))
     r = build(config, devices)
     config = r.config
-    batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say, tok)
+    batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say,
+                                                                     tok)
     actions = actions_lib.Actions(stack, r, workdir, timer, peak, batches, eval_batches, bytes_per_token,
                                   is_main=is_main, say=say, print_fn=print_fn)
     stack.enter_context(jax.set_mesh(r.mesh))

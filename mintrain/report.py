@@ -3,7 +3,7 @@ report, printed by show_sharding.py and at the start of training.
 
 FLOPs follow MaxText's convention: only matmuls count, each as 2*m*n*k; the backward pass costs twice the
 forward; attention scores are halved for the causal mask. Each family counts its own
-(`Family.train_flops_per_row`); this module scales them to a step. Activation memory is the family's
+(`ModelConfig.train_flops_per_row`); this module scales them to a step. Activation memory is the family's
 estimate of what the backward pass keeps; the compiled step's memory analysis is the final word.
 """
 
@@ -26,7 +26,7 @@ from mintrain.train_state import ParamInfo, TrainState, state_bytes_per_device
 
 def tokens_per_step(config: Config) -> int:
   """Tokens (or examples, for a model whose rows are examples) per optimizer step, over all micro-batches."""
-  return config.train.global_batch_size * config.family.tokens_per_row(config.model, config.train.seq_len)
+  return config.train.global_batch_size * config.model.tokens_per_row(config.train.seq_len)
 
 
 def train_flops_per_step(config: Config, *, causal_half: bool = True) -> float:
@@ -35,13 +35,13 @@ def train_flops_per_step(config: Config, *, causal_half: bool = True) -> float:
   `causal_half=False` counts the full attention score matrix, which is what
   XLA computes (and what `cost_analysis()` reports).
   """
-  per_row = config.family.train_flops_per_row(config.model, config.train.seq_len, causal_half)
+  per_row = config.model.train_flops_per_row(config.train.seq_len, causal_half)
   return per_row * config.train.global_batch_size
 
 
 def param_count(config: Config) -> int:
   """Number of parameters of `config.model`, embedding (and unembedding) included."""
-  return config.family.param_count(config.model)
+  return config.model.param_count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +65,7 @@ class MemoryPlan:
 def activation_bytes(config: Config, rules: AxisRules, mesh: Mesh) -> int:
   """Estimated activations kept for the backward pass of one micro-batch, per device."""
   rows = config.train.micro_batch_size // rules.ways('batch', mesh.shape)
-  return config.family.activation_bytes(config.model, rows, config.train.seq_len,
-                                        lambda name: rules.ways(name, mesh.shape))
+  return config.model.activation_bytes(rows, config.train.seq_len, lambda name: rules.ways(name, mesh.shape))
 
 
 def device_memory_limit(device: jax.Device) -> tuple[int | None, str]:

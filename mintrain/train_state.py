@@ -21,7 +21,6 @@ from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
 from mintrain import partitioning
-from mintrain.models import Family
 from mintrain.partitioning import AxisRules
 
 # Keys are drawn and wrapped with this implementation whatever `jax_default_prng_impl` says: a saved key's
@@ -81,10 +80,11 @@ def _is_variable(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def abstract_model(family: Family, model: Any, rules: AxisRules, seed: int) -> nnx.Module:
-  """The model with ShapeDtypeStructs for parameters, found outside any mesh: allocates nothing."""
+def abstract_model(make: Callable[[nnx.Rngs], nnx.Module], seed: int) -> nnx.Module:
+  """The model `make` builds, with ShapeDtypeStructs for parameters, found outside any mesh: allocates
+  nothing."""
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    return nnx.eval_shape(lambda: family.make(model, rules, nnx.Rngs(params=key(seed))))
+    return nnx.eval_shape(lambda: make(nnx.Rngs(params=key(seed))))
 
 
 def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[ParamInfo]:
@@ -102,7 +102,7 @@ def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[Par
   return rows
 
 
-def make_init(family: Family, model: Any, rules: AxisRules, tx: optax.GradientTransformation,
+def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
               seed: int) -> tuple[Callable[[], TrainState], Callable[[nnx.State], TrainState]]:
   """(init, from_params): the whole state drawn from the seed, or built around given parameters
   (a fresh optimizer state, step 0). Call them under `jit` on the mesh."""
@@ -112,7 +112,7 @@ def make_init(family: Family, model: Any, rules: AxisRules, tx: optax.GradientTr
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
 
   def init() -> TrainState:
-    _, params = nnx.split(family.make(model, rules, nnx.Rngs(params=key(seed))), nnx.Param)
+    _, params = nnx.split(make(nnx.Rngs(params=key(seed))), nnx.Param)
     return from_params(params)
 
   return init, from_params

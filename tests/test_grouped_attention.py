@@ -22,7 +22,7 @@ def model_of(name, *overrides, seed=0):
   """(run, model) of config `name`, parameters drawn from `seed` in the run's layout."""
   setup = build(load_config(name, *overrides))
   with jax.set_mesh(setup.mesh):
-    model = setup.config.family.make(setup.config.model, setup.rules, nnx.Rngs(params=seed))
+    model = setup.config.family.make(setup.config.model, setup.rules, setup.placement, nnx.Rngs(params=seed))
   return setup, model
 
 
@@ -81,8 +81,8 @@ def test_kv_heads_split_when_the_mesh_divides_them_and_are_replicated_and_report
   # Storage layouts: `embed` on `fsdp` at rest (of size 1 on these meshes).
   assert spec(split, 'wk_DHK') == '(fsdp, model, -)'
   assert spec(replicated, 'wk_DHK') == '(fsdp, -, -)' and spec(replicated, 'wq_DHK') == '(fsdp, model, -)'
-  assert split.config.family.notes(split.config.model) == []
-  assert replicated.config.family.notes(replicated.config.model) == [
+  assert split.notes == []
+  assert replicated.notes == [
       'model.num_kv_heads=2 key/value heads do not split 8 ways (the rules for `kv_heads`); they are '
       'replicated on every device of that split.']
 

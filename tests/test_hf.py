@@ -166,6 +166,15 @@ def test_greedy_generation_with_the_kv_cache_equals_transformers_generate(refere
   np.testing.assert_array_equal(generated, expected)
 
 
+def test_a_model_loaded_outside_a_mesh_is_callable_and_samples_as_it_is(llama3):
+  directory, reference_model = llama3
+  model = hf.from_pretrained(directory)  # No mesh: one device.
+  assert np.abs(np.asarray(model(TOKENS)) - torch_logits(reference_model, TOKENS)).max() <= 1e-4
+  with jax.set_mesh(make_mesh(load_config('single').mesh.sizes, mesh_devices(load_config('single')))):
+    expected = np.asarray(sampling.generate(model, TOKENS[:2, :6], 4))
+  np.testing.assert_array_equal(np.asarray(sampling.generate(model, TOKENS[:2, :6], 4)), expected)
+
+
 def test_a_saved_checkpoint_loads_in_transformers_with_the_same_logits(reference, tmp_path):
   directory, tokens, expected = reference
   with jax.set_mesh(make_mesh(load_config('dp4_tp2').mesh.sizes, mesh_devices(load_config('dp4_tp2')))):

@@ -26,7 +26,8 @@ from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.models.layers import MATMUL, linear
 from mintrain.models.transformer import collective_matmul
-from mintrain.models.transformer.model import REMAT_OPTIONS, attention_kernel
+from mintrain.models.transformer.attention import attention_kernel
+from mintrain.models.transformer.config import REMAT_OPTIONS
 from mintrain.optimizer import decay_mask
 from mintrain.partitioning import AxisRules
 from mintrain.report import format_report

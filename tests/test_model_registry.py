@@ -23,7 +23,7 @@ from mintrain import config as config_lib
 from mintrain import configs, errors, models, report
 from mintrain import loop as train_loop
 from mintrain.fields import option
-from mintrain.models.family import Family
+from mintrain.models.family import Family, ModelConfig
 from mintrain.models.layers import gather, param
 from mintrain.models.loss import cross_entropy
 
@@ -31,9 +31,27 @@ NAME = 'bigram_test'
 
 
 @dataclasses.dataclass(frozen=True)
-class BigramConfig:
+class BigramConfig(ModelConfig):
   vocab_size: int = option(at_least=1)
   embed_dim: int = option(at_least=1)
+
+  def param_count(self):
+    return 2 * self.vocab_size * self.embed_dim
+
+  def train_flops_per_row(self, seq_len, causal_half=True):
+    return 6 * self.embed_dim * self.vocab_size * seq_len
+
+  def activation_bytes(self, rows, seq_len, ways):
+    return rows * seq_len * 4 * (self.embed_dim + self.vocab_size)
+
+  def synthetic_rows(self, seed, step, rows, seq_len):
+    """Rows follow one next-token map, t -> (3 t + 1) mod V, from a start drawn per (seed, step, row)."""
+    start = np.array([np.random.default_rng((seed, step, int(r))).integers(self.vocab_size) for r in rows])
+    seq = [start]
+    for _ in range(seq_len):
+      seq.append((3 * seq[-1] + 1) % self.vocab_size)
+    seq = np.stack(seq, 1).astype(np.int32)
+    return {'inputs': seq[:, :-1], 'targets': seq[:, 1:]}
 
 
 class Bigram(nnx.Module):
@@ -56,25 +74,8 @@ class Bigram(nnx.Module):
     return cross_entropy(logits_BLV, targets_BL), jnp.float32(targets_BL.size), {}
 
 
-def synthetic_rows(cfg, seed, step, rows, seq_len):
-  """Rows follow one next-token map, t -> (3 t + 1) mod V, from a start drawn per (seed, step, row)."""
-  start = np.array([np.random.default_rng((seed, step, int(r))).integers(cfg.vocab_size) for r in rows])
-  seq = [start]
-  for _ in range(seq_len):
-    seq.append((3 * seq[-1] + 1) % cfg.vocab_size)
-  seq = np.stack(seq, 1).astype(np.int32)
-  return {'inputs': seq[:, :-1], 'targets': seq[:, 1:]}
-
-
-FAMILY = Family(
-    config=BigramConfig,
-    make=lambda cfg, rules, rngs: Bigram(cfg, rules=rules, rngs=rngs),
-    param_count=lambda cfg: 2 * cfg.vocab_size * cfg.embed_dim,
-    train_flops_per_row=lambda cfg, seq_len, causal_half=True: 6 * cfg.embed_dim * cfg.vocab_size * seq_len,
-    tokens_per_row=lambda cfg, seq_len: seq_len,
-    activation_bytes=lambda cfg, rows, seq_len, ways: rows * seq_len * 4 * (cfg.embed_dim + cfg.vocab_size),
-    synthetic_rows=synthetic_rows,
-)
+FAMILY = Family(config=BigramConfig,
+                make=lambda cfg, rules, placement, rngs: Bigram(cfg, rules=rules, rngs=rngs))
 
 
 @pytest.fixture(autouse=True)
@@ -150,3 +151,18 @@ def test_no_code_outside_the_models_compares_model_names_or_knows_parameter_path
       if MODEL_NAME_COMPARISON.search(line) or PARAMETER_PATH.search(line):
         offenders.append(f'{source.relative_to(REPO)}:{number}: {line.strip()}')
   assert not offenders, '\n'.join(offenders)
+
+
+def test_the_options_are_checked_once_and_the_mesh_reaches_the_model_through_its_constructor(monkeypatch):
+  from conftest import build, load_config
+
+  from mintrain.models.transformer.config import TransformerConfig
+  checked = []
+  monkeypatch.setattr(TransformerConfig, 'check', lambda cfg, seq_len: checked.append(seq_len))
+  config = load_config('cp2_dp2_tp2')
+  run = build(config)
+  assert checked == [config.train.seq_len]
+  assert not any(f.metadata.get('derived') for f in dataclasses.fields(TransformerConfig))
+  assert run.config.model == config.model.for_platform('cpu')  # Only options left to 'auto' are set.
+  assert run.placement.ways('length') == 2 and run.placement.ways('heads') == 2
+  assert run.model(run.abstract_state.params).length_ways == 2

@@ -11,7 +11,7 @@ from mintrain import loop as train_loop
 from mintrain import train_state
 from mintrain.mesh import make_mesh
 from mintrain.models.transformer import sampling
-from mintrain.models.transformer.model import BLHK
+from mintrain.models.transformer.attention import BLHK
 from mintrain.partitioning import AxisRules
 
 # vocab_size 384 holds the tokenizer's BOS (256); batch 8 splits over every config's `batch` axes.

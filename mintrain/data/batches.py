@@ -135,13 +135,13 @@ def make_batches(config: Any, mesh: Mesh, rules: AxisRules, *, split: str = 'tra
   rows = process_rows(batch_sharding(mesh, rules, len(shape)), shape)
   if data.source == 'synthetic':
     def make_rows(step: int, rows: np.ndarray) -> LocalBatch:
-      return config.family.synthetic_rows(config.model, config.seed, step, rows, train.seq_len)
+      return config.model.synthetic_rows(config.seed, step, rows, train.seq_len)
     local = SyntheticRows(make_rows, train.grad_accum_steps, train.micro_batch_size, rows,
                           first_step=EVAL_STEP_OFFSET if split == 'eval' else 0)
   else:
     local = pipeline.make_iterator(data, split=split, seq_len=train.seq_len,
                                    global_batch_size=train.global_batch_size,
                                    micro_batch_size=train.micro_batch_size, rows=rows, seed=config.seed,
-                                   vocab_size=config.family.vocab_size(config.model))
+                                   vocab_size=config.model.vocab_size)
   return GlobalBatches(local, data.source, mesh, rules, train.grad_accum_steps, train.global_batch_size, rows,
                        ahead=data.device_prefetch if split == 'train' else 0)

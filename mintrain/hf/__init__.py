@@ -2,7 +2,7 @@
 
 A directory holds `config.json` and `model.safetensors`, or shards named by
 `model.safetensors.index.json`. The model family that claims the config's `model_type`
-(`Family.hf`, e.g. `models.hf_llama`) says which options it sets and where each tensor goes;
+(`Family.hf`, e.g. `models.transformer.hf`) says which options it sets and where each tensor goes;
 this module only reads and writes. Loading reads, for each parameter, only the rows of its tensor that
 this process's devices need, once for all of them, block by block (`safetensors_reader`, positioned
 reads: no memory map keeps the file's pages in the process), straight into the arrays the devices keep:
@@ -131,7 +131,7 @@ def _indexed_files(root: epath.Path) -> list[str]:
 class _Source:
   """Where one mintrain parameter lives in a Hugging Face checkpoint."""
   names: tuple[str, ...]  # Its tensors: per layer (with `layers`), then per part (with `parts`), row-major.
-  kind: Any  # How the family reshapes each (e.g. `hf_llama.Kind`).
+  kind: Any  # How the family reshapes each (e.g. `transformer.hf.Kind`).
   layers: int  # Stacked on a leading `layers` axis (scan_layers): that many layers; 0 when not.
   parts: int  # Stacked from that many tensors on its next axis (a mixture's experts); 0 for one tensor.
 

@@ -1,7 +1,7 @@
 """Model families by `config.model.name`; each is one module that owns everything about itself.
 
-A new family is a module here with a `FAMILY` (`family.Family`) and one line in `FAMILIES`; a test
-or a user script may also register one at run time (`FAMILIES['name'] = ...`).
+A new family is a folder here whose `__init__` has a `FAMILY` (`family.Family`), and one line in
+`FAMILIES`; a test or a user script may also register one at run time (`FAMILIES['name'] = ...`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from typing import Any
 from etils import epath
 
 from mintrain.errors import ConfigError
+from mintrain.models import mlp, transformer
 from mintrain.models.family import Family
-from mintrain.models.mlp import model as mlp
-from mintrain.models.transformer import model as transformer
 
 FAMILIES: dict[str, Family] = {
     'transformer': transformer.FAMILY,

@@ -1,8 +1,6 @@
 """What a model family gives the rest of mintrain, so that nothing outside `mintrain/models/` asks which
-model it runs (torchtitan's model bundle, kept to a dataclass of functions).
-
-Every function takes the family's own typed config (`config`, a dataclass of `fields.option`s) first.
-Weight decay is not here: each parameter says whether it takes it (`layers.param(..., decay=...)`).
+model it runs (torchtitan's model bundle): its config class, whose methods say what the model costs and
+needs (as torchtitan's model args and Levanter's `LmConfig`), its constructor and its HF conversion.
 """
 
 from __future__ import annotations
@@ -11,8 +9,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from mintrain.partitioning import AxisRules
 
@@ -20,62 +18,66 @@ from mintrain.partitioning import AxisRules
 Ways = Callable[[str], int]
 
 
-def _same(cfg: Any, platform: str, ways: Ways) -> Any:
-  return cfg
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """What the run's devices decide for a model, given to its constructor and never a config option: their
+  platform (which picks kernels) and how many ways the rules split each logical axis on the mesh."""
+
+  platform: str = 'cpu'
+  splits: tuple[tuple[str, int], ...] = ()
+
+  @classmethod
+  def of(cls, rules: AxisRules, mesh: Mesh) -> Placement:
+    names = dict.fromkeys(name for name, _ in rules.rules)
+    return cls(mesh.devices.flat[0].platform, tuple((name, rules.ways(name, mesh.shape)) for name in names))
+
+  def ways(self, name: str) -> int:
+    return dict(self.splits).get(name, 1)
 
 
-def _no_notes(cfg: Any) -> list[str]:
-  return []
+class ModelConfig:
+  """Base of a family's config (a frozen dataclass of `fields.option`s). A family defines `param_count()`,
+  `train_flops_per_row(seq_len, causal_half)`, `activation_bytes(rows, seq_len, ways)` (kept for the
+  backward pass on one device) and `synthetic_rows(seed, step, rows, seq_len)` (a pure function of
+  (seed, step, row)); the rest are defaults it may override."""
 
+  compute_dtype: str = 'float32'  # Of its matmuls: which peak FLOP/s MFU divides by.
+  vocab_size: int | None = None  # Token ids it reads; None: data ids are checked against the tokenizer's.
 
-def _no_extra_metrics(cfg: Any, loss: float) -> dict[str, float]:
-  return {}
+  def tokens_per_row(self, seq_len: int) -> int:
+    """What throughput counts per batch row."""
+    return seq_len
 
+  def eval_metrics(self, loss: float) -> dict[str, float]:
+    """Beyond loss, perplexity and (on text) bits per byte, from the mean eval loss."""
+    return {}
 
-def _no_check(cfg: Any, seq_len: int) -> None:
-  pass
+  def for_tokenizer(self, num_ids: Callable[[], int]) -> Any:
+    """The config for a tokenizer of num_ids() ids, where the config defers to it."""
+    return self
 
+  def check(self, seq_len: int) -> None:
+    """Raises a ConfigError for options that cannot work together (each option alone is checked already)."""
 
-def _float32(cfg: Any) -> str:
-  return 'float32'
+  def for_platform(self, platform: str) -> Any:
+    """Options left to 'auto' set for 'cpu', 'gpu' or 'tpu'."""
+    return self
 
-
-def _no_vocab(cfg: Any) -> int | None:
-  return None
-
-
-def _ignore_tokenizer(cfg: Any, num_ids: Callable[[], int]) -> Any:
-  return cfg
+  def placement_notes(self, placement: Placement, seq_len: int) -> list[str]:
+    """What the placement changes that a user should read; a ConfigError for what it cannot run."""
+    return []
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  config: type  # Frozen dataclass of the `model` section's options.
-  # The module, with `loss(batch, *, dropout_key) -> (mean loss, count of what it averages over,
-  # statistics)`: the batch is a dict of arrays ('inputs', 'targets' and whatever else the data gives, such
-  # as packed rows' 'segment_ids'); a family reads the keys it knows. The statistics ({} if none) are scalar
-  # metrics; their `aux_loss` (e.g. an MoE router's balancing losses) joins the objective. Micro-batches
-  # are weighted by their counts, in the loss, the gradients and the statistics alike.
-  make: Callable[[Any, AxisRules, nnx.Rngs], nnx.Module]
-  param_count: Callable[[Any], int]
-  train_flops_per_row: Callable[[Any, int, bool], float]  # (cfg, seq_len, causal_half): forward + backward.
-  tokens_per_row: Callable[[Any, int], int]  # (cfg, seq_len): what throughput counts per batch row.
-  activation_bytes: Callable[[Any, int, int, Ways], int]  # (cfg, rows, seq_len, ways) kept for backward.
-  # (cfg, seed, step, rows, seq_len): rows of a synthetic batch, a pure function of (seed, step, row).
-  synthetic_rows: Callable[[Any, int, int, np.ndarray, int], dict[str, np.ndarray]]
-  # (cfg, platform, ways): options left to 'auto' set for 'cpu', 'gpu' or 'tpu', and whatever depends on
-  # how the run's mesh splits the logical axes (e.g. key/value heads too few to split are replicated).
-  for_mesh: Callable[[Any, str, Ways], Any] = _same
-  notes: Callable[[Any], list[str]] = _no_notes  # What `for_mesh` changed that a user should read.
-  # Beyond loss, perplexity and (on text) bits per byte, from the mean eval loss.
-  eval_metrics: Callable[[Any, float], dict[str, float]] = _no_extra_metrics
-  check: Callable[[Any, int], None] = _no_check  # (cfg, seq_len): raises ConfigError across sections.
-  compute_dtype: Callable[[Any], str] = _float32  # Of its matmuls: which peak FLOP/s MFU divides by.
-  # Token ids it reads (its embedding rows); None: data ids are checked against the tokenizer's alone.
-  vocab_size: Callable[[Any], int | None] = _no_vocab
-  # (cfg, num_ids): the config for a tokenizer of num_ids() ids (called only when the config defers to it,
-  # e.g. a vocabulary size 'from the tokenizer').
-  for_tokenizer: Callable[[Any, Callable[[], int]], Any] = _ignore_tokenizer
-  # Its Hugging Face conversion (a module like `models.hf_llama`: MODEL_TYPES, model_options, config_json,
-  # weight_names, their_shape, read, write), or None.
+  config: type[ModelConfig]
+  # (cfg, rules, placement, rngs) -> the module, with `loss(batch, *, dropout_key) -> (mean loss, count of
+  # what it averages over, statistics)`: the batch is a dict of arrays ('inputs', 'targets' and whatever
+  # else the data gives, such as packed rows' 'segment_ids'); a family reads the keys it knows. The
+  # statistics ({} if none) are scalar metrics; their `aux_loss` (e.g. an MoE router's balancing losses)
+  # joins the objective. Micro-batches are weighted by their counts, in the loss, gradients and statistics.
+  make: Callable[[Any, AxisRules, Placement, nnx.Rngs], nnx.Module]
+  # Its Hugging Face conversion (a module like `models.transformer.hf`: MODEL_TYPES, model_options,
+  # config_json, weight_names, their_shape, read, write), or None.
   hf: Any = None
+

@@ -9,8 +9,9 @@ all-gather (and, in the backward pass, the reduce-scatter) happens inside the
 layer that needs it.
 
 A stack of identical layers can also hold its parameters stacked on a leading
-`layers` axis (`stack_layers`), so a `scan` runs one compiled layer N times. A checkpoint
-saved in one layout restores into the other (`Relayout`), keyed on that axis.
+`layers` axis (`stack_layers`), so a `scan` runs one compiled layer N times (`run_layers`, which every
+family's stack of layers goes through). A checkpoint saved in one layout restores into the other
+(`Relayout`), keyed on that axis.
 """
 
 from __future__ import annotations
@@ -161,3 +162,50 @@ def split_layers(stacked: nnx.Module) -> tuple[Callable[[list[jax.Array]], nnx.M
                              is_leaf=_is_variable)
   params_N, treedef = jax.tree.flatten(layer_state)
   return lambda params: nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), params_N
+
+
+def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, scanned: bool,
+               policy: Callable | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`x` through each layer in turn, `layer(x, key, *args) -> (x, statistics)`, the key folded with the
+  layer's index: unrolled over a list of layers, or one `scan` over layers stacked by `stack_layers`, so
+  compile time does not grow with depth. With a remat `policy`, each layer recomputes in the backward
+  pass what the policy does not keep. Returns `x` and the non-empty statistics stacked on a leading
+  layer axis ({} if none)."""
+
+  def run(make_layer, params, x: jax.Array, i: jax.Array | int, *args):
+    return make_layer(params)(x, jax.random.fold_in(key, i) if key is not None else None, *args)
+
+  if policy is not None:
+    # A scan already keeps XLA from merging the recomputation back into the forward pass.
+    run = jax.checkpoint(run, policy=policy, prevent_cse=not scanned, static_argnums=(0,))
+  if not scanned:
+    stats = []
+    for i, layer in enumerate(layers):
+      graphdef, params = nnx.split(layer)
+      x, layer_stats = run(functools.partial(nnx.merge, graphdef), params, x, i, *args)
+      stats += [layer_stats] if layer_stats else []
+    return x, jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if stats else {}
+  make_layer, params_N = split_layers(layers)
+
+  def body(x: jax.Array, layer: tuple[list[jax.Array], jax.Array]):
+    params, i = layer
+    return run(make_layer, params, x, i, *args)
+
+  return jax.lax.scan(body, x, (params_N, jnp.arange(params_N[0].shape[0])))
+
+
+def on_params_mesh(function: Callable) -> Callable:
+  """`function(module, ...)` run under the mesh the module's parameters live on when no mesh is current,
+  so a model made on its own (`hf.from_pretrained`) is callable as it is; under a mesh, as it is."""
+
+  @functools.wraps(function)
+  def wrapped(module: nnx.Module, *args, **kwargs):
+    if jax.sharding.get_abstract_mesh().empty:
+      leaf = jax.tree.leaves(nnx.state(module, nnx.Param))[0]
+      mesh = getattr(getattr(leaf, 'sharding', None), 'mesh', None)
+      if isinstance(mesh, jax.sharding.Mesh):
+        with jax.set_mesh(mesh):
+          return function(module, *args, **kwargs)
+    return function(module, *args, **kwargs)
+
+  return wrapped

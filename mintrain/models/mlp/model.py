@@ -17,7 +17,7 @@ from flax import nnx
 
 from mintrain.data import synthetic
 from mintrain.fields import option
-from mintrain.models.family import Family, Ways
+from mintrain.models.family import ModelConfig, Ways
 from mintrain.models.layers import dropout, gather, param
 from mintrain.models.loss import cross_entropy
 from mintrain.partitioning import AxisRules
@@ -30,7 +30,7 @@ def _positive(dims: tuple[int, ...]) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class MLPConfig:
+class MLPConfig(ModelConfig):
   """The `model` section of an MLP run (mintrain/configs/mlp_dp4_tp2.py)."""
 
   input_dim: int = option(at_least=1)
@@ -40,12 +40,37 @@ class MLPConfig:
   param_dtype: str = option(choices=DTYPES)
   compute_dtype: str = option(choices=DTYPES)
 
+  @property
+  def dims(self) -> tuple[int, ...]:
+    return (self.input_dim, *self.hidden_dims, self.num_classes)
+
+  def param_count(self) -> int:
+    return sum(a * b + b for a, b in zip(self.dims[:-1], self.dims[1:]))
+
+  def train_flops_per_row(self, seq_len: int, causal_half: bool = True) -> float:
+    """Training FLOPs per example (3x forward, as for the transformer).
+
+    The first layer needs no input gradient, so XLA does 2 * in * out fewer FLOPs
+    there than this count; the convention counts every matmul the same way.
+    """
+    return 3 * sum(2 * a * b for a, b in zip(self.dims[:-1], self.dims[1:]))
+
+  def tokens_per_row(self, seq_len: int) -> int:
+    return 1  # Examples, not tokens.
+
+  def activation_bytes(self, rows: int, seq_len: int, ways: Ways) -> int:
+    """Each layer's input and its pre-activation, per example."""
+    return rows * sum(2 * w * np.dtype(self.compute_dtype).itemsize for w in self.dims)
+
+  def synthetic_rows(self, seed: int, step: int, rows: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    return synthetic.classification_rows(seed, step, rows, self.input_dim, self.num_classes)
+
 
 class MLP(nnx.Module):
   """inputs_BD -> logits_BC (float32)."""
 
   def __init__(self, cfg: MLPConfig, *, rules: AxisRules, rngs: nnx.Rngs):
-    dims = (cfg.input_dim, *cfg.hidden_dims, cfg.num_classes)
+    dims = cfg.dims
     dtype, init = jnp.dtype(cfg.param_dtype), nnx.initializers.lecun_normal()
     # Alternate column-parallel (embed -> mlp) and row-parallel (mlp -> embed) layers;
     # the last layer maps to the (replicated) classes.
@@ -81,35 +106,3 @@ class MLP(nnx.Module):
     labels_B = batch['targets']
     logits_BC = self(batch['inputs'], dropout_key=dropout_key)
     return cross_entropy(logits_BC, labels_B), jnp.float32(labels_B.size), {}
-
-
-def _dims(cfg: MLPConfig) -> tuple[int, ...]:
-  return (cfg.input_dim, *cfg.hidden_dims, cfg.num_classes)
-
-
-def train_flops_per_row(cfg: MLPConfig, seq_len: int, causal_half: bool = True) -> float:
-  """Training FLOPs per example (3x forward, as for the transformer).
-
-  The first layer needs no input gradient, so XLA does 2 * in * out fewer FLOPs
-  there than this count; the convention counts every matmul the same way.
-  """
-  dims = _dims(cfg)
-  return 3 * sum(2 * a * b for a, b in zip(dims[:-1], dims[1:]))
-
-
-def activation_bytes(cfg: MLPConfig, rows: int, seq_len: int, ways: Ways) -> int:
-  """Each layer's input and its pre-activation, per example."""
-  return rows * sum(2 * w * np.dtype(cfg.compute_dtype).itemsize for w in _dims(cfg))
-
-
-FAMILY = Family(
-    config=MLPConfig,
-    make=lambda cfg, rules, rngs: MLP(cfg, rules=rules, rngs=rngs),
-    param_count=lambda cfg: sum(a * b + b for a, b in zip(_dims(cfg)[:-1], _dims(cfg)[1:])),
-    train_flops_per_row=train_flops_per_row,
-    tokens_per_row=lambda cfg, seq_len: 1,  # Examples, not tokens.
-    activation_bytes=activation_bytes,
-    compute_dtype=lambda cfg: cfg.compute_dtype,
-    synthetic_rows=lambda cfg, seed, step, rows, seq_len: synthetic.classification_rows(
-        seed, step, rows, cfg.input_dim, cfg.num_classes),
-)

@@ -2,26 +2,10 @@
 
 Shape letters: B batch, L length, C one ring chunk of the length, D embed, F mlp (this device's part).
 
-The plain tensor-parallel MLP keeps activations replicated over the mesh axes of `mlp` (the ring)
-and all-reduces the output of its row-parallel matmul in one blocking collective. Here, inside
-`jax.shard_map` over every mesh axis, the n devices of the ring instead work on the sequence in
-chunks (as in the JAX shard_map "collective matmul" tutorial):
-
-  layout      the input enters with its length split n ways over the ring: each device keeps its
-              own slice of the replicated activations, which costs no communication.
-  gate/up     all-gather-matmul: each chunk is multiplied by this device's columns of the gate and
-              up weights while the next chunk is passed along the ring (`ppermute`).
-  down        matmul-reduce-scatter: each device adds its rows' partial product for one chunk to
-              an accumulator that travels the ring, so the sum for chunk i ends on device i.
-  output      length split n ways; the caller's reshard to the (batch, length, embed) layout is an
-              all-gather, the one collective left outside the ring.
-
-Every transfer is independent of the matmul issued next to it, so the scheduler can run them at
-the same time. The ring is bidirectional when a chunk has an even length: each chunk's first half
-travels one way round and its second half the other, so both directions of every link carry
-traffic and each hop moves half the bytes. With an odd chunk length it is unidirectional.
-Chunks are kept in ring order (this device's, then one hop upstream, ...) rather than sequence
-order: the reduce-scatter consumes them in the same relative order, so no device needs its index.
+Instead of one blocking all-reduce after the row-parallel matmul, the n devices of the `mlp` ring work on
+the sequence in chunks inside `jax.shard_map` (the JAX "collective matmul" tutorial): gate/up as an
+all-gather-matmul, down as a matmul-reduce-scatter, each transfer independent of the matmul beside it so
+the two overlap. The ring is bidirectional when a chunk has an even length (half of each chunk each way).
 """
 
 from __future__ import annotations

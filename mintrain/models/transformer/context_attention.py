@@ -2,26 +2,11 @@
 
 Shape letters: B batch, L query length (C: one device's chunk of it), M key length, H heads, K head dim.
 
-Which key a query sees is a function of their positions and, with packed documents, their segment ids
-(`visible`), never of where they sit in the arrays: the sequence may be stored in any order.
-
-Two ways to attend when the rules split `length` over mesh axes (the ring of n devices):
-
-  all_gather  queries keep their chunk; keys and values are gathered whole (one all-gather each per
-              layer) and every device computes its queries' rows of the score matrix. The simple path.
-  ring        (`ring_attention`) inside `jax.shard_map`, each device keeps its queries and passes its
-              keys and values (and their positions) one hop round the ring n - 1 times, attending to
-              each block as it arrives with an online (flash-style, float32) softmax; the transfer of
-              the next block is independent of the current block's math, so the two overlap.
-
-Causal load balance (the ring): with the sequence in natural order, device i's queries see i + 1
-of the n key blocks, so the last device works n times as long as the first. In `zigzag_order` the
-sequence is cut into 2n chunks and device i holds chunks i and 2n-1-i. Then, at every step after the
-first, half of the block pair is fully masked and skipped: keys from an earlier device (j < i) are
-seen by all queries but only their first half (chunk j) is visible; keys from a later device (j > i)
-are seen only by the second half of the queries (chunk 2n-1-i). Every device does the same work.
-The transformer stores its sequence in this order from the embedding on (`Transformer._order`):
-per-token operations and the mean loss do not care, and attention reads the positions.
+Which key a query sees is a function of their positions and segment ids (`visible`), never of where they
+sit in the arrays, so the sequence may be stored in any order. 'all_gather' gathers keys and values whole
+before attention; the ring (`ring_attention`) passes them one hop round the n devices n - 1 times,
+overlapped with an online-softmax attention to each block. For causal load balance the ring stores the
+sequence in `zigzag_order` (device i holds chunks i and 2n-1-i of 2n), so every device does the same work.
 """
 
 from __future__ import annotations

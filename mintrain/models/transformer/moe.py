@@ -3,32 +3,13 @@
 Shape letters: B batch, L length, D embed, E experts, A the top-k choices of a token, C capacity (slots per
 expert per sequence), F expert mlp width.
 
-Routing: softmax over the experts' logits, the top k, renormalised to sum to 1 when `router_norm_topk`
-(Mixtral's softmax over the top-k logits) or not (Qwen2-MoE's `norm_topk_prob=False`).
-
 Dispatch is per sequence, so what a token meets does not depend on how the batch is split: each expert
-has C slots per sequence, filled in priority order (every token's first choice, in position order, then
-the second choices, ...), GShard's order. A choice that finds its expert full is dropped (its weight
-contributes nothing; the residual stream carries the token on). `capacity_factor=0` is dropless: C = L
-slots, as many as a sequence has tokens, so nothing is ever dropped, at the cost of computing E x L
-slots per sequence instead of k x L (E/k times the active experts' FLOPs). A capacity factor c gives
-C = ceil(c * L * k / E) slots: with c = 1 the experts compute as many slots as there are choices, the
-active experts' FLOPs (and keep them all only when routing is balanced).
-
-Expert parallelism: the experts' weights (E, D, F) are split over the mesh axes of the logical axis
-`expert` (rule `('expert', 'expert')`) and F over those of `mlp`. Inside `jax.shard_map`, each device
-scatters its own sequences' tokens into (B, E, C, D) slots, an all-to-all over the expert axes sends
-each expert's slots to the devices that hold it (split E, gather B), the experts run as batched matmuls,
-and the mirror all-to-all brings the outputs home, where each token sums its choices' outputs weighted
-by the router. The rules must split `batch` over the experts' mesh axes too (the default rules do), so
-the devices of an expert group hold different sequences, in the MoE layers and outside them.
-
-Auxiliary losses, averaged over tokens: the load-balancing loss E * sum_e f_e * p_e (Switch Transformer;
-f_e the share of the top-k choices that picked expert e, p_e its mean router probability; 1 when
-balanced) and the router z-loss mean(logsumexp(logits)^2) (ST-MoE). The layer returns them with the
-routing statistics: each expert's share of the choices and the dropped fraction. Padding tokens (those a
-packed or padded batch marks with segment 0) are not routed: they take no slot, so they never push a real
-token's choice out, and count in neither the losses nor the statistics.
+has C = ceil(capacity_factor * L * k / E) slots per sequence (L when the factor is 0: dropless), filled in
+GShard's priority order; a choice that finds its expert full is dropped and the residual stream carries
+the token on. Inside `jax.shard_map`, an all-to-all over the `expert` mesh axes sends each expert's slots
+to the devices that hold it and a mirror all-to-all brings the outputs home; the rules must split `batch`
+over those axes too (the default rules do). The layer returns the load-balancing loss (Switch) and the
+router z-loss (ST-MoE) with the routing statistics; padding (segment 0) takes no slot and counts in none.
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mintrain.models.transformer.model import KVCache, Transformer
+from mintrain.models.layers import on_params_mesh
+from mintrain.models.transformer.attention import KVCache
+from mintrain.models.transformer.model import Transformer
 
 # RoPE angles come from float32 positions, which are exact integers only up to 2**24.
 MAX_POSITIONS = 2**24
@@ -78,6 +80,7 @@ def _next_token(logits_BV: jax.Array, key: jax.Array, i: jax.Array | int, temper
   return sample_token(logits_BV, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k)
 
 
+@on_params_mesh
 def generate(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, key: jax.Array | None = None) -> jax.Array:
   """int32 (B, N) tokens that follow each prompt row: one prefill, then one cached step per token."""
@@ -101,7 +104,7 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
   cache = model.init_cache(batch, prompt_len + max_new_tokens, jnp.dtype(model.cfg.compute_dtype))
   # The prefill splits the prompt over `context` (mesh.context); the tokens beyond the split's last
   # multiple follow one at a time, as decode steps.
-  split = prompt_len - prompt_len % model.cfg.length_ways
+  split = prompt_len - prompt_len % model.length_ways
   if split:
     logits_BPV, cache = model.decode(prompt_BP[:, :split], cache, 0)
     last_BV = _at(logits_BPV, split - 1)
@@ -120,6 +123,7 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
   return jnp.concatenate([first_B[None], rest_NB], axis=0).T
 
 
+@on_params_mesh
 def generate_without_cache(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, *,
                            temperature: float = 0.0, top_k: int = 0,
                            key: jax.Array | None = None) -> jax.Array:

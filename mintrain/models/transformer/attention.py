@@ -1,0 +1,218 @@
+"""Causal self-attention of the transformer: RoPE, multi-head or grouped-query heads, its einsum,
+dot_product and ring paths, and the KV-cache writes of decoding.
+
+Grouped-query attention (`num_kv_heads` = G < H; 1 is multi-query): G heads of keys and values, each
+shared by H/G query heads (head h reads group h // (H/G), as `transformers`' `repeat_kv`). Their logical
+axis is `kv_heads`; when the mesh splits it more ways than G divides, they are replicated instead
+(`TransformerConfig.kv_heads_axis`). What a query sees is a function of positions and segment ids
+(`context_attention.visible`), not of where tokens are stored, so packed rows split over `context` too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mintrain.models.family import Placement
+from mintrain.models.layers import gather, linear, param
+from mintrain.models.transformer.config import TransformerConfig
+from mintrain.models.transformer.context_attention import ring_attention, visible
+from mintrain.partitioning import AxisRules
+
+BLD = ('batch', 'length', 'embed')
+BLHK = ('batch', 'length', 'heads', 'kv')
+
+# Per layer, (keys_BSHK, values_BSHK) of every position written so far (zeros beyond).
+KVCache = list[tuple[jax.Array, jax.Array]]
+
+
+def attention_kernel(platform: str, dtype: jnp.dtype, head_dim: int) -> str:
+  """`jax.nn.dot_product_attention`'s implementation: cuDNN's flash attention on an NVIDIA GPU for the
+  16-bit dtypes and head sizes it takes, XLA's formulation elsewhere. (Its own default, None, is
+  always XLA in jax 0.10.)"""
+  cudnn_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+  return 'cudnn' if platform in ('gpu', 'cuda') and cudnn_ok else 'xla'
+
+
+
+def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
+  """float32 (K/2,) inverse frequencies; with 'llama3' scaling, Llama 3.1's: wavelengths beyond the
+  original context's / low_freq_factor slowed by `factor`, those below / high_freq_factor kept, and a
+  smooth blend between (transformers' `_compute_llama3_parameters`)."""
+  half = cfg.head_dim // 2
+  if cfg.rope_scaling == 'none':
+    return cfg.rope_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  inv_freq = 1.0 / cfg.rope_base ** (np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))
+  factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  old_len = cfg.rope_original_max_len
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return jnp.asarray(np.where(medium, blended, scaled), jnp.float32)
+
+
+def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
+  """Rotary position embedding on the last dimension (split-half convention, as `transformers`).
+
+  `positions_BL` ((B or 1, L)) are the tokens' positions (default 0..L-1): a decode step passes its
+  offset, so a token is rotated the same as in training; packed rows pass each document's own.
+  """
+  _, seq_len, _, head_dim = x_BLHK.shape
+  half = head_dim // 2
+  if positions_BL is None:
+    positions_BL = jnp.arange(seq_len)[None, :]
+  angle_BLK = positions_BL.astype(jnp.float32)[:, :, None] * inv_freq_K[None, None, :]
+  sin, cos = jnp.sin(angle_BLK)[:, :, None, :], jnp.cos(angle_BLK)[:, :, None, :]
+  x = x_BLHK.astype(jnp.float32)
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
+
+
+def same_segment(segment_ids_BL: jax.Array, k_segment_ids_BM: jax.Array) -> jax.Array:
+  """bool (B, 1, L, M): whether query l and key m are in the same document of their row (heads broadcast)."""
+  return (segment_ids_BL[:, :, None] == k_segment_ids_BM[:, None, :])[:, None]
+
+
+def kv_layout(kv_axis: str | None) -> tuple[str | None, ...]:
+  """Logical axes of keys and values (BLGK), also those of the KV cache."""
+  return ('batch', 'length', kv_axis, 'kv')
+
+
+class Attention(nnx.Module):
+  """Causal self-attention, multi-head or grouped-query; heads are the tensor-parallel dimension."""
+
+  def __init__(self, cfg: TransformerConfig, placement: Placement, *, rules: AxisRules, rngs: nnx.Rngs):
+    d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    dtype = jnp.dtype(cfg.param_dtype)
+    init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=0, out_axis=(1, 2))
+    out_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=(0, 1), out_axis=2)
+    kv_axes = ('embed', cfg.kv_heads_axis(placement), 'kv')
+    if cfg.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq_HK = param(rngs, zeros, (h, k), ('heads', 'kv'), dtype, rules, decay=False)
+      self.bk_GK = param(rngs, zeros, (g, k), kv_axes[1:], dtype, rules, decay=False)
+      self.bv_GK = param(rngs, zeros, (g, k), kv_axes[1:], dtype, rules, decay=False)
+    self.wq_DHK = param(rngs, init, (d, h, k), ('embed', 'heads', 'kv'), dtype, rules)
+    # (D, G, K): the names of the multi-head case (G = H), which keep older checkpoints' paths.
+    self.wk_DHK = param(rngs, init, (d, g, k), kv_axes, dtype, rules)
+    self.wv_DHK = param(rngs, init, (d, g, k), kv_axes, dtype, rules)
+    self.wo_HKD = param(rngs, out_init, (h, k, d), ('heads', 'kv', 'embed'), dtype, rules)
+    self.cfg, self.placement, self.rules = cfg, placement, rules
+    self.kv_layout = kv_layout(kv_axes[1])
+
+  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array,
+               segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """Causal attention by the tokens' positions (`positions_BL`, (B or 1, L): where each stored token
+    sits, in order except for the ring's zigzag); with `segment_ids_BL`, only within each token's document."""
+    cfg = self.cfg
+    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, positions_BL)
+    k_BMHK, v_BMHK = self._repeat_kv(k_BMGK), self._repeat_kv(v_BMGK)
+    if cfg.context_attention == 'ring' and self.placement.ways('length') > 1:
+      return self._project(ring_attention(q_BLHK, k_BMHK, v_BMHK, positions_BL, segment_ids_BL,
+                                         spec=self.rules.activation_spec(BLHK, q_BLHK.shape),
+                                         scale=cfg.head_dim ** -0.5))
+    # The keys' positions and segments, whole like the keys themselves (`_gather_length`).
+    k_positions_BM = self._gather_length(q_BLHK, positions_BL)
+    k_segment_ids_BM = None if segment_ids_BL is None else self._gather_length(q_BLHK, segment_ids_BL)
+    if cfg.attention == 'dot_product':  # Only ever in natural order (the ring takes the zigzag).
+      k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
+      same_B1LM = None if segment_ids_BL is None else same_segment(segment_ids_BL, k_segment_ids_BM)
+      # On cuDNN the mask becomes an additive bias, which its flash attention takes.
+      implementation = attention_kernel(self.placement.platform, q_BLHK.dtype, cfg.head_dim)
+      out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, mask=same_B1LM, is_causal=True,
+                                              scale=cfg.head_dim ** -0.5, implementation=implementation)
+      return self._project(out_BLHK)
+    visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM)
+    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None])
+
+  def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
+             start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Attention of L new tokens at positions start.. over the cache, which they are written into first."""
+    rules = self.rules
+    positions_L = start + jnp.arange(x_BLD.shape[1])
+    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L[None, :])
+    keys_BSGK, values_BSGK = (rules.reshard(self._write(cache, new, start), self.kv_layout)
+                              for cache, new in zip(kv, (k_BLGK, v_BLGK)))
+    # Causal over absolute positions; the unwritten (zero) slots beyond are never visible.
+    visible_LS = visible(positions_L, jnp.arange(keys_BSGK.shape[1]))
+    out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS)
+    return out_BLD, (keys_BSGK, values_BSGK)
+
+  def _write(self, cache_BSGK: jax.Array, new_BLGK: jax.Array, start: jax.Array | int) -> jax.Array:
+    """The cache with the new keys (or values) at slots start..start+L-1. A single token cannot split
+    like a cache whose length is split (`mesh.context`): it is written by a select over the slots."""
+    new_BLGK = new_BLGK.astype(cache_BSGK.dtype)
+    if new_BLGK.shape[1] == 1 and self.placement.ways('length') > 1:
+      slot_S = jnp.arange(cache_BSGK.shape[1]) == start
+      return jnp.where(slot_S[None, :, None, None], new_BLGK, cache_BSGK)
+    new_BLGK = jax.sharding.reshard(new_BLGK, jax.typeof(cache_BSGK).sharding.spec)
+    return jax.lax.dynamic_update_slice(cache_BSGK, new_BLGK, (0, start, 0, 0))
+
+  def _gather_length(self, q_BLHK: jax.Array, x_BM: jax.Array) -> jax.Array:
+    """Keys or values (BMHK), or their positions or segment ids (BM), whole along their length (an
+    all-gather over `context`) when the queries' length is split: each device's queries may see any key.
+    Otherwise (one decode token) they stay split, and attention reduces over their split instead."""
+    if self.rules.activation_spec(('batch', 'length'), q_BLHK.shape[:2])[1] is None:
+      return x_BM
+    return self.rules.reshard(x_BM, ('batch', None, 'heads', 'kv')[:x_BM.ndim])
+
+  def _qkv(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries (BLHK) and keys (BLGK) rotated for their positions, and values (BLGK)."""
+    cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
+    custom_vjp = cfg.linear == 'custom_vjp'
+    if not cfg.grouped:  # C: query, key, value in one matmul.
+      w_DCHK = jnp.stack([gather(w, rules, dtype) for w in (self.wq_DHK, self.wk_DHK, self.wv_DHK)], axis=1)
+      qkv_BLCHK = linear('BLD,DCHK->BLCHK', x_BLD, w_DCHK, custom_vjp=custom_vjp)
+      q_BLHK, k_BLGK, v_BLGK = qkv_BLCHK[:, :, 0], qkv_BLCHK[:, :, 1], qkv_BLCHK[:, :, 2]
+    else:  # Queries, then C: key and value in one matmul.
+      q_BLHK = linear('BLD,DHK->BLHK', x_BLD, gather(self.wq_DHK, rules, dtype), custom_vjp=custom_vjp)
+      w_DCGK = jnp.stack([gather(w, rules, dtype) for w in (self.wk_DHK, self.wv_DHK)], axis=1)
+      kv_BLCGK = linear('BLD,DCGK->BLCGK', x_BLD, w_DCGK, custom_vjp=custom_vjp)
+      k_BLGK, v_BLGK = kv_BLCGK[:, :, 0], kv_BLCGK[:, :, 1]
+    if cfg.qkv_bias:
+      q_BLHK = q_BLHK + gather(self.bq_HK, rules, dtype)
+      k_BLGK = k_BLGK + gather(self.bk_GK, rules, dtype)
+      v_BLGK = v_BLGK + gather(self.bv_GK, rules, dtype)
+    inv_freq_K = rope_frequencies(cfg)
+    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_BL), BLHK)
+    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_BL), self.kv_layout)
+    return q_BLHK, k_BLGK, rules.reshard(v_BLGK, self.kv_layout)
+
+  def _repeat_kv(self, x_BMGK: jax.Array) -> jax.Array:
+    """Each key/value head once per query head it serves (head h reads group h // (H/G)), in BLHK."""
+    if not self.cfg.grouped:
+      return x_BMGK
+    b, m, g, k = x_BMGK.shape
+    r = self.cfg.num_heads // g
+    # A new minor axis, merged into G: a split G stays split, and each device keeps its own groups' heads.
+    x_BMGRK = jnp.broadcast_to(x_BMGK[:, :, :, None, :], (b, m, g, r, k))
+    return self.rules.reshard(x_BMGRK.reshape(b, m, g * r, k), BLHK)
+
+  def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
+              visible_LM: jax.Array) -> jax.Array:
+    """Softmax attention of each query over the keys it may see (`visible_LM`, (L, M) or per row
+    (B or 1, 1, L, M)), then the output projection."""
+    cfg, dtype = self.cfg, q_BLHK.dtype
+    k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
+    scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
+    scores_BHLM = scores_BHLM * cfg.head_dim ** -0.5
+    scores_BHLM = jnp.where(visible_LM, scores_BHLM, jnp.finfo(jnp.float32).min)
+    probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(dtype)
+    # Stated, as a decode step's keys may be split: then this contraction sums over `context`.
+    out_spec = self.rules.activation_spec(BLHK, q_BLHK.shape)
+    return self._project(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK, out_sharding=out_spec))
+
+  def _project(self, out_BLHK: jax.Array) -> jax.Array:
+    """The output projection of the heads' outputs back to the residual stream."""
+    rules, dtype = self.rules, out_BLHK.dtype
+    out_BLHK = rules.reshard(out_BLHK, BLHK)
+    # Contracting the sharded heads needs an explicit output layout (a reduce over `model`).
+    return linear('BLHK,HKD->BLD', out_BLHK, gather(self.wo_HKD, rules, dtype),
+                  rules.activation_spec(BLD, out_BLHK.shape[:2]), custom_vjp=self.cfg.linear == 'custom_vjp')
+

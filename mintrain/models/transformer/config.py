@@ -1,0 +1,171 @@
+"""The transformer's `model` section: its options, their checks and what the platform and mesh decide.
+
+Shape letters (the whole family): B batch, L length (M for keys), S cache length, D embed, F mlp,
+H heads, G key/value heads, K head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+
+from mintrain.data import synthetic, tokenizer
+from mintrain.errors import ConfigError
+from mintrain.fields import option
+from mintrain.models.family import ModelConfig, Placement
+from mintrain.models.layers import LINEAR_OPTIONS, linear_for_platform
+from mintrain.models.transformer.costs import Costs
+
+# What a rematerialised block keeps for the backward pass (`model.REMAT_POLICIES`); 'none' keeps everything.
+REMAT_OPTIONS = ('none', 'full', 'save_matmuls')
+ATTENTION_OPTIONS = ('einsum', 'dot_product')
+CONTEXT_ATTENTION_OPTIONS = ('all_gather', 'ring')
+DTYPES = ('float32', 'bfloat16')
+# The gate's nonlinearity: SwiGLU (Llama, Mistral, Qwen2) or GeGLU with tanh-approximated GELU (Gemma).
+ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True)}
+ROPE_SCALINGS = ('none', 'llama3')
+
+
+def _even(value: int) -> str | None:
+  return None if value % 2 == 0 else 'must be even for rotary embeddings'
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig(Costs, ModelConfig):
+  """The `model` section of a transformer run; mintrain/configs/base.py has the defaults and their meaning."""
+
+  vocab_size: int = option(at_least=0)  # 0 until `for_tokenizer` sets it.
+  embed_dim: int = option(at_least=1)
+  num_layers: int = option(at_least=1)
+  num_heads: int = option(at_least=1)
+  num_kv_heads: int = option(at_least=0)  # G; 0: as many as num_heads (multi-head attention).
+  head_dim: int = option(at_least=2, check=_even)
+  mlp_dim: int = option(at_least=1)
+  tie_embeddings: bool = option()
+  rope_base: float = option(above=0)
+  # Llama 3.1's frequency scaling of RoPE ('llama3'), with its four parameters; 'none' leaves it out.
+  rope_scaling: str = option(choices=ROPE_SCALINGS)
+  rope_scaling_factor: float = option(above=0)
+  rope_low_freq_factor: float = option(above=0)
+  rope_high_freq_factor: float = option(above=0)
+  rope_original_max_len: int = option(at_least=1)
+  norm_eps: float = option(above=0)  # RMSNorm's epsilon.
+  norm_plus_one: bool = option()  # Gemma: norms scale by (1 + weight), weights drawn as zeros.
+  embed_scale: bool = option()  # Gemma: embeddings times sqrt(embed_dim) (not the tied output layer).
+  qkv_bias: bool = option()  # Qwen2: biases on the query, key and value projections.
+  # Mistral: each position attends over the last `sliding_window` only. Not applied: a longer sequence is
+  # refused (`check_window`), so attention is always the same as the checkpoint's model's; 0: no window.
+  sliding_window: int = option(at_least=0)
+  mlp_activation: str = option(choices=tuple(ACTIVATIONS))
+  dropout_rate: float = option(at_least=0, below=1)
+  param_dtype: str = option(choices=DTYPES)
+  compute_dtype: str = option(choices=DTYPES)
+  remat: str = option(choices=REMAT_OPTIONS)
+  scan_layers: bool = option()
+  attention: str = option(choices=ATTENTION_OPTIONS)
+  context_attention: str = option(choices=CONTEXT_ATTENTION_OPTIONS)
+  mlp_overlap: bool = option()
+  loss_chunks: int = option(at_least=-1)  # -1: auto; 0: logits, then loss; N: fused over N chunks.
+  linear: str = option(choices=LINEAR_OPTIONS)  # How weight matmuls form their gradient.
+  num_experts: int = option(at_least=0)  # E experts in each MoE layer; 0: every MLP dense.
+  experts_per_token: int = option(at_least=1)  # k: experts each token is routed to.
+  moe_every: int = option(at_least=1)  # Block i is MoE when (i + 1) % N == 0 (Qwen2-MoE's sparse step).
+  expert_mlp_dim: int = option(at_least=0)  # F of each expert; 0: mlp_dim.
+  shared_expert_dim: int = option(at_least=0)  # Qwen2-MoE's sigmoid-gated shared expert's width; 0: none.
+  capacity_factor: float = option(at_least=0)  # Slots per expert: factor * L * k / E; 0: dropless.
+  router_norm_topk: bool = option()  # Renormalise the top-k probabilities to sum to 1 (Mixtral).
+  router_z_loss_weight: float = option(at_least=0)  # Of mean(logsumexp(router logits)^2) in the objective.
+  load_balance_loss_weight: float = option(at_least=0)  # Of E * sum_e f_e * p_e in the objective.
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def grouped(self) -> bool:
+    return self.kv_heads != self.num_heads
+
+  @property
+  def expert_dim(self) -> int:
+    return self.expert_mlp_dim or self.mlp_dim
+
+  def is_moe(self, layer: int) -> bool:
+    return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+
+  @property
+  def moe_layers(self) -> int:
+    return sum(self.is_moe(i) for i in range(self.num_layers))
+
+  def kv_heads_axis(self, placement: Placement) -> str | None:
+    """The logical axis of the key/value heads: `heads` when they are the query heads (multi-head),
+    `kv_heads` when grouped, None when grouped but too few for the mesh's split (replicated)."""
+    if not self.grouped:
+      return 'heads'
+    return 'kv_heads' if self.kv_heads % placement.ways('kv_heads') == 0 else None
+
+  def for_tokenizer(self, num_ids: Callable[[], int]) -> TransformerConfig:
+    """model.vocab_size=0 takes the tokenizer's ids, padded to a multiple of 128 so `vocab` splits."""
+    if self.vocab_size:
+      return self
+    return dataclasses.replace(self, vocab_size=tokenizer.padded_vocab_size(num_ids()))
+
+  def check(self, seq_len: int) -> None:
+    if self.rope_scaling == 'llama3' and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+      raise ConfigError(f'model.rope_high_freq_factor={self.rope_high_freq_factor} must be above '
+                        f'model.rope_low_freq_factor={self.rope_low_freq_factor} (Llama 3 RoPE scaling).')
+    if self.num_heads % self.kv_heads:
+      raise ConfigError(f'model.num_kv_heads={self.num_kv_heads} must divide model.num_heads='
+                        f'{self.num_heads} (each key/value head serves the same number of query heads), or '
+                        'be 0 (as many as num_heads).')
+    self.check_window(seq_len, f'train.seq_len={seq_len}')
+    if self.num_experts and self.experts_per_token > self.num_experts:
+      raise ConfigError(f'model.experts_per_token={self.experts_per_token} must be at most model.num_experts='
+                        f'{self.num_experts}.')
+    if self.num_experts and self.scan_layers and self.moe_every != 1:
+      raise ConfigError(f'model.scan_layers needs identical blocks; with model.moe_every={self.moe_every} '
+                        'some are dense and some MoE. Set model.moe_every=1 or model.scan_layers=False.')
+    if self.num_experts and self.mlp_overlap:
+      raise ConfigError('model.mlp_overlap is for dense MLPs; set it False with model.num_experts > 0.')
+    if self.loss_chunks > 0 and seq_len % self.loss_chunks:
+      raise ConfigError(f'model.loss_chunks={self.loss_chunks} must be 0 (logits, then the loss), a positive '
+                        f'divisor of train.seq_len={seq_len} (the fused loss over that many chunks), '
+                        'or -1 (auto).')
+
+  def check_window(self, length: int, what: str) -> None:
+    """A ConfigError when sequences of `length` positions (`what`) outrun the model's sliding window."""
+    if self.sliding_window and length > self.sliding_window:
+      raise ConfigError(f'{what} is longer than model.sliding_window={self.sliding_window}: the model '
+                        'attends over that many positions only, a window mintrain does not apply; use '
+                        f'sequences of at most {self.sliding_window} positions '
+                        f'(train.seq_len <= {self.sliding_window}).')
+
+  def for_platform(self, platform: str) -> TransformerConfig:
+    """The fused loss and `linear`'s custom VJP were measured to help on CPU only (BENCHMARKS.md), so
+    elsewhere 'auto' leaves them off until measured there."""
+    chunks = self.loss_chunks if self.loss_chunks >= 0 else (1 if platform == 'cpu' else 0)
+    return dataclasses.replace(self, loss_chunks=chunks, linear=linear_for_platform(self.linear, platform))
+
+  def placement_notes(self, placement: Placement, seq_len: int) -> list[str]:
+    ways = placement.ways('length')
+    if self.context_attention == 'ring' and ways > 1 and seq_len % (2 * ways):
+      raise ConfigError(f'model.context_attention=ring splits train.seq_len={seq_len} into 2 x {ways} chunks '
+                        f'(two per device of the {ways}-way `length` split, for causal balance); use a '
+                        f'multiple of {2 * ways}, or model.context_attention=all_gather.')
+    chunk = seq_len // self.loss_chunks if self.loss_chunks > 0 else ways
+    if chunk % ways:
+      raise ConfigError(f'model.loss_chunks={self.loss_chunks} leaves chunks of {chunk} tokens, which the '
+                        f'{ways}-way `length` split (mesh.context) does not divide; use fewer chunks.')
+    if self.kv_heads_axis(placement) is None:
+      return [f'model.num_kv_heads={self.kv_heads} key/value heads do not split {placement.ways("kv_heads")} '
+              'ways (the rules for `kv_heads`); they are replicated on every device of that split.']
+    return []
+
+  def synthetic_rows(self, seed: int, step: int, rows, seq_len: int):
+    return synthetic.token_rows(seed, step, rows, seq_len, self.vocab_size)
+
+  def eval_metrics(self, loss: float) -> dict[str, float]:
+    return {'eval_bits_per_token': loss / math.log(2)}

@@ -1,0 +1,87 @@
+"""What a transformer costs, as methods of its config (`TransformerConfig` mixes them in): FLOPs in
+MaxText's convention (`mintrain.report`), the parameter count and the activations the backward pass keeps."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mintrain.models.family import Ways
+from mintrain.models.transformer import moe
+
+
+class Costs:
+  """Reads the options of `TransformerConfig`, which it is a base of."""
+
+  def forward_flops_per_token(self, seq_len: int, *, causal_half: bool = True) -> dict[str, float]:
+    """Forward matmul FLOPs per token, by part (all layers summed)."""
+    d, f, h, k = self.embed_dim, self.mlp_dim, self.num_heads, self.head_dim
+    attention = 4 * seq_len * h * k  # Scores (q.k) and probs @ v: 2*L*H*K each per query.
+    if causal_half:
+      attention /= 2
+    moe_layers = self.moe_layers
+    flops = {
+        'qkv': self.num_layers * 2 * d * (h + 2 * self.kv_heads) * k,
+        'attention': self.num_layers * attention,
+        'out_proj': self.num_layers * 2 * h * k * d,
+        'mlp': (self.num_layers - moe_layers) * 2 * d * f * 3,  # Gate, up and down.
+        'logits': 2 * d * self.vocab_size,
+    }
+    if moe_layers:  # The active experts only: k of E per token; and the router, and the shared expert.
+      flops['router'] = moe_layers * 2 * d * self.num_experts
+      flops['experts'] = moe_layers * self.experts_per_token * 2 * d * self.expert_dim * 3
+      if self.shared_expert_dim:
+        flops['shared_expert'] = moe_layers * (2 * d * self.shared_expert_dim * 3 + 2 * d)
+    return flops
+
+  def train_flops_per_row(self, seq_len: int, causal_half: bool = True) -> float:
+    """Training (forward + backward) FLOPs of one sequence."""
+    return 3 * sum(self.forward_flops_per_token(seq_len, causal_half=causal_half).values()) * seq_len
+
+  def param_count(self) -> int:
+    d, f, h, k, v = self.embed_dim, self.mlp_dim, self.num_heads, self.head_dim, self.vocab_size
+    block = 2 * d * (h + self.kv_heads) * k + 2 * d  # q, k, v, out; two norms.
+    block += (h + 2 * self.kv_heads) * k if self.qkv_bias else 0
+    # Router, experts' gate, up and down.
+    moe_mlp = d * self.num_experts + self.num_experts * 3 * d * self.expert_dim
+    moe_mlp += 3 * d * self.shared_expert_dim + d if self.shared_expert_dim else 0
+    mlps = (self.num_layers - self.moe_layers) * 3 * d * f + self.moe_layers * moe_mlp
+    return v * d + self.num_layers * block + mlps + d + (0 if self.tie_embeddings else d * v)
+
+  def activation_bytes(self, rows: int, seq_len: int, ways: Ways) -> int:
+    """What the backward pass keeps for `rows` sequences on one device.
+
+    Per layer, the inputs of every matmul, norm and nonlinearity and the attention probabilities; plus
+    the float32 logits and their softmax (with the fused loss, one chunk's at a time, and the hidden
+    states' gradient that it keeps instead). With remat, a layer keeps only its input ('full') or its
+    input and its matmul outputs ('save_matmuls'), and one layer's full activations are live again
+    while its backward pass recomputes them. With `length` split (`mesh.context`) a device keeps its
+    share of the tokens, each still scoring every key, and the keys and values it gathered.
+    """
+    c, d = np.dtype(self.compute_dtype).itemsize, self.embed_dim
+    heads, mlp = self.num_heads / ways('heads'), self.mlp_dim / ways('mlp')
+    tokens = rows * seq_len / ways('length')  # This device's queries.
+    per_token_layer = (c * (4 * d + 4 * heads * self.head_dim + 3 * mlp)  # Norms, q/k/v/out, gate/up/product.
+                       + heads * seq_len * (4 + c))  # Attention scores (float32) and probabilities.
+    # An MoE layer instead: float32 router logits and probabilities, and for each of its slots (E x C per
+    # sequence, wherever expert parallelism moves them) the token in and out and the gate/up/product.
+    slots = self.num_experts * moe.capacity(seq_len, self.num_experts, self.experts_per_token,
+                                            self.capacity_factor)
+    expert_mlp = self.expert_dim / ways('mlp')
+    moe_layer = (per_token_layer - c * 3 * mlp + 2 * 4 * self.num_experts
+                 + slots / seq_len * c * (2 * d + 3 * expert_mlp)
+                 + c * 3 * self.shared_expert_dim / ways('mlp'))
+    moe_layers = self.moe_layers
+    # Keys and values of the whole sequence, gathered (all_gather; the ring keeps as much, block by block).
+    gathered = 2 * c * heads * self.head_dim * rows * seq_len if ways('length') > 1 else 0
+    dense_full, moe_full = tokens * per_token_layer + gathered, tokens * moe_layer + gathered
+    if self.remat == 'none':
+      layers = (self.num_layers - moe_layers) * dense_full + moe_layers * moe_full
+    else:
+      # Input; plus, when saving matmuls, q/k/v, the attention projection, gate, up and down outputs.
+      kept = c * d if self.remat == 'full' else c * (3 * d + 3 * heads * self.head_dim + 2 * mlp)
+      largest = moe_full if moe_layers else dense_full  # One layer's, recomputed for its backward.
+      layers = self.num_layers * tokens * kept + largest
+    chunks = self.loss_chunks
+    logits = 2 * 4 * self.vocab_size / ways('vocab') / max(chunks, 1)  # Float32, and softmax.
+    loss_grad = c * d if chunks > 0 else 0  # The fused loss keeps d loss / d hidden states from its forward.
+    return int(layers + tokens * (logits + loss_grad + c * d))
