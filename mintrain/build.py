@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import optax
@@ -19,7 +20,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mintrain import mesh as mesh_lib
 from mintrain import partitioning, report, train_state
-from mintrain.config import Config
 from mintrain.data.batches import GlobalBatches, make_batches
 from mintrain.errors import ConfigError
 from mintrain.models.family import Placement
@@ -27,6 +27,9 @@ from mintrain.optimizer import make_optimizer, schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState
 from mintrain.train_step import make_eval_step, make_train_step
+
+if TYPE_CHECKING:  # Only for annotations: mintrain.config imports the sections' owners.
+  from mintrain.config import Config
 
 
 @dataclasses.dataclass(frozen=True)

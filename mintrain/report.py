@@ -12,16 +12,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh
 
 from mintrain import mesh as mesh_lib
 from mintrain import partitioning
-from mintrain.config import Config
 from mintrain.errors import MemoryPlanError
 from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState, state_bytes_per_device
+
+if TYPE_CHECKING:  # Only for annotations: mintrain.config imports the sections' owners.
+  from mintrain.config import Config
 
 
 def tokens_per_step(config: Config) -> int:

@@ -36,18 +36,20 @@ def imported(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
 
 def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
   """mintrain module -> the mintrain modules it imports when it is imported, and -> those it imports
-  later (inside functions, or only for type checkers)."""
+  later (inside functions). Imports for type checkers alone (annotations) are in neither."""
   eager: dict[str, set[str]] = {m: set() for m in MODULES}
   deferred: dict[str, set[str]] = {m: set() for m in MODULES}
 
   def visit(module: str, node: ast.AST, later: bool) -> None:
     for child in ast.iter_child_nodes(node):
+      type_checking = isinstance(child, ast.If) and 'TYPE_CHECKING' in ast.unparse(child.test)
+      if type_checking:
+        continue
       if isinstance(child, (ast.Import, ast.ImportFrom)):
         names = {n for n in imported(module, child) if n.split('.')[0] == 'mintrain'}
         (deferred if later else eager)[module].update(names)
-      type_checking = isinstance(child, ast.If) and 'TYPE_CHECKING' in ast.unparse(child.test)
       function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-      visit(module, child, later or type_checking or function)
+      visit(module, child, later or function)
 
   for module, path in MODULES.items():
     visit(module, ast.parse(path.read_text()), False)
