@@ -176,13 +176,15 @@ def _comparable(value: Any) -> Any:
 
 
 def load(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-  """A config file's `get_config()` with `key.path=value` overrides applied.
+  """A config file's (or a shipped config's, by name) `get_config()` with `key.path=value` overrides.
 
   The file is loaded by path as a module of its folder's package, so it can import its neighbours
   (`from . import base`) wherever it lives; nothing is added to `sys.path`. A file that does not load is
   a one-line ConfigError naming the file and line (`mintrain/configs/x.py:3: SyntaxError: ...`).
   """
   path = pathlib.Path(path).expanduser()
+  if not path.exists() and path.parent == pathlib.Path() and configs.path(path.stem).is_file():
+    path = configs.path(path.stem)  # A shipped one by name (`--config dp4_tp2`), as after pip install.
   if path.is_dir():
     raise ConfigError(f'Config file {path} is a directory; give a file such as mintrain/configs/dp4_tp2.py.')
   if not path.is_file():

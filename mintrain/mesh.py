@@ -1,20 +1,6 @@
-"""The device mesh: axes `data`, `fsdp`, `expert`, `context`, `model`, all of explicit axis type.
-
-With Explicit axes, shardings are part of array types and propagate through
-jitted code; a mismatch is a trace-time error rather than a silent relayout.
-The last axis (`model`) is the innermost, so it stays within a host; `context` (the sequence split
-over devices, context parallelism) is next to it, as its attention passes keys and values every layer,
-then `expert` (mixture-of-experts layers' experts, and data elsewhere), whose all-to-alls run in every
-MoE layer. A mapping of sizes may leave an axis out: it has size 1 (meshes saved before an axis existed),
-and `describe` names `expert` and `context` only where they split, so such meshes read as before.
-
-Multi-slice (MaxText's `dcn_*`): a mesh may span several slices (TPU slices; elsewhere, processes
-stand for hosts) joined by the slower data-centre network (DCN). `slices` says how many ways of each
-axis go across them; the rest of each axis stays on the fast interconnect (ICI, NVLink) within a
-slice. Only the axes in SPANS_SLICES may cross: their collectives (the gradient all-reduce, FSDP's
-gathers) are few per step, while `model` talks every layer and `expert` exchanges tokens (all-to-all)
-twice in every MoE layer. The device grid is JAX's hybrid mesh.
-"""
+"""The device mesh: axes `data`, `fsdp`, `expert`, `context`, `model`, all Explicit, so a sharding mismatch
+is a trace-time error. `model` is innermost (it talks every layer), then `context` and `expert`; only the
+axes in SPANS_SLICES may cross slices (`slices`, MaxText's `dcn_*`): their collectives are few a step."""
 
 from __future__ import annotations
 

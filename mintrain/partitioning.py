@@ -1,24 +1,7 @@
-"""Logical axis names -> mesh axes, resolved like t5x and MaxText.
-
-Models name the dimensions of their parameters and activations with logical
-names (`batch`, `embed`, `mlp`, ...). This module is the only place where those
-names meet mesh axes. Rules are data: an ordered list of
-`(logical_name, mesh_axes)` pairs, where `mesh_axes` is a mesh axis name, a
-tuple of names, or None (replicated).
-
-Resolution of one array's logical axes into a `PartitionSpec` follows
-`flax.linen.logical_to_mesh_axes`, so rule tables ported from t5x and MaxText
-mean the same here: rules are walked in priority order (list order) across all
-dimensions of the array, and a rule binds its dimension when that dimension is
-still unbound and none of the rule's mesh axes is already used in this spec.
-A `None` rule always binds, so `(name, None)` after a name's other rules is its
-fallback. Unlike Flax, which replicates what no rule binds, a named dimension
-with no rule at all is an error, and so is one whose every rule was taken.
-
-Parameters are resolved twice: with `param_rules + rules` for their storage
-layout (FSDP keeps `embed` on `fsdp` at rest), and with `rules` alone for their
-compute layout, which layers gather them to before use.
-"""
+"""Logical axis names -> mesh axes: the one place where the two meet. Rules are an ordered list of
+`(logical_name, mesh_axes)` resolved as `flax.linen.logical_to_mesh_axes` does (priority order, a taken mesh
+axis skipped), but a named dimension no rule binds is an error, not silently replicated. Parameters resolve
+twice: `param_rules + rules` for storage at rest (FSDP), `rules` alone for the compute layout."""
 
 from __future__ import annotations
 

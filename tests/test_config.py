@@ -214,3 +214,11 @@ def test_a_resume_with_a_changed_config_lists_the_changes_before_training(tmp_pa
   assert lines[resumed + 1] == ("The config differs from the checkpoint's: optimizer.learning_rate 0.003 -> "
                                 "0.1, train.steps 2 -> 3.")
   assert any(line.startswith('compiled') for line in lines[resumed + 1:])
+
+
+def test_a_shipped_config_loads_by_name_from_anywhere(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # Where no mintrain/configs/ is: as after a pip install.
+  by_name = config_lib.load('dp4_tp2', ['train.steps=3'])
+  assert by_name.to_dict() == config_lib.load(configs.path('dp4_tp2'), ['train.steps=3']).to_dict()
+  with pytest.raises(ConfigError, match='does not exist'):
+    config_lib.load('no_such_config')

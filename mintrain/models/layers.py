@@ -1,18 +1,6 @@
-"""Building blocks shared by the models.
-
-Shape letters: B batch, L length, D embed, F mlp, H heads, K head dim, V vocab.
-
-Every parameter is created with its logical axes as `out_sharding` metadata.
-Parameters are stored in their storage layout (e.g. FSDP-sharded on `embed`);
-`gather` brings one to its compute layout and dtype right before use, so the
-all-gather (and, in the backward pass, the reduce-scatter) happens inside the
-layer that needs it.
-
-A stack of identical layers can also hold its parameters stacked on a leading
-`layers` axis (`stack_layers`), so a `scan` runs one compiled layer N times (`run_layers`, which every
-family's stack of layers goes through). A checkpoint saved in one layout restores into the other
-(`Relayout`), keyed on that axis.
-"""
+"""Building blocks every family shares: parameters that carry their logical axes, `gather` to the compute
+layout inside the layer that uses it (so FSDP's all-gather and reduce-scatter happen there), and
+`run_layers`, the one scan/remat runner of a stack of layers (stacked on a leading `layers` axis)."""
 
 from __future__ import annotations
 

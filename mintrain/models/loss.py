@@ -1,15 +1,6 @@
-"""Token cross-entropy: the reference on logits, and a fused output layer + loss.
-
-The fused form never keeps the (tokens x vocab) logits for the backward pass. For each chunk
-of the sequence it computes the logits, their log-sum-exp and the loss and, when differentiated,
-at once the gradients of the hidden states and of the output weights (so a profile shows all
-of its work in the forward pass). It is exact: the same sums in another order. Against autodiff
-of `cross_entropy(x @ w)` it saves, per step, a one-hot array and the product with it, and a
-second, transposed copy of the logits' gradient that XLA:CPU made for the weight gradient; the
-target logits come from gathering their output columns instead. More chunks keep less memory.
-
-Shape letters: B batch, L length (C within a chunk), D embed, V vocab.
-"""
+"""Token cross-entropy: the reference on logits, and the output layer fused with the loss, which never keeps
+the (tokens x vocab) logits for the backward pass: per sequence chunk it forms the loss and, at once, the
+gradients of the hidden states and output weights (exact; more chunks, less memory)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
-"""Peak matmul FLOP/s per device, for MFU: a table of accelerators, or a measurement.
-
-Peaks are dense (no structured sparsity), per JAX device: one GPU, or one TPU
-chip for v4 and later (a megacore or single-core chip is one JAX device).
-
-float32 inputs: by default JAX runs float32 matmuls at reduced precision
-(TF32 tensor cores on NVIDIA Ampere and later, one bfloat16 pass on TPU), so
-the float32 peak is the TF32 (GPU) or bfloat16 (TPU) peak. With
-`jax_default_matmul_precision` set to 'highest' or 'float32', GPUs use their
-CUDA-core FP32 peak instead.
-
-Sources (dense figures are half the "with sparsity" ones the datasheets list):
-  H100 / GH200: NVIDIA H100 Tensor Core GPU datasheet and Hopper architecture whitepaper,
-    https://www.nvidia.com/en-us/data-center/h100/
-  H200: NVIDIA H200 datasheet, https://www.nvidia.com/en-us/data-center/h200/
-  A100: NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/
-  L4: NVIDIA L4 datasheet, https://www.nvidia.com/en-us/data-center/l4/
-  TPU v4, v5e, v5p, v6e: Google Cloud TPU system architecture pages,
-    https://cloud.google.com/tpu/docs/v4, .../v5e, .../v5p, .../v6e
-"""
+"""Peak dense matmul FLOP/s per JAX device, for MFU: the datasheets' figures (half their "with sparsity"
+ones; float32 at the TF32/bfloat16-pass rate JAX uses by default), or a measurement on CPU. Sources:
+nvidia.com/en-us/data-center/{h100,h200,a100,l4}/, cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}."""
 
 from __future__ import annotations
 
