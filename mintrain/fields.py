@@ -2,8 +2,7 @@
 
 A section declares each option as a dataclass field with its type and meaning (`option(...)`: a
 range, choices); `build` checks a ConfigDict section against it and says, for a wrong value, the
-key, the value and what is allowed. A field declared `derived=True` is no option: the program fills
-it in (e.g. from the platform) and the config must not set it.
+key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -22,11 +21,10 @@ from mintrain.errors import ConfigError
 
 def option(*, choices: Sequence[Any] | None = None, at_least: float | None = None,
            above: float | None = None, below: float | None = None, at_most: float | None = None,
-           check: Callable[[Any], str | None] | None = None, derived: bool = False,
-           default: Any = dataclasses.MISSING) -> Any:
+           check: Callable[[Any], str | None] | None = None, default: Any = dataclasses.MISSING) -> Any:
   """A dataclass field with its allowed values; `check(value)` returns what is wrong, or None."""
   meta = {'choices': tuple(choices) if choices is not None else None, 'at_least': at_least, 'above': above,
-          'below': below, 'at_most': at_most, 'check': check, 'derived': derived}
+          'below': below, 'at_most': at_most, 'check': check}
   return dataclasses.field(default=default, metadata=meta)
 
 
@@ -106,7 +104,7 @@ def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     raise ConfigError(f'{prefix} must be a section of keys (a ConfigDict), not {values!r}.')
   kwargs = check(cls, values, prefix)
   for f in dataclasses.fields(cls):
-    if f.name not in values and f.default is dataclasses.MISSING and not f.metadata.get('derived'):
+    if f.name not in values and f.default is dataclasses.MISSING:
       raise ConfigError(f'Config key {prefix}.{f.name} is missing; mintrain/configs/base.py has its default '
                         'and meaning.')
   return cls(**kwargs)
@@ -115,7 +113,7 @@ def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
 def check(cls: type, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
   """Some of the options of `cls`, each checked and coerced: what a section's part (a mixture entry) sets."""
   hints = typing.get_type_hints(cls)
-  fields = [f for f in dataclasses.fields(cls) if not f.metadata.get('derived')]
+  fields = dataclasses.fields(cls)
   names = [f.name for f in fields]
   for key in values:
     if key not in names:
@@ -144,9 +142,8 @@ def check(cls: type, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def to_dict(section: Any) -> dict[str, Any]:
-  """The options of a section as plain values (derived fields left out), for JSON and hparams."""
-  return {f.name: _thaw(getattr(section, f.name)) for f in dataclasses.fields(section)
-          if not f.metadata.get('derived')}
+  """The options of a section as plain values, for JSON and hparams."""
+  return {f.name: _thaw(getattr(section, f.name)) for f in dataclasses.fields(section)}
 
 
 def _thaw(value: Any) -> Any:

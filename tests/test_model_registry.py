@@ -162,7 +162,9 @@ def test_the_options_are_checked_once_and_the_mesh_reaches_the_model_through_its
   config = load_config('cp2_dp2_tp2')
   run = build(config)
   assert checked == [config.train.seq_len]
-  assert not any(f.metadata.get('derived') for f in dataclasses.fields(TransformerConfig))
+  names = {f.name for f in dataclasses.fields(TransformerConfig)}
+  assert not names & {'platform', 'kv_heads_axis', 'kv_heads_ways', 'length_ways'}  # Mesh facts, once there.
+  assert names == set(config_lib.defaults().model) - {'name'}  # Every field is a user's option.
   assert run.config.model == config.model.for_platform('cpu')  # Only options left to 'auto' are set.
   assert run.placement.ways('length') == 2 and run.placement.ways('heads') == 2
   assert run.model(run.abstract_state.params).length_ways == 2
