@@ -20,7 +20,7 @@ from mintrain.actions import Say, StepInfo, Timer, to_host
 from mintrain.build import Run, build
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.config import Config
-from mintrain.data import pipeline, tokenizer
+from mintrain.data import statistics, tokenizer
 from mintrain.data.batches import GlobalBatches
 from mintrain.runtime import distributed, hardware, preemption, storage
 from mintrain.runtime.run_lock import RunLock
@@ -112,10 +112,10 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
   with jax.set_mesh(r.mesh):  # Data first: a bad file or tokenizer stops the run before it writes.
     batches = r.batches()
     eval_batches = r.batches('eval') if config.eval.steps else None
-  bytes_per_token = pipeline.bytes_per_token(config.data) if text else None
+  bytes_per_token = statistics.bytes_per_token(config.data) if text else None
   baseline = {}
   if text and is_main:  # A full pass over the eval split: once.
-    bits = pipeline.unigram_bits_per_token(config.data)
+    bits = statistics.unigram_bits_per_token(config.data)
     baseline = {'unigram_bits_per_token': bits, 'unigram_bits_per_byte': bits / bytes_per_token}
   if config.init.hf_checkpoint and restore_from is None and not _has_saves(workdir):
     from mintrain import hf  # safetensors only when asked for.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mintrain import config as config_lib
-from mintrain.data import pipeline, segments, sources, tokenizer
+from mintrain.data import pipeline, segments, sources, statistics, tokenizer
 from mintrain.data.config import DataConfig
 from mintrain.errors import ConfigError, DataError
 
@@ -90,7 +90,7 @@ def test_vocab_size_counts_bytes_and_bos_and_pads_to_a_multiple():
 
 def test_the_byte_tokenizer_has_one_byte_per_token_and_no_files(tmp_path):
   assert tokenizer.load('byte') is tokenizer.BYTES and tokenizer.BYTES.bytes_per_token == 1.0
-  assert pipeline.bytes_per_token(BASE_DATA) == 1.0
+  assert statistics.bytes_per_token(BASE_DATA) == 1.0
   assert tokenizer.BYTES.save(tmp_path / 'out') == [] and not (tmp_path / 'out').exists()
 
 
@@ -216,7 +216,7 @@ def test_unigram_bits_per_token_is_the_eval_entropy(tmp_path, symbols, bits):
   tokens.tofile(tmp_path / 'c.bin')
   fraction = 50 * len(symbols) / len(tokens)  # The eval tail is exactly the tiled symbols.
   cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=fraction)
-  assert pipeline.unigram_bits_per_token(cfg) == pytest.approx(bits)
+  assert statistics.unigram_bits_per_token(cfg) == pytest.approx(bits)
 
 
 # Token files.

@@ -14,7 +14,7 @@ from flax import nnx
 from mintrain import actions
 from mintrain import loop as train_loop
 from mintrain.checkpoint.checkpoints import Checkpoints
-from mintrain.data import pipeline, segments, tokenizer
+from mintrain.data import pipeline, segments, statistics, tokenizer
 from mintrain.data.batches import batch_sharding, make_batches
 from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
@@ -71,7 +71,7 @@ def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path, packin
     state = setup.init()
     batches = make_batches(config, mesh, rules, split='eval')
     metrics = actions.evaluate(setup, state.params, batches, batches.get_state(),
-                                  pipeline.bytes_per_token(config.data))
+                                  statistics.bytes_per_token(config.data))
     model = nnx.merge(setup.graphdef, state.params)
     local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8,
                                    micro_batch_size=8, rows=np.arange(8), seed=0, separators=BYTES)

@@ -14,7 +14,7 @@ import pytest
 
 from mintrain import config as config_lib
 from mintrain import errors, metrics
-from mintrain.data import pipeline, records, streaming, tokenizer
+from mintrain.data import pipeline, records, statistics, streaming, tokenizer
 from mintrain.data.config import DataConfig
 from mintrain.errors import DataError
 
@@ -260,7 +260,7 @@ def test_unigram_baseline_of_a_streamed_source_counts_its_eval_split(tmp_path):
                  block_bytes=200)
   # Documents of 'a' and 'b' in equal numbers and one BOS per 100: entropy just above 1 bit.
   p = np.array([50, 50, 1]) / 101
-  assert pipeline.unigram_bits_per_token(cfg) == pytest.approx(float(-(p * np.log2(p)).sum()))
+  assert statistics.unigram_bits_per_token(cfg) == pytest.approx(float(-(p * np.log2(p)).sum()))
 
 
 # Bad input.
@@ -373,5 +373,5 @@ def test_a_streamed_source_reads_with_the_runs_tokenizer_and_measures_its_bytes_
   whole = np.concatenate([tok.document(d) for d in docs])
   window = np.concatenate([first['inputs'][0], first['targets'][0][-1:]])
   assert any(np.array_equal(whole[i:i + 33], window) for i in range(len(whole) - 32))  # BPE ids, in order.
-  measured = streaming.bytes_per_token(dataclasses.replace(cfg, eval_fraction=0.5))
+  measured = statistics.bytes_per_token(dataclasses.replace(cfg, eval_fraction=0.5))
   assert 1.1 < measured < 6  # A BPE token is often several bytes; a byte token (with BOS) is under 1.

@@ -13,7 +13,7 @@ import pytest
 from conftest import TOKENIZER_VOCAB, load_config, stdlib_texts
 
 from mintrain import config as config_lib
-from mintrain.data import pipeline, sources, tokenizer
+from mintrain.data import pipeline, sources, statistics, tokenizer
 from mintrain.data.config import DataConfig
 from mintrain.errors import ConfigError, DataError
 
@@ -116,7 +116,7 @@ def test_text_sources_are_their_split_documents_tokenized_in_order(spec, tmp_pat
     [stream] = sources.load_split(cfg, split)
     assert stream.tolist() == np.concatenate([tok.document(t) for t in mine]).tolist()
     measured = sum(len(t.encode('utf-8')) for t in mine) / len(stream)
-    assert pipeline.bytes_per_token(cfg, split=split) == pytest.approx(measured) and 1.5 < measured < 4
+    assert statistics.bytes_per_token(cfg, split=split) == pytest.approx(measured) and 1.5 < measured < 4
 
 
 def test_token_files_measure_bytes_per_token_by_decoding(spec, tmp_path):
@@ -125,7 +125,7 @@ def test_token_files_measure_bytes_per_token_by_decoding(spec, tmp_path):
   ids.astype(np.uint16).tofile(tmp_path / 'ids.bin')
   cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), tokenizer=spec, eval_fraction=0.5)
   tail = ids[len(ids) - int(len(ids) * 0.5):]
-  assert pipeline.bytes_per_token(cfg) == pytest.approx(len(tok.decode(tail).encode('utf-8')) / len(tail))
+  assert statistics.bytes_per_token(cfg) == pytest.approx(len(tok.decode(tail).encode('utf-8')) / len(tail))
 
 
 def test_batches_resume_exactly_and_two_processes_read_the_single_process_batch(bpe_tokenizer, tmp_path):
@@ -170,7 +170,7 @@ def test_eval_bits_per_byte_divide_bits_per_token_by_the_measured_bytes_per_toke
                        'model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4',
                        'model.head_dim=8', 'train.global_batch_size=8', 'train.seq_len=16')
   run = build(config)
-  bytes_per_token = pipeline.bytes_per_token(config.data)
+  bytes_per_token = statistics.bytes_per_token(config.data)
   with jax.set_mesh(run.mesh):
     batches = run.batches('eval')
     metrics = actions.evaluate(run, run.init().params, batches, batches.get_state(), bytes_per_token)

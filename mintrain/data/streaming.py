@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
   from mintrain.data.config import DataConfig
 
 _BLOCK_ORDER, _DOCUMENT_ORDER, _MIX = 0x0B10C, 0xD0C5, 0x313C  # Separate random streams drawn from the seed.
-_BASELINE_TOKENS = 1 << 26  # Tokens of the eval split counted for its unigram entropy.
 _STATE_WIDTH = 3  # (window, document, token) per source.
 _log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 _SAY_EVERY_S = 10.0  # At most one "ran out" line per source this often (a small corpus repeats quickly).
@@ -337,50 +336,3 @@ def gather_rows(state: dict[str, Any], num_rows: int) -> dict[str, Any]:
   every = np.asarray(multihost_utils.process_allgather(mine)).max(axis=0)  # Rows held twice agree.
   return {'step': state['step'], 'rows': {str(g): [int(p) for p in every[g]] for g in range(num_rows)
                                           if every[g, 0] >= 0}}
-
-
-def _eval_documents(data_cfg: DataConfig, split: str) -> Iterator[tuple[int, Any, np.ndarray]]:
-  """(source index, document, its ids) of the first `_BASELINE_TOKENS` of each source's split, in file
-  order: what the unigram baseline and the bytes per token are measured on."""
-  encode = encoder_for(data_cfg)
-  for source, (cfg, _) in enumerate(source_settings(data_cfg)):
-    part, seen = Split(cfg, split, seed=0, encode=encode), 0
-    for i in range(len(part.split_blocks)):
-      for doc in part.reader.read(part.split_blocks, i):
-        ids = encode_document(doc, encode)
-        seen += len(ids)
-        yield source, doc, ids
-      if seen >= _BASELINE_TOKENS:
-        break
-
-
-def add_counts(counts: np.ndarray, more: np.ndarray) -> np.ndarray:
-  """Per-id counts of two lengths summed, the shorter padded with zeros."""
-  size = max(len(counts), len(more))
-  return np.pad(counts, (0, size - len(counts))) + np.pad(more, (0, size - len(more)))
-
-
-def unigram_counts(data_cfg: DataConfig, split: str = 'eval') -> np.ndarray:
-  """float64 frequency of each id in each source's measured split (`_eval_documents`), each source's
-  frequencies scaled to its mixture weight."""
-  weights = [w for _, w in source_settings(data_cfg)]
-  counts = [np.zeros(0, np.int64) for _ in weights]
-  for source, _, ids in _eval_documents(data_cfg, split):
-    counts[source] = add_counts(counts[source], np.bincount(ids))
-  total = np.zeros(0, np.float64)
-  for weight, c in zip(weights, counts):
-    total = add_counts(total, weight * c / max(c.sum(), 1))
-  return total
-
-
-def bytes_per_token(data_cfg: DataConfig, split: str = 'eval') -> float:
-  """UTF-8 bytes per token of each source's measured split (`_eval_documents`; token records decoded by
-  the tokenizer), averaged over the sources by their mixture weights."""
-  tok = tokenizer.load(data_cfg.tokenizer)
-  weights = [w for _, w in source_settings(data_cfg)]
-  num_bytes, num_tokens = np.zeros(len(weights)), np.zeros(len(weights))
-  for source, doc, ids in _eval_documents(data_cfg, split):
-    text = tok.decode(doc) if isinstance(doc, np.ndarray) else doc
-    num_bytes[source] += len(text.encode('utf-8'))
-    num_tokens[source] += len(ids)
-  return float(np.dot(weights, num_bytes / np.maximum(num_tokens, 1)) / sum(weights))
