@@ -1,10 +1,6 @@
-"""One way to build a run: from a validated config and devices to the mesh, rules, layout, state
-set-up, step functions and batches. The training loop, the scripts, the benchmarks and the tests all
-start here.
-
-Nothing is allocated: the layout comes from abstract evaluation and is validated (rules, divisibility,
-batch split) before anything is traced on the mesh; `init` and the steps are jitted, not run.
-"""
+"""One way to build a run, for the loop, scripts, benchmarks and tests alike: from a validated config and
+devices to the mesh, rules, layout, state set-up, steps and batches. Nothing is allocated: the layout comes
+from abstract evaluation and is checked before anything is traced on the mesh."""
 
 from __future__ import annotations
 

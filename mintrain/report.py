@@ -1,11 +1,5 @@
-"""What a run will cost before it runs: the FLOPs of a step, the memory plan per device and the sharding
-report, printed by show_sharding.py and at the start of training.
-
-FLOPs follow MaxText's convention: only matmuls count, each as 2*m*n*k; the backward pass costs twice the
-forward; attention scores are halved for the causal mask. Each family counts its own
-(`ModelConfig.train_flops_per_row`); this module scales them to a step. Activation memory is the family's
-estimate of what the backward pass keeps; the compiled step's memory analysis is the final word.
-"""
+"""What a run costs before it runs: a step's FLOPs (MaxText's convention: matmuls only, backward twice the
+forward, causal scores halved; each family counts its own), the memory plan, the sharding report."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The train state, its layout on the mesh, and its sharded initialisation.
-
-Order matters (`mintrain.build`): the parameter layout is found by abstract
-evaluation outside the mesh and validated (divisibility, rules) before anything
-is traced on the mesh; then the state is initialised inside `jit`, each
-parameter drawn directly in its storage sharding.
-"""
+"""The train state, its layout (by abstract evaluation outside the mesh, checked before anything is traced)
+and its initialisation inside `jit`, each parameter drawn directly in its storage sharding."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""The train step: one pure function (state, batch) -> (state, metrics).
-
-The batch is (grad_accum_steps, micro_batch, ...), a dict of arrays the model family reads
-(`loss(batch)`: 'inputs', 'targets', and whatever else its data gives). The family's loss is a mean
-over the targets that count, with their count; micro-batches are weighted by their counts, so the
-step's loss and gradients are the mean over every counted target of the whole batch (padded rows
-count fewer), which equals one step on the whole batch. The family's statistics (e.g. an MoE layer's
-routing) join the metrics, weighted the same way; their `aux_loss` joins the objective.
-Dropout keys are folded from the state's key, the step and the micro-batch
-index, so they do not depend on the mesh.
-"""
+"""The train step: one pure function (state, batch) -> (state, metrics). Micro-batches are weighted by
+their counted targets, so loss, gradients and the family's statistics are those of one step on the whole
+batch; dropout keys fold in the step and micro-batch index, never the mesh."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Rectangular slices of the tensors in a safetensors file, read with positioned reads (`os.preadv`).
-
-safetensors' own `get_slice` reads through a memory map, and every page it touches stays in the
-process's resident memory until the file is closed; a device's column slice of a matrix touches every
-page of it. Here a slice is read in blocks of whole rows of at most `BLOCK_BYTES` into one buffer
-(`Tensor.row_blocks`), so a reader holds the slice it builds plus one block.
-
-The format: 8 bytes (the header's length, little-endian), a JSON header {name: {dtype, shape,
-data_offsets}}, then the tensors' bytes, row-major, little-endian.
-"""
+"""Safetensors files read as the format specifies (8-byte header length, JSON header, tensors' bytes),
+header checked, and slices read in blocks of whole rows with positioned reads: no memory map, whose touched
+pages would stay resident, so a reader holds the slice it builds plus one block."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""Stop requests every process agrees on: a SIGTERM or SIGINT that reaches any subset of the processes,
-or a preemption notice that JAX detects, stops all of them after the same step.
-
-One process: Python handlers set a flag that the loop reads after each step. Several processes: a
-process that stops on its own flag enters the collective save while the others run the next step's
-collectives, and both wait forever. So the decision is JAX's preemption service's (started by
-`jax.distributed.initialize`): its SIGTERM handler tells the coordination service, which has every
-process report its step counter and agree on the next one (`multihost_utils.reached_preemption_sync_point`,
-a mutex and a comparison per call when no notice is pending). A Python SIGTERM handler would replace
-JAX's, so only SIGINT gets one, which passes the request on to JAX as a SIGTERM to this process.
-
-The counter given to JAX is the number of steps this run has taken, not the global step: a notice that
-arrives before the first step (during the build, the restore or the compile) is agreed for counter 1,
-which a resumed run reaches too. Orbax must not call the service with its own numbers
-(`checkpoint.Checkpoints` turns its preemption check off).
-"""
+"""Stop requests every process agrees on: a SIGTERM or SIGINT reaching any subset of the processes, or a
+preemption notice, stops all of them after the same step. The decision is JAX's preemption service's (a
+process stopping on its own flag would deadlock the others' collectives), fed this run's own step counter;
+only SIGINT gets a Python handler, which passes the request on to JAX as a SIGTERM."""
 
 from __future__ import annotations
 
