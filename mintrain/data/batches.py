@@ -1,14 +1,6 @@
-"""Per-process local batches -> one global batch sharded on the `batch` logical axes.
-
-A global batch has shape (grad_accum_steps, micro_batch, ...): the leading axis
-is scanned over by the train step, the second is split over the batch mesh axes.
-Each process reads only the rows its devices hold (`process_rows`, from the mesh)
-and hands each device its slice of them (`jax.make_array_from_callback`).
-
-The iterators are checkpointable: `get_state()` is a JSON-able dict that a
-checkpoint stores, and `set_state()` makes a restored run see exactly the
-batches the uninterrupted one would have seen.
-"""
+"""Per-process rows -> one global batch (grad_accum_steps, micro_batch, ...) sharded on the `batch` logical
+axes: each process reads only the rows its devices hold (`process_rows`, from the mesh, as t5x's data
+layout); the iterators' state is checkpointed so a restored run sees exactly the batches it would have."""
 
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
-"""Grain pipelines of packed token sequences: one process's share of each batch, checkpointable.
-
-Rows (`data.packing`), each a window of seq_len + 1 tokens; inputs = window[:-1], targets = window[1:]:
-  'pack'  each token stream is cut into windows at stride seq_len (neighbours share one token), so
-          every token but a stream's first is a target exactly once and a row holds the end of one
-          document, the documents that fit, and the start of another; a tail shorter than a window
-          is dropped.
-  'pad'   one document per row: from its start up to its last target (the next document's BOS, or
-          its own EOS), truncated to seq_len + 1 tokens, the rest padding.
-Documents are told apart by the tokenizer's separators, and each row carries its segment layout
-(segment ids, per-document positions, target weights: `segments`).
-
-Order: train windows are shuffled globally with the seed, each epoch differently: Grain's
-`shuffle` folds the epoch of an index past the end into its seed (seed + epoch), and `repeat()`
-makes the index run on forever. Global batch s is the shuffled windows [s * G, (s + 1) * G), its
-micro-batch a the windows [a * M, (a + 1) * M) of those; a process reads only the rows of each
-micro-batch that its devices hold (`batches.process_rows`, from the mesh), and nothing else. So the
-global batch and the iterator state ({'next_index': steps taken}) depend on neither the process count
-nor the layout, and a run can resume on any. Eval windows come in order, unshuffled, and repeat as
-often as asked for.
-"""
+"""Grain pipelines of rows of seq_len + 1 tokens (`data.packing`: documents back to back, or one per row),
+globally shuffled with the seed and each epoch anew. A process reads only its devices' rows of each batch
+(`batches.process_rows`), so the batches and the iterator state depend on neither process count nor layout."""
 
 from __future__ import annotations
 

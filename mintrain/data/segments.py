@@ -1,18 +1,7 @@
-"""Document boundaries in packed rows: segment ids, positions and target weights, for every source.
-
-A packed row holds the end of one document, the documents that fit and the start of another; a
-padded row (`data.packing='pad'`) one document, then padding. Documents are told apart by the
-tokenizer's separators (`Separators`): a document starts at its BOS, or, for a tokenizer without
-one (e.g. Qwen2's), right after the previous document's EOS. Each row carries:
-  segment_ids     int32 (B, L): which document of the row an input belongs to, 1, 2, ... from the
-                  row's start (a row starting mid-document starts with that document); 0 marks
-                  padding. Attention never crosses segments.
-  positions       int32 (B, L): the input's position in its document, 0 at each document start (and
-                  at the row's start), for rotary embeddings; 0 on padding.
-  target_weights  float32 (B, L): 1 where the target counts, 0 on padding. The target after a
-                  document's last token (the next document's BOS, or its own EOS) counts: the
-                  prediction that the document ends, made from that document alone.
-"""
+"""Document boundaries in packed or padded rows, for every source: `segment_ids` (which document of the row,
+0 for padding; attention never crosses them), `positions` (restarting at each document, for RoPE) and
+`target_weights` (0 on padding; the prediction that a document ends counts), found from the tokenizer's
+separators (a BOS, or for tokenizers without one, the previous EOS)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""Corpora as token streams for one split: the Python standard library, text files, or token files.
-
-A stream is a 1-D array of token ids (uint16, or uint32 for a vocabulary over 65,536; in memory or
-memory-mapped).
-
-- 'stdlib': the running interpreter's standard library `.py` files (tests and site-packages left
-  out), so a real corpus exists wherever Python runs, with no download.
-- 'text': UTF-8 files matching the glob `path`.
-- 'tokens': flat binary files of `token_dtype` ids matching the glob `path`, memory-mapped.
-
-Text sources give one stream per split: each file is a document, read and tokenized by a Grain map
-(`data.tokenizer`; `Tokenizer.document` adds its BOS/EOS), and the documents are concatenated. A file
-belongs to the eval split when the SHA-256 of its path (relative to the stdlib root or to the glob's
-fixed prefix) falls in the first `eval_fraction` of the hash range, so the split is the same on every
-run, machine and process, and adding files never moves the others.
-Token files are taken as they are (their own BOS/EOS ids, if any, separate documents); each file is
-one stream whose last `eval_fraction` of tokens is the eval split, so no sequence straddles both.
-"""
+"""Corpora as token streams for one split: the Python standard library (a real corpus wherever Python
+runs, no download), text files, or memory-mapped token files. A file's split follows the SHA-256 of its
+path, so it is the same on every machine and adding files never moves the others."""
 
 from __future__ import annotations
 
