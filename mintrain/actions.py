@@ -161,7 +161,7 @@ class Save:
     self.every = run.config.checkpoint.every_steps
 
   def due(self, info: StepInfo) -> bool:
-    # A periodic save never replaces a saved step (a damaged one that a fallback skipped stays).
+    # A periodic save never replaces a saved step (a damaged one fallen back from is moved aside first).
     periodic = self.every > 0 and info.step % self.every == 0 and info.step > self.checkpoints.newest_step()
     return periodic or info.last or info.stopping
 
