@@ -223,18 +223,17 @@ class Profile:
 
 
 class Actions:
-  """A run's actions in the order they run (a save first), each entered in `stack` after the metrics
-  writer that `log` writes to."""
+  """A run's actions in the order they run (a save first). The metrics writer is opened by `start_writing`,
+  once the restore has passed its checks, so a refused run writes nothing."""
 
   def __init__(self, stack: contextlib.ExitStack, run: Run, workdir: epath.Path | None, timer: Timer,
                peak: float, batches: GlobalBatches, eval_batches: GlobalBatches | None,
                bytes_per_token: float | None, *, is_main: bool, say: Say, print_fn: Say):
     config = run.config
+    self.stack, self.config, self.workdir = stack, config, workdir
+    self.is_main, self.print_fn = is_main, print_fn
     self.records: list[dict] = []
-    # As a context, the writer keeps an error already on its way out (a full disk) over its own.
-    self.writer = stack.enter_context(metrics.make_writer(workdir, is_main=is_main,
-                                                          total_steps=config.train.steps, print_fn=print_fn))
-    self.writer.write_hparams(metrics.flat_hparams(config.to_dict()))
+    self.writer: metrics.MultiWriter | None = None
     self.checkpoints, save = None, []
     if workdir is not None and config.checkpoint.keep > 0:
       self.checkpoints = ckpt_lib.Checkpoints(workdir / ckpt_lib.CHECKPOINTS, keep=config.checkpoint.keep)
@@ -242,6 +241,13 @@ class Actions:
     self.profile = stack.enter_context(Profile(config.profile, workdir, say))
     self.evaluation = Evaluate(run, self.log, eval_batches, bytes_per_token)
     self.all: list = [*save, Log(run, timer, self.log, peak), self.evaluation, self.profile]
+
+  def start_writing(self) -> None:
+    """Opens the metrics writer (closed by the stack, keeping an error already on its way out over its own)
+    and writes the hyperparameters."""
+    self.writer = self.stack.enter_context(metrics.make_writer(
+        self.workdir, is_main=self.is_main, total_steps=self.config.train.steps, print_fn=self.print_fn))
+    self.writer.write_hparams(metrics.flat_hparams(self.config.to_dict()))
 
   def log(self, step: int, scalars: dict[str, float]) -> None:
     self.records.append({'step': step, **scalars})
