@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
+import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -21,6 +24,7 @@ from mintrain.data import streaming
 from mintrain.data.batches import GlobalBatches
 from mintrain.fields import option
 from mintrain.runtime import host_allocator
+from mintrain.runtime.storage import is_remote
 from mintrain.train_state import TrainState
 
 Say = Callable[[str], None]
@@ -49,6 +53,64 @@ def to_host(tree):
       return np.asarray(x.addressable_data(0))
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return jax.tree.map(one, tree)
+
+
+class RunLog(logging.Handler):
+  """For a run's duration, the libraries' log records (Orbax through absl, asyncio) and the exceptions Python
+  reports as unraisable (Orbax's read coroutines after a damaged checkpoint) go to WORKDIR/logs/run.log, not
+  the console, which keeps mintrain's one line. Held in memory until the run may write (`open`)."""
+
+  LOGGERS = ('absl', 'asyncio')
+
+  def __init__(self, workdir: epath.Path | None):
+    super().__init__(logging.DEBUG)
+    self.setFormatter(logging.Formatter('%(asctime)s %(levelname)s %(name)s %(pathname)s:%(lineno)d] '
+                                        '%(message)s'))
+    index = jax.process_index()
+    local = workdir is not None and not is_remote(workdir)
+    self.path = workdir / 'logs' / ('run.log' if index == 0 else f'run.{index}.log') if local else None
+    self.pending: list[str] = []
+    self.file = None
+
+  def emit(self, record: logging.LogRecord) -> None:
+    self.write(self.format(record))
+
+  def unraisable(self, u) -> None:
+    where = f'{u.err_msg or "Exception ignored in"}: {u.object!r}\n' if u.object is not None else ''
+    self.write(where + ''.join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
+
+  def write(self, text: str) -> None:
+    if self.file is None:
+      self.pending.append(text)
+    else:
+      self.file.write(text.rstrip('\n') + '\n')
+      self.file.flush()
+
+  def open(self) -> None:
+    """Writes what was held and everything after to the file (nothing without a local workdir)."""
+    if self.path is not None:
+      self.path.parent.mkdir(parents=True, exist_ok=True)
+      self.file = open(self.path, 'a')  # Closed by __exit__.
+      for text in self.pending:
+        self.write(text)
+    self.pending = []
+
+  def __enter__(self) -> RunLog:
+    self.saved = [(logging.getLogger(name), logging.getLogger(name).propagate) for name in self.LOGGERS]
+    for logger, _ in self.saved:
+      logger.addHandler(self)
+      logger.propagate = False
+    self.hook, sys.unraisablehook = sys.unraisablehook, self.unraisable
+    return self
+
+  def __exit__(self, *exc) -> None:
+    sys.unraisablehook = self.hook
+    for logger, propagate in self.saved:
+      logger.removeHandler(self)
+      logger.propagate = propagate
+    if self.file is not None:
+      self.file.close()
+    self.close()
 
 
 class Timer:

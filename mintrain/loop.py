@@ -187,6 +187,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     stack.enter_context(tokenizer.loaded_once())
     if workdir is not None and is_main:
       stack.enter_context(RunLock(workdir, force=force, warn=say))
+    run_log = stack.enter_context(actions_lib.RunLog(workdir))
     r = build(config, devices)
     config = r.config
     batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say)
@@ -202,7 +203,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
           f'starting data.source={config.data.source!r} from its beginning.')
     if config.data.source != 'synthetic' and workdir is not None and is_main:  # For sampling and export.
       (tok or tokenizer.load(config.data.tokenizer)).save(workdir / tokenizer.RUN_DIR)
-    actions.start_writing()  # Every check has passed: the run writes from here on.
+    run_log.open()  # Every check has passed: the run writes from here on.
+    actions.start_writing()
     first_step = int(to_host(state.step))
     if baseline:
       actions.log(first_step, baseline)
