@@ -70,24 +70,26 @@ class RunLog(logging.Handler):
     local = workdir is not None and not is_remote(workdir)
     self.path = workdir / 'logs' / ('run.log' if index == 0 else f'run.{index}.log') if local else None
     self.pending: list[str] = []
-    self.file = None
+    self.file, self.opened = None, False
 
   def emit(self, record: logging.LogRecord) -> None:
     self.write(self.format(record))
 
-  def unraisable(self, u) -> None:
+  def unraisable(self, u: sys.UnraisableHookArgs) -> None:
     where = f'{u.err_msg or "Exception ignored in"}: {u.object!r}\n' if u.object is not None else ''
     self.write(where + ''.join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
 
   def write(self, text: str) -> None:
-    if self.file is None:
+    if self.file is not None:
+      with contextlib.suppress(OSError):  # A full disk loses these details, never the run's own error.
+        self.file.write(text.rstrip('\n') + '\n')
+        self.file.flush()
+    elif not self.opened:
       self.pending.append(text)
-    else:
-      self.file.write(text.rstrip('\n') + '\n')
-      self.file.flush()
 
   def open(self) -> None:
     """Writes what was held and everything after to the file (nothing without a local workdir)."""
+    self.opened = True
     if self.path is not None:
       self.path.parent.mkdir(parents=True, exist_ok=True)
       self.file = open(self.path, 'a')  # Closed by __exit__.
@@ -109,7 +111,8 @@ class RunLog(logging.Handler):
       logger.removeHandler(self)
       logger.propagate = propagate
     if self.file is not None:
-      self.file.close()
+      with contextlib.suppress(OSError):
+        self.file.close()
     self.close()
 
 
