@@ -80,21 +80,21 @@ class RunLog(logging.Handler):
     self.write(where + ''.join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
 
   def write(self, text: str) -> None:
-    if self.file is not None:
+    if not self.opened:
+      self.pending.append(text)
+    elif self.path is not None:
       with contextlib.suppress(OSError):  # A full disk loses these details, never the run's own error.
+        if self.file is None:  # Made on the first record: a quiet run leaves no log file.
+          self.path.parent.mkdir(parents=True, exist_ok=True)
+          self.file = open(self.path, 'a')  # Closed by __exit__.
         self.file.write(text.rstrip('\n') + '\n')
         self.file.flush()
-    elif not self.opened:
-      self.pending.append(text)
 
   def open(self) -> None:
     """Writes what was held and everything after to the file (nothing without a local workdir)."""
     self.opened = True
-    if self.path is not None:
-      self.path.parent.mkdir(parents=True, exist_ok=True)
-      self.file = open(self.path, 'a')  # Closed by __exit__.
-      for text in self.pending:
-        self.write(text)
+    for text in self.pending:
+      self.write(text)
     self.pending = []
 
   def __enter__(self) -> RunLog:
