@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
+import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -21,6 +24,7 @@ from mintrain.data import streaming
 from mintrain.data.batches import GlobalBatches
 from mintrain.fields import option
 from mintrain.runtime import host_allocator
+from mintrain.runtime.storage import is_remote
 from mintrain.train_state import TrainState
 
 Say = Callable[[str], None]
@@ -49,6 +53,67 @@ def to_host(tree):
       return np.asarray(x.addressable_data(0))
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return jax.tree.map(one, tree)
+
+
+class RunLog(logging.Handler):
+  """For a run's duration, the libraries' log records (Orbax through absl, asyncio) and the exceptions Python
+  reports as unraisable (Orbax's read coroutines after a damaged checkpoint) go to WORKDIR/logs/run.log, not
+  the console, which keeps mintrain's one line. Held in memory until the run may write (`open`)."""
+
+  LOGGERS = ('absl', 'asyncio')
+
+  def __init__(self, workdir: epath.Path | None):
+    super().__init__(logging.DEBUG)
+    self.setFormatter(logging.Formatter('%(asctime)s %(levelname)s %(name)s %(pathname)s:%(lineno)d] '
+                                        '%(message)s'))
+    index = jax.process_index()
+    local = workdir is not None and not is_remote(workdir)
+    self.path = workdir / 'logs' / ('run.log' if index == 0 else f'run.{index}.log') if local else None
+    self.pending: list[str] = []
+    self.file, self.opened = None, False
+
+  def emit(self, record: logging.LogRecord) -> None:
+    self.write(self.format(record))
+
+  def unraisable(self, u: sys.UnraisableHookArgs) -> None:
+    where = f'{u.err_msg or "Exception ignored in"}: {u.object!r}\n' if u.object is not None else ''
+    self.write(where + ''.join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
+
+  def write(self, text: str) -> None:
+    if not self.opened:
+      self.pending.append(text)
+    elif self.path is not None:
+      with contextlib.suppress(OSError):  # A full disk loses these details, never the run's own error.
+        if self.file is None:  # Made on the first record: a quiet run leaves no log file.
+          self.path.parent.mkdir(parents=True, exist_ok=True)
+          self.file = open(self.path, 'a')  # Closed by __exit__.
+        self.file.write(text.rstrip('\n') + '\n')
+        self.file.flush()
+
+  def open(self) -> None:
+    """Writes what was held and everything after to the file (nothing without a local workdir)."""
+    self.opened = True
+    for text in self.pending:
+      self.write(text)
+    self.pending = []
+
+  def __enter__(self) -> RunLog:
+    self.saved = [(logging.getLogger(name), logging.getLogger(name).propagate) for name in self.LOGGERS]
+    for logger, _ in self.saved:
+      logger.addHandler(self)
+      logger.propagate = False
+    self.hook, sys.unraisablehook = sys.unraisablehook, self.unraisable
+    return self
+
+  def __exit__(self, *exc) -> None:
+    sys.unraisablehook = self.hook
+    for logger, propagate in self.saved:
+      logger.removeHandler(self)
+      logger.propagate = propagate
+    if self.file is not None:
+      with contextlib.suppress(OSError):
+        self.file.close()
+    self.close()
 
 
 class Timer:
@@ -161,7 +226,7 @@ class Save:
     self.every = run.config.checkpoint.every_steps
 
   def due(self, info: StepInfo) -> bool:
-    # A periodic save never replaces a saved step (a damaged one that a fallback skipped stays).
+    # A periodic save never replaces a saved step (a damaged one fallen back from is moved aside first).
     periodic = self.every > 0 and info.step % self.every == 0 and info.step > self.checkpoints.newest_step()
     return periodic or info.last or info.stopping
 
@@ -223,18 +288,17 @@ class Profile:
 
 
 class Actions:
-  """A run's actions in the order they run (a save first), each entered in `stack` after the metrics
-  writer that `log` writes to."""
+  """A run's actions in the order they run (a save first). The metrics writer is opened by `start_writing`,
+  once the restore has passed its checks, so a refused run writes nothing."""
 
   def __init__(self, stack: contextlib.ExitStack, run: Run, workdir: epath.Path | None, timer: Timer,
                peak: float, batches: GlobalBatches, eval_batches: GlobalBatches | None,
                bytes_per_token: float | None, *, is_main: bool, say: Say, print_fn: Say):
     config = run.config
+    self.stack, self.config, self.workdir = stack, config, workdir
+    self.is_main, self.print_fn = is_main, print_fn
     self.records: list[dict] = []
-    # As a context, the writer keeps an error already on its way out (a full disk) over its own.
-    self.writer = stack.enter_context(metrics.make_writer(workdir, is_main=is_main,
-                                                          total_steps=config.train.steps, print_fn=print_fn))
-    self.writer.write_hparams(metrics.flat_hparams(config.to_dict()))
+    self.writer: metrics.MultiWriter | None = None
     self.checkpoints, save = None, []
     if workdir is not None and config.checkpoint.keep > 0:
       self.checkpoints = ckpt_lib.Checkpoints(workdir / ckpt_lib.CHECKPOINTS, keep=config.checkpoint.keep)
@@ -242,6 +306,13 @@ class Actions:
     self.profile = stack.enter_context(Profile(config.profile, workdir, say))
     self.evaluation = Evaluate(run, self.log, eval_batches, bytes_per_token)
     self.all: list = [*save, Log(run, timer, self.log, peak), self.evaluation, self.profile]
+
+  def start_writing(self) -> None:
+    """Opens the metrics writer (closed by the stack, keeping an error already on its way out over its own)
+    and writes the hyperparameters."""
+    self.writer = self.stack.enter_context(metrics.make_writer(
+        self.workdir, is_main=self.is_main, total_steps=self.config.train.steps, print_fn=self.print_fn))
+    self.writer.write_hparams(metrics.flat_hparams(self.config.to_dict()))
 
   def log(self, step: int, scalars: dict[str, float]) -> None:
     self.records.append({'step': step, **scalars})

@@ -98,8 +98,7 @@ def _has_saves(workdir: epath.Path | None) -> bool:
   return bool(directory and directory.exists() and any(directory.iterdir()))
 
 
-def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_main: bool, say: Say,
-            tok: tokenizer.Tokenizer | None
+def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_main: bool, say: Say
             ) -> tuple[GlobalBatches, GlobalBatches | None, float | None, dict, float]:
   """What can fail on bad input, checked before the run writes (memory plan, data, tokenizer, HF tensors):
   (train batches, eval batches, bytes per token, baseline record, peak TFLOP/s per device)."""
@@ -121,8 +120,6 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
     from mintrain import hf  # safetensors only when asked for.
 
     hf.check(config.init.hf_checkpoint, r)  # Its tensors and shapes, before the run writes anything.
-  if text and workdir is not None and is_main:  # The run's copy of its tokenizer, for sampling and export.
-    (tok or tokenizer.load(config.data.tokenizer)).save(workdir / tokenizer.RUN_DIR)
   flops_per_step, tokens_per_step = report.train_flops_per_step(config), report.tokens_per_step(config)
   peak, peak_source = hardware.peak_tflops(
       r.mesh.devices.flat[0], config.model.compute_dtype, config.metrics.peak_tflops)
@@ -190,10 +187,10 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     stack.enter_context(tokenizer.loaded_once())
     if workdir is not None and is_main:
       stack.enter_context(RunLock(workdir, force=force, warn=say))
+    run_log = stack.enter_context(actions_lib.RunLog(workdir))
     r = build(config, devices)
     config = r.config
-    batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say,
-                                                                     tok)
+    batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say)
     actions = actions_lib.Actions(stack, r, workdir, timer, peak, batches, eval_batches, bytes_per_token,
                                   is_main=is_main, say=say, print_fn=print_fn)
     stack.enter_context(jax.set_mesh(r.mesh))
@@ -204,6 +201,10 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     elif data_state:
       say(f"note: the checkpoint's data position is for data.source={data_state.get('source')!r}; "
           f'starting data.source={config.data.source!r} from its beginning.')
+    if config.data.source != 'synthetic' and workdir is not None and is_main:  # For sampling and export.
+      (tok or tokenizer.load(config.data.tokenizer)).save(workdir / tokenizer.RUN_DIR)
+    run_log.open()  # Every check has passed: the run writes from here on.
+    actions.start_writing()
     first_step = int(to_host(state.step))
     if baseline:
       actions.log(first_step, baseline)

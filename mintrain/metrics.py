@@ -155,16 +155,32 @@ def _writing(path: pathlib.Path) -> Iterator[None]:
     raise StorageError(f'Writing {path} failed ({e.strerror or e}{space}).') from e
 
 
-class JsonlWriter:
-  """`metrics.jsonl`: one JSON object per record; hyperparameters go to `hparams.json`."""
+ATTEMPT = 'attempt'  # WORKDIR/attempt: how many runs have started writing to the workdir.
 
-  def __init__(self, workdir: pathlib.Path):
+
+def next_attempt(workdir: str | os.PathLike) -> int:
+  """Counts one more run writing to `workdir` and returns its number (1 for the first)."""
+  path = epath.Path(workdir) / ATTEMPT
+  text = path.read_text().strip() if path.exists() else ''
+  attempt = (int(text) if text.isdigit() else 0) + 1
+  with _writing(path):
+    path.write_text(f'{attempt}\n')
+  return attempt
+
+
+class JsonlWriter:
+  """`metrics.jsonl`: one JSON object per record, with the run's `attempt`, so that the records of a step
+  logged again after a crash and resume are told apart; hyperparameters go to `hparams.json`."""
+
+  def __init__(self, workdir: pathlib.Path, attempt: int):
     self.path = workdir / 'metrics.jsonl'
     self.hparams_path = workdir / 'hparams.json'
+    self.attempt = attempt
 
   def write_scalars(self, step: int, scalars: Scalars) -> None:
+    record = {'step': int(step), 'attempt': self.attempt, **{k: float(v) for k, v in scalars.items()}}
     with _writing(self.path), self.path.open('a') as f:
-      f.write(json.dumps({'step': int(step), **{k: float(v) for k, v in scalars.items()}}) + '\n')
+      f.write(json.dumps(record) + '\n')
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     with _writing(self.hparams_path):
@@ -331,7 +347,7 @@ class MultiWriter:
 
 def make_writer(workdir: str | os.PathLike | None, *, is_main: bool, total_steps: int,
                 print_fn: Callable[[str], None] = print) -> MultiWriter:
-  """Console + TensorBoard + metrics.jsonl on process 0; nothing elsewhere.
+  """Console + TensorBoard + metrics.jsonl on process 0; nothing elsewhere. Counts the run's attempt.
 
   A workdir that is a file, or on a read-only or full file system, is a StorageError here; a remote one
   is written through a `Staging` directory (metrics.jsonl fetched first, so a resumed run appends).
@@ -344,7 +360,7 @@ def make_writer(workdir: str | os.PathLike | None, *, is_main: bool, total_steps
   workdir = prepare_dir(workdir)
   staging = Staging(workdir, fetch=('metrics.jsonl',)) if is_remote(workdir) else None
   local = staging.local if staging is not None else pathlib.Path(workdir)
-  writers += [TensorBoardWriter(local / 'tensorboard'), JsonlWriter(local)]
+  writers += [TensorBoardWriter(local / 'tensorboard'), JsonlWriter(local, next_attempt(workdir))]
   return MultiWriter(writers, staging)
 
 

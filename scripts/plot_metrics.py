@@ -34,7 +34,27 @@ def read_records(workdir: pathlib.Path) -> list[dict]:
       records.append(record)
   if not records:
     raise MetricsError(f'{path} has no records with a step.')
-  return records
+  return newest_attempts(records)
+
+
+def newest_attempts(records: list[dict]) -> list[dict]:
+  """The records of the run's surviving timeline, in step order. Each record names its `attempt` (a resume
+  after a crash is a new one); a later attempt's records replace an earlier one's past the step it resumed
+  from, and at that step where they hold the same figures."""
+  def attempt(r: dict) -> int:
+    return r.get('attempt', 0)
+
+  first, keys = {}, {}  # Attempt -> the first step it logged; (attempt, step) -> the figures logged then.
+  for r in records:
+    first[attempt(r)] = min(first.get(attempt(r), r['step']), r['step'])
+    keys.setdefault((attempt(r), r['step']), set()).update(r)
+
+  def superseded(r: dict) -> bool:
+    figures = set(r) - {'step', 'attempt'}
+    return any(a > attempt(r) and (step < r['step'] or (step == r['step'] and keys[a, step] & figures))
+               for a, step in first.items())
+
+  return sorted((r for r in records if not superseded(r)), key=lambda r: r['step'])
 
 
 def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:

@@ -253,6 +253,9 @@ ROWS = {
     'workdir locked by a live run': row(
         '--config.train.steps=4', '--workdir', '{tmp}/run', says=('{tmp}/run is in use by another run: pid',),
         setup=lambda s: s.hold_lock(s.tmp / 'run')),
+    'resume with a changed architecture': row(
+        '--config.train.steps=4', '--config.model.embed_dim=128', '--workdir', '{tmp}/run',
+        says=('{tmp}/run/checkpoints/2 does not match the configured model', 'params.')),
     # Restore paths with nothing to restore.
     'restore from a path that does not exist': row(
         '--workdir', '{tmp}/new', '--restore_from', '{tmp}/nope',

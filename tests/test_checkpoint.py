@@ -257,6 +257,25 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_pa
   assert len(warnings) == 1 and 'Falling back to step 2' in warnings[0]
 
 
+def test_a_damaged_step_fallen_back_from_is_moved_aside_and_saved_anew_keeping_the_intact_one(tmp_path):
+  steps = ('checkpoint.every_steps=2', 'checkpoint.keep=2')
+  train(small('dp8', 'train.steps=4', *steps), tmp_path)
+  directory = tmp_path / 'checkpoints'
+  _damage(directory / '4', 'truncate')
+  lines = []
+  result = train_loop.run(small('dp8', 'train.steps=6', *steps), tmp_path, devices=mesh_devices(small('dp8')),
+                          print_fn=lines.append)
+  assert result.first_step == 2
+  assert sorted(p.name for p in directory.iterdir()) == ['4', '4.damaged', '6']
+  assert any(line.startswith('Moved the damaged checkpoint step 4 aside') for line in lines)
+  _damage(directory / '6', 'delete')  # The new step 4 is the intact one a second fallback finds.
+  lines = []
+  result = train_loop.run(small('dp8', 'train.steps=6', *steps), tmp_path, devices=mesh_devices(small('dp8')),
+                          print_fn=lines.append)
+  assert result.first_step == 4
+  assert sorted(p.name for p in directory.iterdir()) == ['4', '4.damaged', '6', '6.damaged']
+
+
 def test_a_restore_error_that_is_not_damage_is_raised_naming_the_step_without_falling_back(tmp_path,
                                                                                            monkeypatch):
   train(small('dp8', 'train.steps=4', 'checkpoint.every_steps=2'), tmp_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -75,6 +76,9 @@ def test_every_exit_finishes_the_save_closes_the_trace_and_flushes_the_metrics(p
   handler = signal.getsignal(signal.SIGTERM)
   config = load_config('dp4_tp2', *SMALL)
   filters = {name: list(logging.getLogger(name).filters) for name in ('absl', 'asyncio')}
+  loggers = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).propagate)
+             for name in ('absl', 'asyncio')}
+  unraisable = sys.unraisablehook
 
   def train():
     return train_loop.run(config, tmp_path, devices=mesh_devices(config), print_fn=quiet)
@@ -108,3 +112,7 @@ def test_every_exit_finishes_the_save_closes_the_trace_and_flushes_the_metrics(p
   # The checkpoints' log filters were taken off the global loggers with them (other tests of this worker
   # may have left their own).
   assert {name: list(logging.getLogger(name).filters) for name in filters} == filters
+  # The run's log file took the libraries' records and Python's unraisable exceptions for the run only.
+  assert {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).propagate)
+          for name in loggers} == loggers
+  assert sys.unraisablehook is unraisable

@@ -48,9 +48,10 @@ def test_metrics_jsonl_and_tensorboard_hold_the_same_values(run):
   scalars, tags, hparams = read_tensorboard(workdir / 'tensorboard')
   assert any(tag.startswith('_hparams_') for tag in tags)  # write_hparams ran once.
   compared = 0
+  assert {record['attempt'] for record in records} == {1}  # The workdir's first run.
   for record in records:
     for key, value in record.items():
-      if key != 'step':
+      if key not in ('step', 'attempt'):
         np.testing.assert_allclose(scalars[key][record['step']], value, rtol=1e-6, err_msg=key)
         compared += 1
   assert compared > 20

@@ -1,11 +1,19 @@
 """scripts/plot_metrics.py turns runs' metrics.jsonl into one PNG, or fails with one clear line."""
 
+import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, load_config, mesh_devices
+
+from mintrain import loop
+
+_spec = importlib.util.spec_from_file_location('plot_metrics', REPO / 'scripts' / 'plot_metrics.py')
+plot_metrics = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plot_metrics)
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
@@ -54,3 +62,23 @@ def test_workdir_without_metrics_is_a_one_line_error(tmp_path):
   assert result.stderr.strip() == (f'error: {tmp_path / "empty"} has no metrics.jsonl; '
                                    f'train with --workdir {tmp_path / "empty"} to write one.')
   assert not (tmp_path / 'good' / 'metrics.png').exists()
+
+
+def test_after_a_crash_and_resume_each_record_names_its_attempt_and_the_plot_takes_the_newest(tmp_path):
+  small = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
+           'train.seq_len=32', 'train.log_every=1', 'train.steps=4', 'checkpoint.every_steps=2',
+           'eval.every_steps=0')
+  config = load_config('dp8', *small)
+  loop.run(config, tmp_path, devices=mesh_devices(config), print_fn=lambda _: None)
+  shutil.rmtree(tmp_path / 'checkpoints' / '4')  # A crash after step 4's record, before its save.
+  resumed = load_config('dp8', *small, 'optimizer.learning_rate=0.1')  # Other losses from step 3 on.
+  loop.run(resumed, tmp_path, devices=mesh_devices(resumed), print_fn=lambda _: None)
+  lines = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  train = [(r['attempt'], r['step']) for r in lines if 'loss' in r]
+  assert train == [(1, 1), (1, 2), (1, 3), (1, 4), (2, 3), (2, 4)]
+  assert (tmp_path / 'attempt').read_text() == '2\n'
+  records = plot_metrics.read_records(tmp_path)
+  newest = {r['step']: r['loss'] for r in lines if 'loss' in r and r['attempt'] == 2}
+  oldest = {r['step']: r['loss'] for r in lines if 'loss' in r and r['attempt'] == 1}
+  assert newest[4] != oldest[4]
+  assert plot_metrics.series(records, 'loss') == ([1, 2, 3, 4], [oldest[1], oldest[2], newest[3], newest[4]])

@@ -232,7 +232,8 @@ def test_remote_metrics_hold_every_record_and_a_resumed_run_appends(bucket_dir, 
 
   files = remote_files(workdir)
   records = [json.loads(line) for line in files['metrics.jsonl'].decode().splitlines()]
-  assert records == [{'step': 1, 'loss': 2.5}, {'step': 2, 'loss': 2.0}, {'step': 3, 'loss': 1.5}]
+  assert records == [{'step': 1, 'attempt': 1, 'loss': 2.5}, {'step': 2, 'attempt': 1, 'loss': 2.0},
+                     {'step': 3, 'attempt': 2, 'loss': 1.5}]  # The attempt is counted in the bucket.
   assert json.loads(files['hparams.json']) == {'model.embed_dim': 64}
   assert tensorboard_scalars(files, tmp_path / 'events') == {'loss': {1: 2.5, 2: 2.0, 3: 1.5}}
   assert not staged.exists()  # The local stand-in is gone once its files are in the bucket.
@@ -245,7 +246,7 @@ def test_remote_metrics_are_copied_while_the_run_writes(bucket_dir, monkeypatch)
     writer.write_scalars(1, {'loss': 2.5})
     writer.write_scalars(2, {'loss': 2.0})
     remote = (epath.Path(bucket_dir) / 'metrics.jsonl').read_text()
-    assert remote == '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n'
+    assert remote == '{"step": 1, "attempt": 1, "loss": 2.5}\n{"step": 2, "attempt": 1, "loss": 2.0}\n'
 
 
 def test_a_profile_trace_for_a_remote_workdir_lands_there_on_close(bucket_dir):

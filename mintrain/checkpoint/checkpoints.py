@@ -26,6 +26,7 @@ from mintrain import mesh as mesh_lib
 from mintrain.checkpoint.relayout import Relayout
 from mintrain.errors import CheckpointError, DamagedCheckpointError, DiskFullError, StorageError
 from mintrain.fields import option
+from mintrain.runtime import distributed
 from mintrain.runtime.lazy import lazy_import
 from mintrain.runtime.storage import free_bytes, is_remote, os_reason, prepare_dir, run_path
 from mintrain.train_state import TrainState, flat_logical_axes, path_str
@@ -42,6 +43,7 @@ class CheckpointConfig:
 
 
 CHECKPOINTS = 'checkpoints'
+DAMAGED = '.damaged'  # Suffix of a damaged step directory moved aside by a fallback.
 LOGICAL_AXES = 'logical_axes'  # Metadata key: {array path: its logical axes}, for `Relayout`.
 
 
@@ -181,6 +183,7 @@ class Checkpoints:
       raise StorageError(f'{os.fspath(directory)}: checkpoints go to local paths or gs:// only (Orbax writes '
                          "arrays through TensorStore's file and GCS drivers).")
     self.directory = run_path(directory) if read_only else prepare_dir(directory, 'checkpoint directory')
+    self.read_only = read_only
     self._pending: tuple[int, int] | None = None  # (step, bytes it needs) of the save in flight.
     # `read_only` here means: never create, clean up or save (Orbax's own flag only warns). Orbax's own
     # clean-up runs in a thread that only a save waits for (a run that fails before its first save would
@@ -391,14 +394,18 @@ class Checkpoints:
 
   def restore_newest(self, abstract_state: TrainState, *, params_only: bool, fallback: bool,
                      warn: Callable[[str], None]) -> Restored:
-    """The newest intact checkpoint; older ones are tried, with a warning, only if `fallback`."""
+    """The newest intact checkpoint; older ones are tried, with a warning, only if `fallback`. The damaged
+    steps fallen back from are then moved aside (unless read-only), so the run saves those steps anew and
+    retention never keeps them over the intact one."""
     steps = self.steps()
     if not steps:
       raise CheckpointError(f'{self.directory} holds no complete checkpoint.')
     *older, newest = steps
+    damaged = []
     while True:
       try:
-        return self.restore(newest, abstract_state, params_only=params_only)
+        restored = self.restore(newest, abstract_state, params_only=params_only)
+        break
       except DamagedCheckpointError as e:
         if not older:
           raise CheckpointError(f'{e} There is no older checkpoint to fall back to.') from e
@@ -406,7 +413,24 @@ class Checkpoints:
           raise CheckpointError(f'{e} Set checkpoint.fallback_to_previous=True to restore step '
                                 f'{older[-1]} instead.') from e
         warn(f'warning: {e} Falling back to step {older[-1]}.')
+        damaged.append(newest)
         newest = older.pop()
+    if damaged and not self.read_only:
+      self._move_aside(damaged, warn)
+    return restored
+
+  def _move_aside(self, steps: list[int], warn: Callable[[str], None]) -> None:
+    """Renames damaged step directories to `<step>.damaged` (kept for inspection, never listed as steps)."""
+    if jax.process_index() == 0:
+      for step in steps:
+        target, n = self.directory / f'{step}{DAMAGED}', 1
+        while target.exists():
+          n += 1
+          target = self.directory / f'{step}{DAMAGED}.{n}'
+        self.step_dir(step).rename(target)
+        warn(f'Moved the damaged checkpoint step {step} aside to {target}.')
+    distributed.barrier('mintrain: damaged checkpoints moved aside')
+    self.manager.reload()
 
 
 def _array_handlers() -> ocp.type_handlers.TypeHandlerRegistry | None:
