@@ -47,6 +47,8 @@ FAMILIES = {
     'mistral': ('MistralConfig', {'num_key_value_heads': 4, 'head_dim': 8, 'sliding_window': 4096}),
     'qwen2': ('Qwen2Config', {'num_key_value_heads': 2, 'tie_word_embeddings': True}),
     'gemma': ('GemmaConfig', {'num_key_value_heads': 1, 'head_dim': 16}),  # Multi-query, as Gemma 2B.
+    # QK-norm, and head_dim * heads (96) unlike hidden_size (64), as Qwen3's.
+    'qwen3': ('Qwen3Config', {'num_key_value_heads': 2, 'head_dim': 12, 'tie_word_embeddings': False}),
     # Mixtures of experts: 4 experts, 2 per token, in every block; Qwen2-MoE's every second block, with a
     # dense MLP between, a shared expert and top-k weights not renormalised.
     'mixtral': ('MixtralConfig', {'num_key_value_heads': 2, 'num_local_experts': 4,
@@ -307,12 +309,13 @@ def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
   with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
-                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe; convert'):
+                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3; convert'):
     hf.from_pretrained(tmp_path)
-  config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0}}
+  config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'longrope', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))
-  with pytest.raises(ConfigError, match=r"rope type 'yarn' is not supported; mintrain reads 'default' and "
-                                        r"'llama3' .*: load a checkpoint"):
+  with pytest.raises(ConfigError, match=r"^config.json rope_type 'longrope' is not supported; mintrain "
+                                        r"reads 'default', 'llama3', 'linear', 'dynamic', 'yarn', .*: load a "
+                                        r'checkpoint'):
     hf.from_pretrained(tmp_path)
 
 
