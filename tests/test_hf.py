@@ -296,6 +296,23 @@ def test_mistral_sliding_window_sequences_within_it_match_and_longer_ones_are_er
       random_model('mistral', tmp_path / 'full', sliding_window=None), TOKENS)[:, 16:]).max() > 1e-3
 
 
+def test_qwen3_with_tied_output_gives_the_logits_of_transformers_and_saves_back_tied(tmp_path):
+  reference = random_model('qwen3', tmp_path / 'in', tie_word_embeddings=True)
+  with on_mesh('dp4_tp2'):
+    model = hf.from_pretrained(tmp_path / 'in')
+    logits = mintrain_logits(model, TOKENS)
+    hf.save_pretrained(model, tmp_path / 'out')
+  assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
+  assert 'lm_head.weight' not in load_file(tmp_path / 'out' / hf.SINGLE)
+  options = hf_model_options(tmp_path / 'out')
+  assert options == hf_model_options(tmp_path / 'in') and options['tie_embeddings'] and options['qk_norm']
+
+
+def test_qk_norm_exports_as_dense_qwen3_only():
+  with pytest.raises(ConfigError, match=r'^model.qk_norm has a Hugging Face architecture as dense Qwen3'):
+    hf_llama.config_json(load_config('single', 'model.qk_norm=True', 'model.qkv_bias=True').model, 'float32')
+
+
 def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
   qwen2 = {'model_type': 'qwen2', **COMMON, 'sliding_window': 8}
   assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': False}) == 0
