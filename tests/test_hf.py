@@ -308,6 +308,15 @@ def test_qwen3_with_tied_output_gives_the_logits_of_transformers_and_saves_back_
   assert options == hf_model_options(tmp_path / 'in') and options['tie_embeddings'] and options['qk_norm']
 
 
+def test_scanned_qwen3_layers_stack_their_qk_norm_scales_and_give_the_logits_of_transformers(tmp_path):
+  reference = random_model('qwen3', tmp_path)
+  with on_mesh('fsdp8'):
+    model = hf.from_pretrained(tmp_path, base=base('model.scan_layers=True'))
+    assert model.blocks.attn.q_norm_K.shape == (2, 12)  # (layers, head_dim).
+    logits = mintrain_logits(model, TOKENS)
+  assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
+
+
 def test_qk_norm_exports_as_dense_qwen3_only():
   with pytest.raises(ConfigError, match=r'^model.qk_norm has a Hugging Face architecture as dense Qwen3'):
     hf_llama.config_json(load_config('single', 'model.qk_norm=True', 'model.qkv_bias=True').model, 'float32')

@@ -150,9 +150,9 @@ class Attention(nnx.Module):
     self.wv_DHK = param(rngs, init, (d, g, k), kv_axes, dtype, rules)
     self.wo_HKD = param(rngs, out_init, (h, k, d), ('heads', 'kv', 'embed'), dtype, rules)
     if cfg.qk_norm:  # One scale over head_dim, shared by all query (key) heads.
-      ones = nnx.initializers.zeros if cfg.norm_plus_one else nnx.initializers.ones
-      self.q_norm_K = param(rngs, ones, (k,), ('kv',), dtype, rules)
-      self.k_norm_K = param(rngs, ones, (k,), ('kv',), dtype, rules)
+      norm_init = nnx.initializers.zeros if cfg.norm_plus_one else nnx.initializers.ones
+      self.q_norm_K = param(rngs, norm_init, (k,), ('kv',), dtype, rules)
+      self.k_norm_K = param(rngs, norm_init, (k,), ('kv',), dtype, rules)
     self.cfg, self.placement, self.rules = cfg, placement, rules
     self.kv_layout = kv_layout(kv_axes[1])
 
