@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from conftest import load_config, mesh_devices
+from conftest import load_config, mesh_devices, quiet
 from flax import nnx
 
 from mintrain import hf
+from mintrain import loop as train_loop
+from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.models import hf_model_options
 from mintrain.models.transformer import sampling
@@ -120,3 +122,25 @@ def test_older_files_rope_scaling_and_rope_theta_read_as_rope_parameters(rope, t
     options.append(hf_model_options(tmp_path / name))
   assert options[0] == options[1]
   assert options[0]['rope_scaling'] == rope and options[0]['rope_base'] == 500000.0
+
+
+TRAIN = ('model.vocab_size=384', 'model.embed_dim=32', 'model.mlp_dim=64', 'data.source=synthetic',
+         'train.steps=3', 'train.log_every=3', 'train.seq_len=16', 'train.global_batch_size=8',
+         'model.rope_original_max_len=8', 'model.rope_scaling_factor=2.0')
+
+
+@pytest.mark.parametrize('rope', ['dynamic', pytest.param('yarn', marks=pytest.mark.slow)])
+def test_a_scaled_rope_trains_with_the_same_losses_on_every_mesh(rope):
+  """Past the original context; on cp2_dp2_tp2 the ring's zigzag order holds the last position mid-row."""
+  losses = {}
+  ring = 'model.context_attention=ring'
+  for name, overrides in (('single', ()), ('dp4_tp2', ()), ('cp2_dp2_tp2', (ring,))):
+    config = load_config(name, *TRAIN, f'model.rope_scaling={rope}', *overrides)
+    losses[name] = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet).losses
+  for name, value in losses.items():
+    np.testing.assert_allclose(value, losses['single'], rtol=1e-4, err_msg=name)
+
+
+def test_dynamic_rope_with_a_head_dim_of_2_is_a_one_line_error():
+  with pytest.raises(ConfigError, match=r'^model.rope_scaling=dynamic needs model.head_dim > 2'):
+    load_config('single', 'model.rope_scaling=dynamic', 'model.head_dim=2')
