@@ -47,6 +47,8 @@ FAMILIES = {
     'mistral': ('MistralConfig', {'num_key_value_heads': 4, 'head_dim': 8, 'sliding_window': 4096}),
     'qwen2': ('Qwen2Config', {'num_key_value_heads': 2, 'tie_word_embeddings': True}),
     'gemma': ('GemmaConfig', {'num_key_value_heads': 1, 'head_dim': 16}),  # Multi-query, as Gemma 2B.
+    # QK-norm, and head_dim * heads (96) unlike hidden_size (64), as Qwen3's.
+    'qwen3': ('Qwen3Config', {'num_key_value_heads': 2, 'head_dim': 12, 'tie_word_embeddings': False}),
     # Mixtures of experts: 4 experts, 2 per token, in every block; Qwen2-MoE's every second block, with a
     # dense MLP between, a shared expert and top-k weights not renormalised.
     'mixtral': ('MixtralConfig', {'num_key_value_heads': 2, 'num_local_experts': 4,
@@ -294,6 +296,32 @@ def test_mistral_sliding_window_sequences_within_it_match_and_longer_ones_are_er
       random_model('mistral', tmp_path / 'full', sliding_window=None), TOKENS)[:, 16:]).max() > 1e-3
 
 
+def test_qwen3_with_tied_output_gives_the_logits_of_transformers_and_saves_back_tied(tmp_path):
+  reference = random_model('qwen3', tmp_path / 'in', tie_word_embeddings=True)
+  with on_mesh('dp4_tp2'):
+    model = hf.from_pretrained(tmp_path / 'in')
+    logits = mintrain_logits(model, TOKENS)
+    hf.save_pretrained(model, tmp_path / 'out')
+  assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
+  assert 'lm_head.weight' not in load_file(tmp_path / 'out' / hf.SINGLE)
+  options = hf_model_options(tmp_path / 'out')
+  assert options == hf_model_options(tmp_path / 'in') and options['tie_embeddings'] and options['qk_norm']
+
+
+def test_scanned_qwen3_layers_stack_their_qk_norm_scales_and_give_the_logits_of_transformers(tmp_path):
+  reference = random_model('qwen3', tmp_path)
+  with on_mesh('fsdp8'):
+    model = hf.from_pretrained(tmp_path, base=base('model.scan_layers=True'))
+    assert model.blocks.attn.q_norm_K.shape == (2, 12)  # (layers, head_dim).
+    logits = mintrain_logits(model, TOKENS)
+  assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
+
+
+def test_qk_norm_exports_as_dense_qwen3_only():
+  with pytest.raises(ConfigError, match=r'^model.qk_norm has a Hugging Face architecture as dense Qwen3'):
+    hf_llama.config_json(load_config('single', 'model.qk_norm=True', 'model.qkv_bias=True').model, 'float32')
+
+
 def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
   qwen2 = {'model_type': 'qwen2', **COMMON, 'sliding_window': 8}
   assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': False}) == 0
@@ -307,12 +335,13 @@ def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
   with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
-                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe; convert'):
+                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3; convert'):
     hf.from_pretrained(tmp_path)
-  config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'yarn', 'factor': 2.0}}
+  config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'longrope', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))
-  with pytest.raises(ConfigError, match=r"rope type 'yarn' is not supported; mintrain reads 'default' and "
-                                        r"'llama3' .*: load a checkpoint"):
+  with pytest.raises(ConfigError, match=r"^config.json rope_type 'longrope' is not supported; mintrain "
+                                        r"reads 'default', 'llama3', 'linear', 'dynamic', 'yarn', .*: load a "
+                                        r'checkpoint'):
     hf.from_pretrained(tmp_path)
 
 

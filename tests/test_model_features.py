@@ -400,3 +400,32 @@ def test_the_layer_conversion_frees_each_saved_array_as_soon_as_it_is_converted(
   for path, x in converted.items():
     assert x.sharding == target[path].sharding
     np.testing.assert_array_equal(np.asarray(x), wanted[path], err_msg=path)
+
+
+QWEN3 = ('model.vocab_size=384', 'data.source=synthetic', 'train.steps=3', 'train.log_every=3',
+         'train.seq_len=16', 'train.global_batch_size=8')
+QWEN3_MESHES = {'single': ('mesh.data=1', 'mesh.model=1'), 'dp4_tp2': (),
+                'tp8': ('mesh.data=1', 'mesh.model=8'),
+                'fsdp8': ('mesh.data=1', 'mesh.fsdp=8', 'mesh.model=1')}
+
+
+@pytest.mark.parametrize('meshes', [('dp4_tp2',), pytest.param(('tp8', 'fsdp8'), marks=pytest.mark.slow)],
+                         ids=['dp4_tp2', 'tp8-fsdp8'])
+def test_the_qwen3_config_trains_with_the_same_losses_on_every_mesh(meshes):
+  losses = {}
+  for name in ('single', *meshes):
+    config = load_config('qwen3_dp4_tp2', *QWEN3, *QWEN3_MESHES[name])
+    losses[name] = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet).losses
+  for name, value in losses.items():
+    np.testing.assert_allclose(value, losses['single'], rtol=1e-4, err_msg=name)
+
+
+def test_the_qwen3_config_counts_its_qk_norm_scales_and_they_are_not_decayed():
+  config = load_config('qwen3_dp4_tp2', *QWEN3, *QWEN3_MESHES['single'])
+  _, _, run = build(config)
+  shapes = {p.path: p.shape for p in run.layout}
+  assert shapes['blocks.0.attn.q_norm_K'] == shapes['blocks.0.attn.k_norm_K'] == (32,)
+  assert report.param_count(config) == sum(math.prod(shape) for shape in shapes.values())
+  decays = {path.removesuffix('.value'): bool(d)
+            for path, d in flat(decay_mask(run.abstract_state.params)).items()}
+  assert not decays['blocks.0.attn.q_norm_K'] and not decays['blocks.0.attn.k_norm_K']

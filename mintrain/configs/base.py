@@ -49,15 +49,23 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.mlp_dim = 512  # Gated-MLP hidden width (F); split over `model`.
   c.model.tie_embeddings = True  # Output projection shares the embedding table.
   c.model.rope_base = 10000.0  # Rotary embedding base frequency.
-  c.model.rope_scaling = 'none'  # 'llama3': Llama 3.1's RoPE frequency scaling, with the four below.
-  c.model.rope_scaling_factor = 8.0
-  c.model.rope_low_freq_factor = 1.0
-  c.model.rope_high_freq_factor = 4.0
-  c.model.rope_original_max_len = 8192  # The context length the frequencies were trained for.
+  # RoPE frequency scaling, as transformers' rope_type: 'llama3' (Llama 3.1), 'linear', 'dynamic' (NTK) or
+  # 'yarn', with the options below; 'none' leaves it out.
+  c.model.rope_scaling = 'none'
+  c.model.rope_scaling_factor = 8.0  # How many times longer the context gets (all four).
+  c.model.rope_low_freq_factor = 1.0  # llama3.
+  c.model.rope_high_freq_factor = 4.0  # llama3.
+  # The context length the frequencies were trained for (llama3, yarn); dynamic's max_position_embeddings.
+  c.model.rope_original_max_len = 8192
+  c.model.rope_beta_fast = 32.0  # yarn: a frequency turning more often over the original context is kept.
+  c.model.rope_beta_slow = 1.0  # yarn: one turning less often is divided by the factor; between, blended.
+  c.model.rope_attention_factor = 0.0  # yarn: scale of cos and sin; 0: 0.1 * ln(factor) + 1.
+  c.model.rope_truncate = True  # yarn: round the range of blended dimensions outwards to integers.
   c.model.norm_eps = 1e-6  # RMSNorm epsilon.
   c.model.norm_plus_one = False  # Gemma: norms scale by (1 + weight).
   c.model.embed_scale = False  # Gemma: embeddings times sqrt(embed_dim).
   c.model.qkv_bias = False  # Qwen2: biases on the query, key and value projections.
+  c.model.qk_norm = False  # Qwen3: RMSNorm of each query and key head over head_dim, before RoPE.
   c.model.sliding_window = 0  # Mistral's attention window (checked, not applied: longer sequences refused).
   c.model.mlp_activation = 'silu'  # Gate nonlinearity: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, Gemma).
   c.model.dropout_rate = 0.0  # Dropout on attention and MLP outputs; 0 disables it.

@@ -1,4 +1,5 @@
-"""The decoder-only transformer family: Llama, Mistral, Qwen2, Gemma and their mixtures of experts.
+"""The decoder-only transformer family: Llama, Mistral, Qwen2, Qwen3, Gemma and their mixtures of
+experts.
 
 `config` holds its options and costs, `attention` and `model` its modules, `moe`, `context_attention` and
 `collective_matmul` what they use on a mesh, `sampling` its KV-cached generation, `hf` its Hugging Face

@@ -39,13 +39,26 @@ def attention_kernel(platform: str, dtype: jnp.dtype, head_dim: int) -> str:
 
 
 
-def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
-  """float32 (K/2,) inverse frequencies; with 'llama3' scaling, Llama 3.1's: wavelengths beyond the
-  original context's / low_freq_factor slowed by `factor`, those below / high_freq_factor kept, and a
-  smooth blend between (transformers' `_compute_llama3_parameters`)."""
+def rope_frequencies(cfg: TransformerConfig, positions_BL: jax.Array) -> tuple[jax.Array, float]:
+  """float32 (K/2,) inverse frequencies for tokens at `positions_BL`, and the scale of cos and sin (YaRN's
+  attention factor, 1 otherwise), as transformers' `rope_type`s (`modeling_rope_utils`)."""
+  half, scaling, factor = cfg.head_dim // 2, cfg.rope_scaling, cfg.rope_scaling_factor
+  default_K = cfg.rope_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if scaling == 'none':
+    return default_K, 1.0
+  if scaling == 'linear':  # Positions divided by the factor, which is the same as frequencies.
+    return default_K / factor, 1.0
+  if scaling == 'dynamic':
+    return _dynamic_ntk(cfg, positions_BL), 1.0
+  if scaling == 'yarn':
+    return _yarn(cfg)
+  return _llama3(cfg), 1.0
+
+
+def _llama3(cfg: TransformerConfig) -> jax.Array:
+  """Llama 3.1's: wavelengths beyond the original context's / low_freq_factor slowed by `factor`, those
+  below / high_freq_factor kept, and a smooth blend between (`_compute_llama3_parameters`)."""
   half = cfg.head_dim // 2
-  if cfg.rope_scaling == 'none':
-    return cfg.rope_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
   inv_freq = 1.0 / cfg.rope_base ** (np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))
   factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
   old_len = cfg.rope_original_max_len
@@ -57,8 +70,41 @@ def rope_frequencies(cfg: TransformerConfig) -> jax.Array:
   return jnp.asarray(np.where(medium, blended, scaled), jnp.float32)
 
 
-def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_BL: jax.Array | None = None) -> jax.Array:
-  """Rotary position embedding on the last dimension (split-half convention, as `transformers`).
+def _dynamic_ntk(cfg: TransformerConfig, positions_BL: jax.Array) -> jax.Array:
+  """NTK scaling by the call's own length (its last position + 1): the default frequencies up to
+  rope_original_max_len, past it a base raised so the lowest frequency stretches with the length. As
+  transformers recomputes them for each forward pass (and decode step) that grows past that length."""
+  dim, old_len, factor = cfg.head_dim, cfg.rope_original_max_len, cfg.rope_scaling_factor
+  seq_len = jnp.maximum(jnp.max(positions_BL) + 1, old_len).astype(jnp.float32)
+  base = cfg.rope_base * (factor * seq_len / old_len - (factor - 1)) ** (dim / (dim - 2))
+  return 1.0 / base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+
+
+def _yarn(cfg: TransformerConfig) -> tuple[jax.Array, float]:
+  """YaRN: frequencies turning more than beta_fast times over the original context kept, fewer than
+  beta_slow divided by the factor, a linear blend between; cos and sin scaled by the attention factor
+  (`_compute_yarn_parameters`)."""
+  dim, base, factor = cfg.head_dim, cfg.rope_base, cfg.rope_scaling_factor
+
+  def dimension(rotations: float) -> float:  # The dimension whose frequency turns `rotations` times.
+    return dim * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  low, high = dimension(cfg.rope_beta_fast), dimension(cfg.rope_beta_slow)
+  if cfg.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  high = high + 0.001 if low == high else high
+  ramp_K = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  pos_freqs_K = base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+  keep_K = 1 - ramp_K
+  inv_freq_K = 1.0 / (factor * pos_freqs_K) * (1 - keep_K) + 1.0 / pos_freqs_K * keep_K
+  return inv_freq_K, cfg.yarn_attention_factor
+
+
+def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_BL: jax.Array | None = None,
+         scale: float = 1.0) -> jax.Array:
+  """Rotary position embedding on the last dimension (split-half convention, as `transformers`), cos and
+  sin times `scale` (YaRN's attention factor).
 
   `positions_BL` ((B or 1, L)) are the tokens' positions (default 0..L-1): a decode step passes its
   offset, so a token is rotated the same as in training; packed rows pass each document's own.
@@ -68,7 +114,7 @@ def rope(x_BLHK: jax.Array, inv_freq_K: jax.Array, positions_BL: jax.Array | Non
   if positions_BL is None:
     positions_BL = jnp.arange(seq_len)[None, :]
   angle_BLK = positions_BL.astype(jnp.float32)[:, :, None] * inv_freq_K[None, None, :]
-  sin, cos = jnp.sin(angle_BLK)[:, :, None, :], jnp.cos(angle_BLK)[:, :, None, :]
+  sin, cos = jnp.sin(angle_BLK)[:, :, None, :] * scale, jnp.cos(angle_BLK)[:, :, None, :] * scale
   x = x_BLHK.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHK.dtype)
@@ -103,6 +149,10 @@ class Attention(nnx.Module):
     self.wk_DHK = param(rngs, init, (d, g, k), kv_axes, dtype, rules)
     self.wv_DHK = param(rngs, init, (d, g, k), kv_axes, dtype, rules)
     self.wo_HKD = param(rngs, out_init, (h, k, d), ('heads', 'kv', 'embed'), dtype, rules)
+    if cfg.qk_norm:  # One scale over head_dim, shared by all query (key) heads.
+      norm_init = nnx.initializers.zeros if cfg.norm_plus_one else nnx.initializers.ones
+      self.q_norm_K = param(rngs, norm_init, (k,), ('kv',), dtype, rules)
+      self.k_norm_K = param(rngs, norm_init, (k,), ('kv',), dtype, rules)
     self.cfg, self.placement, self.rules = cfg, placement, rules
     self.kv_layout = kv_layout(kv_axes[1])
 
@@ -179,10 +229,19 @@ class Attention(nnx.Module):
       q_BLHK = q_BLHK + gather(self.bq_HK, rules, dtype)
       k_BLGK = k_BLGK + gather(self.bk_GK, rules, dtype)
       v_BLGK = v_BLGK + gather(self.bv_GK, rules, dtype)
-    inv_freq_K = rope_frequencies(cfg)
-    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_BL), BLHK)
-    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_BL), self.kv_layout)
+    if cfg.qk_norm:
+      q_BLHK, k_BLGK = self._head_norm(q_BLHK, self.q_norm_K), self._head_norm(k_BLGK, self.k_norm_K)
+    inv_freq_K, scale = rope_frequencies(cfg, positions_BL)
+    q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_BL, scale), BLHK)
+    k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_BL, scale), self.kv_layout)
     return q_BLHK, k_BLGK, rules.reshard(v_BLGK, self.kv_layout)
+
+  def _head_norm(self, x_BLHK: jax.Array, scale: nnx.Param) -> jax.Array:
+    """RMSNorm of each head over head_dim in float32 (QK-norm), scaled by (1 + w) with norm_plus_one."""
+    x = x_BLHK.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    scale_K = gather(scale, self.rules, jnp.float32)
+    return (x * (1.0 + scale_K if self.cfg.norm_plus_one else scale_K)).astype(x_BLHK.dtype)
 
   def _repeat_kv(self, x_BMGK: jax.Array) -> jax.Array:
     """Each key/value head once per query head it serves (head h reads group h // (H/G)), in BLHK."""

@@ -27,7 +27,8 @@ CONTEXT_ATTENTION_OPTIONS = ('all_gather', 'ring')
 DTYPES = ('float32', 'bfloat16')
 # The gate's nonlinearity: SwiGLU (Llama, Mistral, Qwen2) or GeGLU with tanh-approximated GELU (Gemma).
 ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True)}
-ROPE_SCALINGS = ('none', 'llama3')
+# How RoPE's frequencies stretch to longer contexts, as transformers' `rope_type`s (`attention`).
+ROPE_SCALINGS = ('none', 'llama3', 'linear', 'dynamic', 'yarn')
 
 
 def _even(value: int) -> str | None:
@@ -47,16 +48,22 @@ class TransformerConfig(Costs, ModelConfig):
   mlp_dim: int = option(at_least=1)
   tie_embeddings: bool = option()
   rope_base: float = option(above=0)
-  # Llama 3.1's frequency scaling of RoPE ('llama3'), with its four parameters; 'none' leaves it out.
+  # RoPE's frequency scaling: Llama 3.1's ('llama3'), positions divided by the factor ('linear'), NTK by
+  # the sequence's length past rope_original_max_len ('dynamic') or YaRN ('yarn'); 'none' leaves it out.
   rope_scaling: str = option(choices=ROPE_SCALINGS)
   rope_scaling_factor: float = option(above=0)
   rope_low_freq_factor: float = option(above=0)
   rope_high_freq_factor: float = option(above=0)
   rope_original_max_len: int = option(at_least=1)
+  rope_beta_fast: float = option(above=0)  # YaRN: a frequency turning more often over the context is kept.
+  rope_beta_slow: float = option(above=0)  # YaRN: one turning less often is divided by the factor.
+  rope_attention_factor: float = option(at_least=0)  # YaRN: scale of cos and sin; 0: 0.1 ln(factor) + 1.
+  rope_truncate: bool = option()  # YaRN: round the blend's range of dimensions outwards to integers.
   norm_eps: float = option(above=0)  # RMSNorm's epsilon.
   norm_plus_one: bool = option()  # Gemma: norms scale by (1 + weight), weights drawn as zeros.
   embed_scale: bool = option()  # Gemma: embeddings times sqrt(embed_dim) (not the tied output layer).
   qkv_bias: bool = option()  # Qwen2: biases on the query, key and value projections.
+  qk_norm: bool = option()  # Qwen3: RMSNorm of each query and key head over head_dim, before RoPE.
   # Mistral: each position attends over the last `sliding_window` only. Not applied: a longer sequence is
   # refused (`check_window`), so attention is always the same as the checkpoint's model's; 0: no window.
   sliding_window: int = option(at_least=0)
@@ -90,6 +97,12 @@ class TransformerConfig(Costs, ModelConfig):
     return self.kv_heads != self.num_heads
 
   @property
+  def yarn_attention_factor(self) -> float:
+    """YaRN's scale of cos and sin: rope_attention_factor, or by default 0.1 ln(factor) + 1."""
+    factor = self.rope_scaling_factor
+    return self.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+  @property
   def expert_dim(self) -> int:
     return self.expert_mlp_dim or self.mlp_dim
 
@@ -117,6 +130,9 @@ class TransformerConfig(Costs, ModelConfig):
     if self.rope_scaling == 'llama3' and self.rope_high_freq_factor <= self.rope_low_freq_factor:
       raise ConfigError(f'model.rope_high_freq_factor={self.rope_high_freq_factor} must be above '
                         f'model.rope_low_freq_factor={self.rope_low_freq_factor} (Llama 3 RoPE scaling).')
+    if self.rope_scaling == 'dynamic' and self.head_dim == 2:
+      raise ConfigError('model.rope_scaling=dynamic needs model.head_dim > 2 (NTK scales the base by a power '
+                        'of head_dim / (head_dim - 2)).')
     if self.num_heads % self.kv_heads:
       raise ConfigError(f'model.num_kv_heads={self.num_kv_heads} must divide model.num_heads='
                         f'{self.num_heads} (each key/value head serves the same number of query heads), or '

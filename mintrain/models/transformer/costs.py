@@ -41,6 +41,7 @@ class Costs:
     d, f, h, k, v = self.embed_dim, self.mlp_dim, self.num_heads, self.head_dim, self.vocab_size
     block = 2 * d * (h + self.kv_heads) * k + 2 * d  # q, k, v, out; two norms.
     block += (h + 2 * self.kv_heads) * k if self.qkv_bias else 0
+    block += 2 * k if self.qk_norm else 0  # One scale for the queries', one for the keys' heads.
     # Router, experts' gate, up and down.
     moe_mlp = d * self.num_experts + self.num_experts * 3 * d * self.expert_dim
     moe_mlp += 3 * d * self.shared_expert_dim + d if self.shared_expert_dim else 0
@@ -62,6 +63,8 @@ class Costs:
     tokens = rows * seq_len / ways('length')  # This device's queries.
     per_token_layer = (c * (4 * d + 4 * heads * self.head_dim + 3 * mlp)  # Norms, q/k/v/out, gate/up/product.
                        + heads * seq_len * (4 + c))  # Attention scores (float32) and probabilities.
+    if self.qk_norm:  # The normed queries and keys, inputs of RoPE (at most as many key heads as queries).
+      per_token_layer += c * 2 * heads * self.head_dim
     # An MoE layer instead: float32 router logits and probabilities, and for each of its slots (E x C per
     # sequence, wherever expert parallelism moves them) the token in and out and the gate/up/product.
     slots = self.num_experts * moe.capacity(seq_len, self.num_experts, self.experts_per_token,

@@ -5,12 +5,13 @@ One table per direction, read by `mintrain.hf`, which knows nothing of any archi
   mistral  as Llama; its sliding window becomes `model.sliding_window`, which mintrain does not apply but
            checks: a sequence longer than the window is an error (within it, attention is the same)
   qwen2    biases on the query, key and value projections
+  qwen3    (dense) RMSNorm of each query and key head before RoPE (`qk_norm`), head_dim of its own
   gemma    (first generation) norms scaling by (1 + w), embeddings times sqrt(hidden), GeGLU, tied output
   mixtral    Mistral with a mixture of experts in every block (dropless, top-k renormalised)
   qwen2_moe  Qwen2 with mixtures of experts every `decoder_sparse_step` blocks, each with a shared expert
              behind a sigmoid gate; `norm_topk_prob` says whether the top-k weights are renormalised
 transformers 5.x keeps RoPE settings under `rope_parameters`; older files under `rope_scaling` and
-`rope_theta`. Both are read.
+`rope_theta`. Both are read, with the rope types 'default', 'llama3', 'linear', 'dynamic' and 'yarn'.
 
 Weights: `transformers` stores a projection as (out, in); mintrain stores (in, heads, head_dim) and
 (heads, head_dim, out). Each mintrain parameter maps to one tensor by one `Kind` of reshaping, which also
@@ -22,6 +23,7 @@ saves them so): their names are a tuple, and each expert's slice is read from it
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,8 +33,9 @@ from mintrain.errors import ConfigError
 
 MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                'gemma': 'GemmaForCausalLM', 'mixtral': 'MixtralForCausalLM',
-               'qwen2_moe': 'Qwen2MoeForCausalLM'}
+               'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}
 QKV_BIAS = ('qwen2', 'qwen2_moe')
+ROPE_TYPES = ('default', 'llama3', 'linear', 'dynamic', 'yarn')
 ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu': 'gelu_tanh'}
 
 
@@ -53,10 +56,12 @@ def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
                       'has biases on the query, key and value projections only, as Qwen2).')
   rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
-  if rope_type not in ('default', 'llama3'):
-    raise ConfigError(f"config.json rope type {rope_type!r} is not supported; mintrain reads 'default' and "
-                      "'llama3' (Llama 3.1) RoPE, and a model trained with another would give other logits: "
-                      'load a checkpoint of a model that uses one of these.')
+  if rope_type not in ROPE_TYPES:
+    raise ConfigError(f"config.json rope_type {rope_type!r} is not supported; mintrain reads "
+                      f"{', '.join(map(repr, ROPE_TYPES))}, and a model trained with another would give "
+                      'other logits: load a checkpoint of a model that uses one of these.')
+  if rope.get('partial_rotary_factor', hf.get('partial_rotary_factor', 1.0)) != 1.0:
+    raise ConfigError('config.json partial_rotary_factor is not supported; mintrain rotates all of head_dim.')
   activation = hf.get('hidden_activation') or hf.get('hidden_act', 'silu')
   if activation not in ACTIVATIONS:
     raise ConfigError(f'config.json hidden_act={activation!r} is not supported; mintrain reads '
@@ -71,16 +76,45 @@ def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
       'mlp_dim': hf['intermediate_size'], 'tie_embeddings': bool(hf.get('tie_word_embeddings', gemma)),
       'rope_base': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0))),
       'norm_eps': float(hf.get('rms_norm_eps', 1e-6)), 'norm_plus_one': gemma, 'embed_scale': gemma,
-      'qkv_bias': model_type in QKV_BIAS, 'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
+      'qkv_bias': model_type in QKV_BIAS, 'qk_norm': model_type == 'qwen3',
+      'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
       'sliding_window': sliding_window(hf),
   }
   options |= _moe_options(hf)
+  return options | _rope_options(hf, rope_type, rope)
+
+
+def _rope_options(hf: Mapping[str, Any], rope_type: str, rope: Mapping[str, Any]) -> dict[str, Any]:
+  """The RoPE scaling options, with transformers' defaults (`modeling_rope_utils`): dynamic stretches past
+  max_position_embeddings; YaRN's factor defaults to max / original context, its attention factor to
+  one from `mscale` and `mscale_all_dim` or from the factor."""
+  if rope_type == 'default':
+    return {}
+  max_len = hf.get('max_position_embeddings', 2048)
+  if rope_type == 'linear':
+    return {'rope_scaling': 'linear', 'rope_scaling_factor': float(rope['factor'])}
+  if rope_type == 'dynamic':
+    return {'rope_scaling': 'dynamic', 'rope_scaling_factor': float(rope['factor']),
+            'rope_original_max_len': int(max_len)}
+  original = int(hf.get('original_max_position_embeddings') or rope.get('original_max_position_embeddings')
+                 or max_len)
   if rope_type == 'llama3':
-    options.update(rope_scaling='llama3', rope_scaling_factor=float(rope['factor']),
-                   rope_low_freq_factor=float(rope['low_freq_factor']),
-                   rope_high_freq_factor=float(rope['high_freq_factor']),
-                   rope_original_max_len=int(rope['original_max_position_embeddings']))
-  return options
+    return {'rope_scaling': 'llama3', 'rope_scaling_factor': float(rope['factor']),
+            'rope_low_freq_factor': float(rope['low_freq_factor']),
+            'rope_high_freq_factor': float(rope['high_freq_factor']), 'rope_original_max_len': original}
+  factor = float(rope.get('factor') or max_len / original)
+
+  def mscale(scale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+  attention_factor = rope.get('attention_factor')
+  if attention_factor is None:
+    both = rope.get('mscale') and rope.get('mscale_all_dim')
+    attention_factor = mscale(rope['mscale']) / mscale(rope['mscale_all_dim']) if both else mscale(1)
+  return {'rope_scaling': 'yarn', 'rope_scaling_factor': factor, 'rope_original_max_len': original,
+          'rope_beta_fast': float(rope.get('beta_fast') or 32),
+          'rope_beta_slow': float(rope.get('beta_slow') or 1),
+          'rope_attention_factor': float(attention_factor), 'rope_truncate': bool(rope.get('truncate', True))}
 
 
 def _moe_options(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,6 +156,12 @@ def sliding_window(hf: Mapping[str, Any]) -> int:
 
 def _model_type(cfg: Any) -> str:
   """The Hugging Face architecture of a transformer-family model config, or a ConfigError."""
+  if cfg.qk_norm:
+    if (cfg.num_experts or cfg.qkv_bias or cfg.norm_plus_one or cfg.embed_scale
+        or cfg.mlp_activation != 'silu'):
+      raise ConfigError('model.qk_norm has a Hugging Face architecture as dense Qwen3 only (num_experts=0, '
+                        "no qkv_bias, norm_plus_one or embed_scale, mlp_activation='silu').")
+    return 'qwen3'
   if cfg.num_experts:
     if cfg.shared_expert_dim and cfg.qkv_bias:
       return 'qwen2_moe'
@@ -146,10 +186,15 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
   """A `config.json` for a transformer-family model config (`TransformerConfig`)."""
   model_type = _model_type(cfg)
   rope: dict[str, Any] = {'rope_theta': cfg.rope_base, 'rope_type': 'default'}
+  if cfg.rope_scaling != 'none':
+    rope.update(rope_type=cfg.rope_scaling, factor=cfg.rope_scaling_factor)
   if cfg.rope_scaling == 'llama3':
-    rope.update(rope_type='llama3', factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                high_freq_factor=cfg.rope_high_freq_factor,
+    rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                 original_max_position_embeddings=cfg.rope_original_max_len)
+  if cfg.rope_scaling == 'yarn':
+    rope.update(original_max_position_embeddings=cfg.rope_original_max_len, beta_fast=cfg.rope_beta_fast,
+                beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate,
+                attention_factor=cfg.yarn_attention_factor)
   out = {
       'architectures': [MODEL_TYPES[model_type]], 'model_type': model_type, 'vocab_size': cfg.vocab_size,
       'hidden_size': cfg.embed_dim, 'num_hidden_layers': cfg.num_layers,
@@ -160,6 +205,10 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
   }
   if model_type == 'gemma':
     out['hidden_activation'] = 'gelu_pytorch_tanh'
+  if cfg.rope_scaling == 'dynamic':  # The length past which it stretches; transformers reads it here.
+    out['max_position_embeddings'] = cfg.rope_original_max_len
+  if model_type == 'qwen3':
+    out |= {'attention_bias': False, 'use_sliding_window': False}
   k = cfg.experts_per_token
   if model_type == 'mixtral':
     out |= {'num_local_experts': cfg.num_experts, 'num_experts_per_tok': k, 'sliding_window': None,
@@ -171,7 +220,7 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
             'use_sliding_window': False, 'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
   if cfg.sliding_window:  # On every layer, as mintrain's option means it.
     out['sliding_window'] = cfg.sliding_window
-    if model_type in QKV_BIAS:  # Qwen2 and Qwen2-MoE.
+    if model_type in (*QKV_BIAS, 'qwen3'):  # Qwen2, Qwen2-MoE and Qwen3: the window on every layer.
       out |= {'use_sliding_window': True, 'max_window_layers': 0}
   return out
 
@@ -198,6 +247,9 @@ def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
         f'{ours}.mlp.wi_up_DF': (f'{theirs}.mlp.up_proj.weight', Kind.T),
         f'{ours}.mlp.wo_FD': (f'{theirs}.mlp.down_proj.weight', Kind.T),
     }
+    if cfg.qk_norm:
+      names |= {f'{ours}.attn.q_norm_K': (f'{theirs}.self_attn.q_norm.weight', Kind.SAME),
+                f'{ours}.attn.k_norm_K': (f'{theirs}.self_attn.k_norm.weight', Kind.SAME)}
     if cfg.qkv_bias:
       names |= {f'{ours}.attn.bq_HK': (f'{theirs}.self_attn.q_proj.bias', Kind.HEADS),
                 f'{ours}.attn.bk_GK': (f'{theirs}.self_attn.k_proj.bias', Kind.HEADS),
