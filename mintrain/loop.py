@@ -109,6 +109,8 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
     say(f'note: {note}')
   report.check(r.plan)
   text = config.data.source != 'synthetic'
+  tok = tok or tokenizer.load(config.data.tokenizer)
+  say(tokenizer.describe(tok, config.data.tokenizer, config.init.hf_checkpoint))
   with jax.set_mesh(r.mesh):  # Data first: a bad file or tokenizer stops the run before it writes.
     batches = r.batches()
     eval_batches = r.batches('eval') if config.eval.steps else None
@@ -122,7 +124,7 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
 
     hf.check(config.init.hf_checkpoint, r)  # Its tensors and shapes, before the run writes anything.
   if text and workdir is not None and is_main:  # The run's copy of its tokenizer, for sampling and export.
-    (tok or tokenizer.load(config.data.tokenizer)).save(workdir / tokenizer.RUN_DIR)
+    tok.save(workdir / tokenizer.RUN_DIR)
   flops_per_step, tokens_per_step = report.train_flops_per_step(config), report.tokens_per_step(config)
   peak, peak_source = hardware.peak_tflops(
       r.mesh.devices.flat[0], config.model.compute_dtype, config.metrics.peak_tflops)

@@ -2,6 +2,7 @@
 give transformers' logits on several meshes; saved back, transformers loads them with the same logits."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -275,8 +276,10 @@ def test_mistral_sliding_window_sequences_within_it_match_and_longer_ones_are_er
   reference = random_model('mistral', tmp_path, sliding_window=16)
   assert hf_model_options(tmp_path)['sliding_window'] == 16
   with pytest.raises(ConfigError, match=r'^train.seq_len=32 is longer than model.sliding_window=16'):
-    load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'train.seq_len=32')  # A fine-tune's config.
-  fine_tune = load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'train.seq_len=16')
+    load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'data.tokenizer=byte',
+                'train.seq_len=32')  # A fine-tune's config.
+  fine_tune = load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'data.tokenizer=byte',
+                          'train.seq_len=16')
   assert fine_tune.model.sliding_window == 16
   with on_mesh('dp4_tp2'):
     with pytest.raises(ConfigError, match=r'^train.seq_len=64 is longer than model.sliding_window=16: .* '
@@ -343,12 +346,27 @@ def test_train_script_with_a_bad_hf_checkpoint_exits_2_with_one_line(tmp_path, p
   bad = broken_copy(tmp_path / 'good', tmp_path / 'bad', config_changes=changes)
   proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir',
                     str(tmp_path / 'run'),
-                    f'--config.init.hf_checkpoint={bad}', '--config.train.seq_len=16', *SCRIPT_DEFAULTS)
+                    f'--config.init.hf_checkpoint={bad}', '--config.train.seq_len=16',
+                    '--config.data.tokenizer=byte', *SCRIPT_DEFAULTS)
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert 'Traceback' not in proc.stderr and proc.stderr.count('\n') == 1, proc.stderr
   expected = "model_type='gpt2' is not supported" if problem == 'model_type' else 'config.json makes it'
   assert proc.stderr.startswith('error: ') and expected in proc.stderr, proc.stderr
   assert not (tmp_path / 'run').exists() or not any((tmp_path / 'run').iterdir())  # Nothing written.
+
+
+def test_train_script_with_a_hf_checkpoint_without_tokenizer_exits_2_unless_told_bytes(tmp_path):
+  random_model('llama3', tmp_path / 'hf', vocab_size=384)  # config.json and weights, no tokenizer files.
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir', str(workdir),
+                    f'--config.init.hf_checkpoint={tmp_path / "hf"}', '--config.train.seq_len=16',
+                    *SCRIPT_DEFAULTS)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr == (f"error: init.hf_checkpoint='{tmp_path / 'hf'}' holds neither tokenizer.json nor "
+                         'tokenizer.model: pass data.tokenizer=byte to train on bytes, or add the tokenizer '
+                         'files to the directory.\n'), proc.stderr
+  assert not any(workdir.iterdir())
 
 
 def test_fine_tune_with_the_checkpoint_tokenizer_and_scanned_layers_then_export_gives_transformers_the_model(
@@ -372,6 +390,8 @@ def test_fine_tune_with_the_checkpoint_tokenizer_and_scanned_layers_then_export_
                     '--config.eval.steps=1')
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f'Initialising the parameters from the Hugging Face checkpoint {tmp_path / "hf"}' in proc.stdout
+  source = f'init.hf_checkpoint={tmp_path / "hf"}'
+  assert re.search(rf'^tokenizer: Hugging Face tokenizer.json, \d+ ids, from {source}$', proc.stdout, re.M)
   records = list(map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines()))
   losses = [r['loss'] for r in records if 'loss' in r]
   assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3])

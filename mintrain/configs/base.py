@@ -96,7 +96,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.source = 'stdlib'
   c.data.path = ''  # Glob of the source's files, e.g. 'data/*.txt' or 'corpus/*.jsonl.gz'.
   # 'byte' (UTF-8 bytes + BOS), a Hugging Face tokenizer.json, a SentencePiece .model, or a directory
-  # holding one; '': init.hf_checkpoint's tokenizer if that directory has one, else 'byte'.
+  # holding one; '': init.hf_checkpoint's tokenizer (an error if it has none), else 'byte'.
   c.data.tokenizer = ''
   c.data.eval_fraction = 0.05  # Held-out share: files by a stable hash of their path; a token file's tail.
   c.data.token_dtype = 'uint16'  # Element type of 'tokens' files: 'uint16' or 'uint32'.
