@@ -139,6 +139,9 @@ def get_config() -> ml_collections.ConfigDict:
   # (the family that reads its model_type; other model options such as remat stay) and its weights are
   # the initial parameters, on any mesh. '' draws them from the seed.
   c.init.hf_checkpoint = ''
+  # Refuse a checkpoint holding tensors the model its config.json describes does not use (e.g. more layers
+  # than num_hidden_layers); False drops them with a warning naming them.
+  c.init.hf_strict = True
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100  # Save every N steps (asynchronously), at the end, and on SIGTERM/SIGINT.
