@@ -111,6 +111,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.record_format = 'text'  # ArrayRecord records: 'text' (UTF-8) or 'tokens' (token_dtype ids from BOS).
   c.data.block_bytes = 1 << 18  # Streamed files are read and shuffled in blocks of about this many bytes.
   c.data.shuffle_window = 4  # Blocks each batch row reads together and shuffles the documents of.
+  # A streamed corpus whose files changed since the checkpoint resumed from (said in one line): 'continue'
+  # keeps the unchanged files' positions and reads new files from the next epoch; 'restart' starts its data
+  # order anew at the checkpoint's step.
+  c.data.on_corpus_change = 'continue'
   c.data.skip_bad_records = False  # Skip bad lines, records and files with a counted warning, not an error.
   # Sources to mix, with data.source='mixture': [({'source': 'jsonl', 'path': 'a/*.jsonl'}, 0.7), (..., 0.3)];
   # each row draws its source per step in proportion to the weights. A source sets only its own keys.

@@ -33,6 +33,7 @@ class DataConfig:
   block_bytes: int = option(at_least=1)
   shuffle_window: int = option(at_least=1)
   skip_bad_records: bool = option()
+  on_corpus_change: str = option(choices=('continue', 'restart'))
   mixture: tuple = option()  # ((settings as sorted (key, value) pairs, weight), ...), from (dict, weight)s.
 
   def __post_init__(self):
