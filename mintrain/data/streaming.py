@@ -309,8 +309,7 @@ class RowsIterator:
   """This process's local batches: its rows of each step, micro-batch by micro-batch."""
 
   def __init__(self, splits: list[Split], weights: list[float], rows: np.ndarray, num_rows: int,
-               seq_len: int, seed: int, separators: segments.Separators, padded: bool,
-               on_corpus_change: str = 'continue'):
+               seq_len: int, seed: int, separators: segments.Separators, padded: bool, on_corpus_change: str):
     self.splits, self.on_corpus_change = splits, on_corpus_change
     self.weights, self.rows, self.num_rows, self.seed = weights, rows, num_rows, seed
     self.separators, self.padded = separators, padded

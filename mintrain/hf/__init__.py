@@ -180,13 +180,14 @@ def check(path: str | os.PathLike, run: Run) -> None:
   config.json, from the files' headers alone: a run checks before it writes anything."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
   with _Tensors(path) as tensors:
-    _checked(tensors, run, leaves)
+    _checked(tensors, run, leaves, warn=False)  # The load that follows warns.
 
 
-def _checked(tensors: _Tensors, run: Run,
-             leaves: list) -> list[tuple[Any, _Source, list[safetensors_reader.Tensor]]]:
+def _checked(tensors: _Tensors, run: Run, leaves: list,
+             warn: bool = True) -> list[tuple[Any, _Source, list[safetensors_reader.Tensor]]]:
   """(variable, its _Source, its tensors) for each (key path, abstract variable) of `leaves`; the tensors
-  checked to exist with the shapes config.json gives."""
+  checked to exist with the shapes config.json gives, and every tensor to be used (`init.hf_strict`; else,
+  with `warn`, a warning names those dropped)."""
   conversion = run.config.family.hf
   where = _sources(conversion, run.config.model,
                    {train_state.path_str(key): _shape_and_axes(var) for key, var in leaves})
@@ -204,7 +205,8 @@ def _checked(tensors: _Tensors, run: Run,
     if run.config.init.hf_strict:
       raise ConfigError(f'{what}: use the config.json saved with these weights, or init.hf_strict=False to '
                         'drop them.')
-    _log.warning(f'warning: {what}; they are dropped (init.hf_strict=False).')
+    if warn:
+      _log.warning(f'warning: {what}; they are dropped (init.hf_strict=False).')
   return out
 
 
