@@ -380,8 +380,8 @@ def test_a_streamed_source_reads_with_the_runs_tokenizer_and_measures_its_bytes_
 
 def corpus(tmp_path, **values) -> DataConfig:
   """Three JSONL files of `<doc i>` documents (file i % 3) in blocks of about 300 bytes, all for training."""
-  return data_cfg(source='jsonl', path=write_jsonl(tmp_path / 'corpus', documents(90)), block_bytes=300,
-                  shuffle_window=1, eval_fraction=0.0, **values)
+  return data_cfg(**{'source': 'jsonl', 'path': write_jsonl(tmp_path / 'corpus', documents(90)),
+                     'block_bytes': 300, 'shuffle_window': 1, 'eval_fraction': 0.0, **values})
 
 
 def saved_after(cfg: DataConfig, steps: int) -> tuple[Any, dict]:
@@ -445,3 +445,13 @@ def test_on_corpus_change_restart_starts_the_new_corpus_order_at_the_checkpoints
   assert resumed.get_state()['step'] == 30
   for a, b in zip(take(rows_iter(cfg), 5), take(resumed, 5)):
     assert np.array_equal(a['inputs'], b['inputs'])
+
+
+def test_a_state_without_its_corpus_resumes_a_changed_corpus_without_breaking(tmp_path):
+  cfg = corpus(tmp_path, block_bytes=1500)
+  _, state = saved_after(cfg, 12)
+  del state['corpus']  # As a checkpoint from before the corpus was recorded.
+  (tmp_path / 'corpus' / 'part1.jsonl').unlink()
+  resumed = rows_iter(cfg)
+  resumed.set_state(state)
+  assert len(take(resumed, 100)) == 100  # Positions into other documents move on to the next one.
