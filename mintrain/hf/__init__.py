@@ -211,8 +211,8 @@ def _checked(tensors: _Tensors, run: Run, leaves: list,
 
 
 def _names(unused: set[str], every: Iterable[str]) -> str:
-  """`unused` in short: `model.layers.3.*` for a layer none of whose tensors is used, as transformers lists
-  a checkpoint's unused weights."""
+  """`unused` in short (transformers lists each): `model.layers.3.*` for a layer none of whose tensors is
+  used."""
   layer = re.compile(r'(.*\.layers\.\d+)\.')
   partly = {m.group(1) for name in every if name not in unused and (m := layer.match(name))}
   short = set()
