@@ -43,6 +43,7 @@ BASE = configs.path('base')
 @dataclasses.dataclass(frozen=True)
 class InitConfig:
   hf_checkpoint: str = option()  # '' or a Hugging Face model directory.
+  hf_strict: bool = option()  # A checkpoint tensor the model does not use is an error (else a warning).
 
 
 SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,

@@ -98,7 +98,8 @@ def _has_saves(workdir: epath.Path | None) -> bool:
   return bool(directory and directory.exists() and any(directory.iterdir()))
 
 
-def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_main: bool, say: Say
+def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_main: bool, say: Say,
+            tok: tokenizer.Tokenizer
             ) -> tuple[GlobalBatches, GlobalBatches | None, float | None, dict, float]:
   """What can fail on bad input, checked before the run writes (memory plan, data, tokenizer, HF tensors):
   (train batches, eval batches, bytes per token, baseline record, peak TFLOP/s per device)."""
@@ -108,6 +109,7 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
     say(f'note: {note}')
   report.check(r.plan)
   text = config.data.source != 'synthetic'
+  say(tokenizer.describe(tok, config.data.tokenizer, config.init.hf_checkpoint))
   with jax.set_mesh(r.mesh):  # Data first: a bad file or tokenizer stops the run before it writes.
     batches = r.batches()
     eval_batches = r.batches('eval') if config.eval.steps else None
@@ -190,7 +192,9 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     run_log = stack.enter_context(actions_lib.RunLog(workdir))
     r = build(config, devices)
     config = r.config
-    batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say)
+    tok = tok or tokenizer.load(config.data.tokenizer)
+    batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say,
+                                                                     tok)
     actions = actions_lib.Actions(stack, r, workdir, timer, peak, batches, eval_batches, bytes_per_token,
                                   is_main=is_main, say=say, print_fn=print_fn)
     stack.enter_context(jax.set_mesh(r.mesh))
@@ -202,7 +206,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       say(f"note: the checkpoint's data position is for data.source={data_state.get('source')!r}; "
           f'starting data.source={config.data.source!r} from its beginning.')
     if config.data.source != 'synthetic' and workdir is not None and is_main:  # For sampling and export.
-      (tok or tokenizer.load(config.data.tokenizer)).save(workdir / tokenizer.RUN_DIR)
+      tok.save(workdir / tokenizer.RUN_DIR)
     run_log.open()  # Every check has passed: the run writes from here on.
     actions.start_writing()
     first_step = int(to_host(state.step))

@@ -2,6 +2,7 @@
 give transformers' logits on several meshes; saved back, transformers loads them with the same logits."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -277,8 +278,10 @@ def test_mistral_sliding_window_sequences_within_it_match_and_longer_ones_are_er
   reference = random_model('mistral', tmp_path, sliding_window=16)
   assert hf_model_options(tmp_path)['sliding_window'] == 16
   with pytest.raises(ConfigError, match=r'^train.seq_len=32 is longer than model.sliding_window=16'):
-    load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'train.seq_len=32')  # A fine-tune's config.
-  fine_tune = load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'train.seq_len=16')
+    load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'data.tokenizer=byte',
+                'train.seq_len=32')  # A fine-tune's config.
+  fine_tune = load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'data.tokenizer=byte',
+                          'train.seq_len=16')
   assert fine_tune.model.sliding_window == 16
   with on_mesh('dp4_tp2'):
     with pytest.raises(ConfigError, match=r'^train.seq_len=64 is longer than model.sliding_window=16: .* '
@@ -365,19 +368,74 @@ def test_a_missing_tensor_and_a_shape_that_disagrees_with_config_json_are_one_li
     hf.from_pretrained(broken_copy(directory, tmp_path / 'shape', config_changes={'intermediate_size': 128}))
 
 
-@pytest.mark.parametrize('problem', ['shape', pytest.param('model_type', marks=pytest.mark.slow)])
+def damaged_config(directory, out, damage):
+  """`directory`'s checkpoint copied to `out`, its config.json changed by `damage` (dict -> JSON value)."""
+  broken_copy(directory, out)
+  (out / 'config.json').write_text(json.dumps(damage(json.loads((out / 'config.json').read_text()))))
+  return out
+
+
+@pytest.mark.parametrize('damage, says', [
+    (lambda c: {k: v for k, v in c.items() if k != 'hidden_size'},
+     r"^config.json has no 'hidden_size', which a llama checkpoint needs: use the config.json saved with"),
+    (lambda c: {**c, 'rope_parameters': {'rope_type': 'llama3', 'rope_theta': 500000.0, 'factor': 8.0}},
+     r"^config.json: rope type 'llama3' needs low_freq_factor, high_freq_factor, "
+     r'original_max_position_embeddings beside it \(in rope_parameters or rope_scaling\)'),
+    (lambda c: [c], r'config.json holds a JSON list, not an object of model settings: use the config.json'),
+], ids=['no_hidden_size', 'rope_keys', 'list'])
+def test_a_damaged_config_json_is_a_one_line_error(llama3, tmp_path, damage, says):
+  directory, _ = llama3
+  with pytest.raises(ConfigError, match=says) as raised:
+    hf.from_pretrained(damaged_config(directory, tmp_path / 'damaged', damage))
+  assert '\n' not in str(raised.value)
+
+
+def test_weights_of_more_layers_than_config_json_are_refused_unless_not_strict(llama3, tmp_path, caplog):
+  directory, _ = llama3
+  fewer = damaged_config(directory, tmp_path / 'fewer', lambda c: {**c, 'num_hidden_layers': 1})
+  with pytest.raises(ConfigError, match=r"the model config.json describes does not use 9 of the checkpoint's "
+                                        r'tensors \(model.layers.1.\*\); config.json and the weights '
+                                        r'disagree \(e.g. num_hidden_layers\): use the config.json saved '
+                                        r'with these weights, or init.hf_strict=False to drop them.$'):
+    hf.from_pretrained(fewer)
+  with caplog.at_level('WARNING', logger='mintrain'), on_mesh('single'):
+    logits = mintrain_logits(hf.from_pretrained(fewer, base=base('init.hf_strict=False')), TOKENS)
+  assert "does not use 9 of the checkpoint's tensors (model.layers.1.*)" in caplog.text
+  # transformers also drops them: the one-layer models agree.
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(fewer, dtype=torch.float32)
+  assert np.abs(logits - torch_logits(theirs, TOKENS)).max() <= 1e-4
+
+
+@pytest.mark.parametrize('problem', ['shape', 'layers', pytest.param('model_type', marks=pytest.mark.slow)])
 def test_train_script_with_a_bad_hf_checkpoint_exits_2_with_one_line(tmp_path, problem):
   random_model('llama3', tmp_path / 'good', vocab_size=384)  # Holds the byte tokenizer's 257 ids.
-  changes = {'model_type': 'gpt2'} if problem == 'model_type' else {'intermediate_size': 128}
+  changes = {'model_type': {'model_type': 'gpt2'}, 'shape': {'intermediate_size': 128},
+             'layers': {'num_hidden_layers': 1}}[problem]
   bad = broken_copy(tmp_path / 'good', tmp_path / 'bad', config_changes=changes)
   proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir',
                     str(tmp_path / 'run'),
-                    f'--config.init.hf_checkpoint={bad}', '--config.train.seq_len=16', *SCRIPT_DEFAULTS)
+                    f'--config.init.hf_checkpoint={bad}', '--config.train.seq_len=16',
+                    '--config.data.tokenizer=byte', *SCRIPT_DEFAULTS)
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert 'Traceback' not in proc.stderr and proc.stderr.count('\n') == 1, proc.stderr
-  expected = "model_type='gpt2' is not supported" if problem == 'model_type' else 'config.json makes it'
+  expected = {'model_type': "model_type='gpt2' is not supported", 'shape': 'config.json makes it',
+              'layers': 'init.hf_strict=False'}[problem]
   assert proc.stderr.startswith('error: ') and expected in proc.stderr, proc.stderr
   assert not (tmp_path / 'run').exists() or not any((tmp_path / 'run').iterdir())  # Nothing written.
+
+
+def test_train_script_with_a_hf_checkpoint_without_tokenizer_exits_2_unless_told_bytes(tmp_path):
+  random_model('llama3', tmp_path / 'hf', vocab_size=384)  # config.json and weights, no tokenizer files.
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir', str(workdir),
+                    f'--config.init.hf_checkpoint={tmp_path / "hf"}', '--config.train.seq_len=16',
+                    *SCRIPT_DEFAULTS)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr == (f"error: init.hf_checkpoint='{tmp_path / 'hf'}' holds neither tokenizer.json nor "
+                         'tokenizer.model: pass data.tokenizer=byte to train on bytes, or add the tokenizer '
+                         'files to the directory.\n'), proc.stderr
+  assert not any(workdir.iterdir())
 
 
 def test_fine_tune_with_the_checkpoint_tokenizer_and_scanned_layers_then_export_gives_transformers_the_model(
@@ -401,6 +459,8 @@ def test_fine_tune_with_the_checkpoint_tokenizer_and_scanned_layers_then_export_
                     '--config.eval.steps=1')
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f'Initialising the parameters from the Hugging Face checkpoint {tmp_path / "hf"}' in proc.stdout
+  source = f'init.hf_checkpoint={tmp_path / "hf"}'
+  assert re.search(rf'^tokenizer: Hugging Face tokenizer.json, \d+ ids, from {source}$', proc.stdout, re.M)
   records = list(map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines()))
   losses = [r['loss'] for r in records if 'loss' in r]
   assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3])

@@ -8,6 +8,7 @@ import gzip
 import json
 import pathlib
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -375,3 +376,82 @@ def test_a_streamed_source_reads_with_the_runs_tokenizer_and_measures_its_bytes_
   assert any(np.array_equal(whole[i:i + 33], window) for i in range(len(whole) - 32))  # BPE ids, in order.
   measured = statistics.bytes_per_token(dataclasses.replace(cfg, eval_fraction=0.5))
   assert 1.1 < measured < 6  # A BPE token is often several bytes; a byte token (with BOS) is under 1.
+
+
+def corpus(tmp_path, **values) -> DataConfig:
+  """Three JSONL files of `<doc i>` documents (file i % 3) in blocks of about 300 bytes, all for training."""
+  return data_cfg(**{'source': 'jsonl', 'path': write_jsonl(tmp_path / 'corpus', documents(90)),
+                     'block_bytes': 300, 'shuffle_window': 1, 'eval_fraction': 0.0, **values})
+
+
+def saved_after(cfg: DataConfig, steps: int) -> tuple[Any, dict]:
+  """(the iterator, its state after `steps` steps as a checkpoint holds it)."""
+  it = rows_iter(cfg)
+  take(it, steps)
+  return it, json.loads(json.dumps(it.get_state()))
+
+
+def resume(cfg: DataConfig, state: dict, capsys) -> tuple[Any, str]:
+  """(an iterator on the corpus as it is now, continuing `state`; what it said, as in a run)."""
+  it = rows_iter(cfg)
+  with metrics.console_logging(print):
+    it.set_state(state)
+  said = capsys.readouterr()
+  return it, said.out + said.err
+
+
+def doc_numbers(batches) -> set[int]:
+  return {int(n) for row in range(8) for n in re.findall(r'<doc (\d+)>', stream_text(batches, row))}
+
+
+@pytest.mark.parametrize('prefetch', [0, 3])  # Read ahead before the state is set, as a run does.
+def test_an_added_file_joins_at_the_next_epoch_and_the_rows_continue_exactly(tmp_path, capsys, prefetch):
+  cfg = corpus(tmp_path, prefetch=prefetch)
+  straight, state = saved_after(cfg, 30)
+  assert resume(cfg, state, capsys)[1] == ''  # An unchanged corpus: nothing to say.
+  new = ''.join(json.dumps({'text': d}) + '\n' for d in documents(30, seed=5, tag='new'))
+  (tmp_path / 'corpus' / 'part3.jsonl').write_text(new)
+  resumed, said = resume(cfg, state, capsys)
+  assert said.count('\n') == 1 and said.startswith("warning: data: jsonl '"), said
+  assert ('changed since the checkpoint: 1 file(s) added (part3.jsonl); continuing its order with the files '
+          'unchanged until epoch') in said
+  old, after = take(straight, 300), take(resumed, 300)
+  for a, b in zip(old[:3], after[:3]):
+    assert np.array_equal(a['inputs'], b['inputs'])  # Every row continues exactly where it was.
+  assert not any('<new' in stream_text(old, row) for row in range(8))
+  assert any('<new' in stream_text(after, row) for row in range(8))  # From the next epoch on.
+
+
+def test_a_removed_file_and_one_cut_short_are_named_and_their_lost_documents_never_read(tmp_path, capsys):
+  cfg = corpus(tmp_path)
+  _, state = saved_after(cfg, 30)
+  (tmp_path / 'corpus' / 'part1.jsonl').unlink()
+  part2 = tmp_path / 'corpus' / 'part2.jsonl'
+  lines = part2.read_text().splitlines(keepends=True)
+  part2.write_text(''.join(lines[:len(lines) // 2]))  # Cut short in place, at a line's end.
+  resumed, said = resume(cfg, state, capsys)
+  assert '1 file(s) removed (part1.jsonl); 1 file(s) changed (part2.jsonl)' in said, said
+  seen = doc_numbers(take(resumed, 300))
+  cut = [i for i in range(90) if i % 3 == 2][len(lines) // 2:]
+  assert seen and not seen & set(range(1, 90, 3)) and not seen & set(cut)
+
+
+def test_on_corpus_change_restart_starts_the_new_corpus_order_at_the_checkpoints_step(tmp_path, capsys):
+  cfg = corpus(tmp_path, on_corpus_change='restart')
+  _, state = saved_after(cfg, 30)
+  (tmp_path / 'corpus' / 'part0.jsonl').unlink()
+  resumed, said = resume(cfg, state, capsys)
+  assert "1 file(s) removed (part0.jsonl); its data order starts anew at the checkpoint's step" in said
+  assert resumed.get_state()['step'] == 30
+  for a, b in zip(take(rows_iter(cfg), 5), take(resumed, 5)):
+    assert np.array_equal(a['inputs'], b['inputs'])
+
+
+def test_a_state_without_its_corpus_resumes_a_changed_corpus_without_breaking(tmp_path):
+  cfg = corpus(tmp_path, block_bytes=1500)
+  _, state = saved_after(cfg, 12)
+  del state['corpus']  # As a checkpoint from before the corpus was recorded.
+  (tmp_path / 'corpus' / 'part1.jsonl').unlink()
+  resumed = rows_iter(cfg)
+  resumed.set_state(state)
+  assert len(take(resumed, 100)) == 100  # Positions into other documents move on to the next one.

@@ -70,6 +70,20 @@ def test_a_mixture_run_stopped_and_resumed_gives_the_losses_of_a_straight_run(tm
   assert state['source'] == 'mixture' and sorted(map(int, state['iterator']['rows'])) == list(range(8))
 
 
+def test_a_shard_added_before_a_resume_is_said_and_the_run_continues_its_batches(tmp_path):
+  corpus = write_jsonl(tmp_path / 'corpus', documents(300))
+  args = ['--config.data.source=jsonl', f'--config.data.path={corpus}', '--config.train.steps=8',
+          '--config.checkpoint.every_steps=100']
+  train(tmp_path / 'straight', *args)
+  train(tmp_path / 'resumed', *args, stop_after=3)
+  new = ''.join(json.dumps({'text': d}) + '\n' for d in documents(100, seed=7, tag='new'))
+  (tmp_path / 'corpus' / 'part3.jsonl').write_text(new)
+  out = train(tmp_path / 'resumed', *args)
+  assert 'data: jsonl' in out and 'changed since the checkpoint: 1 file(s) added (part3.jsonl)' in out, out
+  assert 'Traceback' not in out
+  assert train_losses(tmp_path / 'resumed') == train_losses(tmp_path / 'straight')  # Exact where it can be.
+
+
 @pytest.mark.slow  # Two multi-process jobs and a one-process one: about a minute on 2 cores.
 def test_a_checkpoint_of_two_processes_continues_the_same_batches_in_one(tmp_path):
   corpus = write_jsonl(tmp_path / 'corpus', documents(300))

@@ -100,11 +100,27 @@ def test_a_hugging_face_directory_brings_its_tokenizer_unless_told_otherwise(bpe
   hf_dir = tmp_path / 'hf'
   transformers.LlamaConfig(vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=96,
                            num_hidden_layers=1, num_attention_heads=8).save_pretrained(hf_dir)
-  assert load_config('single', f'init.hf_checkpoint={hf_dir}').data.tokenizer == 'byte'  # It has none.
+  with pytest.raises(ConfigError, match=rf"^init.hf_checkpoint='{hf_dir}' holds neither tokenizer.json nor "
+                                        r'tokenizer.model: pass data.tokenizer=byte to train on bytes, or '
+                                        r'add the tokenizer files to the directory.$'):
+    load_config('single', f'init.hf_checkpoint={hf_dir}')  # It has none: bytes only when asked for.
+  assert load_config('single', f'init.hf_checkpoint={hf_dir}', 'data.tokenizer=byte').data.tokenizer == 'byte'
   for name in tokenizer.HF_FILES[:2]:
     (hf_dir / name).write_bytes((bpe_tokenizer / name).read_bytes())
   assert load_config('single', f'init.hf_checkpoint={hf_dir}').data.tokenizer == str(hf_dir)
   assert load_config('single', f'init.hf_checkpoint={hf_dir}', 'data.tokenizer=byte').data.tokenizer == 'byte'
+
+
+def test_the_console_line_names_the_tokenizer_and_where_it_comes_from(bpe_tokenizer, sentencepiece_model):
+  def line(*overrides):
+    config = load_config('single', *overrides)
+    return tokenizer.describe(tokenizer.load(config.data.tokenizer), config.data.tokenizer,
+                              config.init.hf_checkpoint)
+
+  assert line() == 'tokenizer: byte-level, 257 ids, from data.tokenizer=byte'
+  assert line(f'data.tokenizer={sentencepiece_model}') == (
+      f'tokenizer: SentencePiece model, {TOKENIZER_VOCAB} ids, from data.tokenizer={sentencepiece_model}')
+  assert line(f'data.tokenizer={bpe_tokenizer}').startswith('tokenizer: Hugging Face tokenizer.json, ')
 
 
 def test_text_sources_are_their_split_documents_tokenized_in_order(spec, tmp_path):

@@ -104,7 +104,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.source = 'stdlib'
   c.data.path = ''  # Glob of the source's files, e.g. 'data/*.txt' or 'corpus/*.jsonl.gz'.
   # 'byte' (UTF-8 bytes + BOS), a Hugging Face tokenizer.json, a SentencePiece .model, or a directory
-  # holding one; '': init.hf_checkpoint's tokenizer if that directory has one, else 'byte'.
+  # holding one; '': init.hf_checkpoint's tokenizer (an error if it has none), else 'byte'.
   c.data.tokenizer = ''
   c.data.eval_fraction = 0.05  # Held-out share: files by a stable hash of their path; a token file's tail.
   c.data.token_dtype = 'uint16'  # Element type of 'tokens' files: 'uint16' or 'uint32'.
@@ -119,6 +119,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.record_format = 'text'  # ArrayRecord records: 'text' (UTF-8) or 'tokens' (token_dtype ids from BOS).
   c.data.block_bytes = 1 << 18  # Streamed files are read and shuffled in blocks of about this many bytes.
   c.data.shuffle_window = 4  # Blocks each batch row reads together and shuffles the documents of.
+  # A streamed corpus whose files changed since the checkpoint resumed from (said in one line): 'continue'
+  # keeps the unchanged files' positions and reads new files from the next epoch; 'restart' starts its data
+  # order anew at the checkpoint's step.
+  c.data.on_corpus_change = 'continue'
   c.data.skip_bad_records = False  # Skip bad lines, records and files with a counted warning, not an error.
   # Sources to mix, with data.source='mixture': [({'source': 'jsonl', 'path': 'a/*.jsonl'}, 0.7), (..., 0.3)];
   # each row draws its source per step in proportion to the weights. A source sets only its own keys.
@@ -147,6 +151,9 @@ def get_config() -> ml_collections.ConfigDict:
   # (the family that reads its model_type; other model options such as remat stay) and its weights are
   # the initial parameters, on any mesh. '' draws them from the seed.
   c.init.hf_checkpoint = ''
+  # Refuse a checkpoint holding tensors the model its config.json describes does not use (e.g. more layers
+  # than num_hidden_layers); False drops them with a warning naming them.
+  c.init.hf_strict = True
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100  # Save every N steps (asynchronously), at the end, and on SIGTERM/SIGINT.

@@ -20,7 +20,7 @@ MIXTURE_KEYS = ('source', 'path', 'eval_fraction', 'token_dtype', 'text_field', 
 class DataConfig:
   source: str = option(choices=('stdlib', 'text', 'tokens', 'synthetic', *STREAMED_SOURCES, 'mixture'))
   path: str = option()
-  tokenizer: str = option()  # 'byte', a tokenizer file or directory; '' the HF checkpoint's, or 'byte'.
+  tokenizer: str = option()  # 'byte', a tokenizer file or dir; '' the HF checkpoint's (which must hold one).
   eval_fraction: float = option(at_least=0, below=1)
   token_dtype: str = option(choices=('uint16', 'uint32'))
   max_bytes: int = option(at_least=0)
@@ -33,6 +33,7 @@ class DataConfig:
   block_bytes: int = option(at_least=1)
   shuffle_window: int = option(at_least=1)
   skip_bad_records: bool = option()
+  on_corpus_change: str = option(choices=('continue', 'restart'))
   mixture: tuple = option()  # ((settings as sorted (key, value) pairs, weight), ...), from (dict, weight)s.
 
   def __post_init__(self):

@@ -65,9 +65,13 @@ class BadRecords:
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-  """A corpus's blocks: block i is `start[i]:end[i]` (bytes, row group or records) of `paths[file[i]]`."""
+  """A corpus's blocks: block i is `start[i]:end[i]` (bytes, row group or records) of `paths[file[i]]`.
 
-  paths: list[pathlib.Path]
+  A path of None stands for a file that is gone or changed since a checkpoint listed it: its blocks keep
+  their places in the block order and hold no documents.
+  """
+
+  paths: list[pathlib.Path | None]
   keys: list[str]  # Each file's path relative to the glob's fixed prefix: the split's hash key.
   file: np.ndarray  # int32 (U,)
   start: np.ndarray  # int64 (U,)
@@ -163,6 +167,8 @@ class Reader:
   def read(self, blocks: Blocks, i: int) -> list[Document]:
     """The documents of block `i`, in file order."""
     path, start, end = blocks.paths[blocks.file[i]], int(blocks.start[i]), int(blocks.end[i])
+    if path is None:
+      return []
     if self.kind == 'jsonl':
       return self._read_jsonl(path, start, end)
     if self.kind == 'parquet':

@@ -16,7 +16,14 @@ blocks in file order, unshuffled.
 A mixture (`data.mixture`: (settings, weight) pairs) gives each row one stream per source and draws the
 source of row g at step n from the seed, in proportion to the weights; a source whose blocks run out starts
 a new epoch (said on stdout, at most every 10 s).
-State: {'step': n, 'rows': {g: [window, document, token] per source}}.
+A corpus may change between a checkpoint and its resume (shards added, removed, rewritten). The state
+records each source's files (path, size, modification time) for each era of the block order: the corpus
+as it was from a slot on. On resume a changed corpus is named, and `data.on_corpus_change` chooses:
+'continue' keeps the checkpoint's order to the end of the epoch the rows are in (a removed or changed
+file's blocks read as empty), then orders the corpus as it is now (a new era); rows whose current window
+held none of those files continue exactly. 'restart' starts the source's order anew at the checkpoint's step.
+State: {'step': n, 'rows': {g: [window, document, token] per source},
+        'corpus': [[[first slot, first epoch, [[path, size, mtime_ns, blocks], ...]] per era] per source]}.
 """
 
 from __future__ import annotations
@@ -74,6 +81,29 @@ def describe(data_cfg: DataConfig) -> str:
   return f'{data_cfg.source} {data_cfg.path!r}'
 
 
+def _files(blocks: records.Blocks) -> list[list]:
+  """[path key, size, mtime_ns, its blocks in `blocks`] of each file: what a resume checks the corpus by."""
+  counts = np.bincount(blocks.file, minlength=len(blocks.paths))
+  out = []
+  for key, path, count in zip(blocks.keys, blocks.paths, counts):
+    stat = path.stat()
+    out.append([key, stat.st_size, stat.st_mtime_ns, int(count)])
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Era:
+  """The corpus as the block order holds it from `first_slot` (the start of epoch `first_epoch`) on."""
+  first_slot: int
+  first_epoch: int
+  blocks: records.Blocks
+  files: list  # `_files` of the corpus then.
+
+
+def _names(keys: list[str]) -> str:
+  return ', '.join(keys[:3]) + (f' and {len(keys) - 3} more' if len(keys) > 3 else '')
+
+
 class Split:
   """One source's blocks of one split, and which block fills each slot of the endless block order."""
 
@@ -92,26 +122,83 @@ class Split:
     self.shuffle, self.seed, self.window = split == 'train', seed, data_cfg.shuffle_window
     self.name, self.epochs_said, self.said_at = describe(data_cfg), 0, -float('inf')
     self._orders: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # Recent epochs'.
+    self.files = _files(self.split_blocks)
+    self.eras = [_Era(0, 0, self.split_blocks, self.files)]
 
-  def block(self, slot: int) -> int:
-    epoch, k = divmod(slot, len(self.split_blocks))
+  def block(self, slot: int) -> tuple[records.Blocks, int]:
+    """(the blocks of the era holding `slot`, the index of the block that fills it)."""
+    era = next(e for e in reversed(self.eras) if e.first_slot <= slot)
+    local_epoch, k = divmod(slot - era.first_slot, len(era.blocks))
+    epoch = era.first_epoch + local_epoch
     if epoch > self.epochs_said and self.shuffle and time.monotonic() - self.said_at > _SAY_EVERY_S:
       self.epochs_said, self.said_at = epoch, time.monotonic()
       _log.info(f'data: {self.name} ran out; repeating it (epoch {epoch + 1}).')
     if not self.shuffle:
-      return k
+      return era.blocks, k
     if epoch not in self._orders:  # Rows cross an epoch's end at different steps: keep a few.
       rng = np.random.default_rng([self.seed, _BLOCK_ORDER, epoch])
-      self._orders[epoch] = rng.permutation(len(self.split_blocks))
+      self._orders[epoch] = rng.permutation(len(era.blocks))
       if len(self._orders) > 4:
         self._orders.popitem(last=False)
-    return int(self._orders[epoch][k])
+    return era.blocks, int(self._orders[epoch][k])
+
+  def corpus_state(self) -> list:
+    """The eras of the block order, JSON-able, for the data state."""
+    return [[era.first_slot, era.first_epoch, era.files] for era in self.eras]
+
+  def resume(self, eras: list, last_slot: int, on_change: str) -> str | None:
+    """Takes a checkpoint's eras (`corpus_state`) on the corpus as it is now, whose rows have read up to
+    slot `last_slot`; a changed corpus gets a new era ('continue', at the next epoch) or replaces the
+    order ('restart'). Returns the line that says what changed, None if nothing did."""
+    now = {files[0]: files[1:] for files in self.files}
+    then = {files[0]: files[1:] for files in eras[-1][2]}
+    self._orders.clear()  # Drawn for the eras before these.
+    self.eras = [_Era(first_slot, first_epoch, self._rebuild(files), files)
+                 for first_slot, first_epoch, files in eras]
+    added = sorted(set(now) - set(then))
+    removed = sorted(set(then) - set(now))
+    changed = sorted(k for k in set(now) & set(then) if now[k][:2] != then[k][:2])
+    if not (added or removed or changed):
+      return None
+    what = '; '.join(f'{len(keys)} file(s) {verb} ({_names(keys)})'
+                     for keys, verb in ((added, 'added'), (removed, 'removed'), (changed, 'changed')) if keys)
+    current = _Era(0, 0, self.split_blocks, self.files)
+    if on_change == 'restart':
+      self.eras = [current]
+      return (f"data: {self.name} changed since the checkpoint: {what}; its data order starts anew at the "
+              f"checkpoint's step (data.on_corpus_change='restart').")
+    last = self.eras[-1]
+    epochs = (last_slot - last.first_slot) // len(last.blocks) + 1
+    self.eras.append(dataclasses.replace(current, first_slot=last.first_slot + epochs * len(last.blocks),
+                                         first_epoch=last.first_epoch + epochs))
+    return (f"data: {self.name} changed since the checkpoint: {what}; continuing its order with the files "
+            f"unchanged until epoch {last.first_epoch + epochs + 1}, which reads the corpus as it is now "
+            f"(data.on_corpus_change='continue').")
+
+  def _rebuild(self, files: list) -> records.Blocks:
+    """The blocks an era listed (`files`): each unchanged file's as they are now, a file since removed or
+    changed as as many empty blocks, so every block keeps its place in the order."""
+    current = self.split_blocks
+    if files == self.files:
+      return current
+    index = {row[0]: (i, row[1:]) for i, row in enumerate(self.files)}
+    first = np.searchsorted(current.file, np.arange(len(current.paths) + 1))  # Blocks are in file order.
+    paths, file_of, start, end = [], [], [], []
+    for key, size, mtime, count in files:
+      i, now = index.get(key, (None, None))
+      same = now == [size, mtime, count]
+      paths.append(current.paths[i] if same else None)
+      file_of.append(np.full(count, len(paths) - 1, np.int32))
+      start.append(current.start[first[i]:first[i + 1]] if same else np.zeros(count, np.int64))
+      end.append(current.end[first[i]:first[i + 1]] if same else np.zeros(count, np.int64))
+    return records.Blocks(paths, [row[0] for row in files], np.concatenate(file_of), np.concatenate(start),
+                          np.concatenate(end))
 
   def documents(self, row: int, num_rows: int, window: int) -> list[records.Document]:
     """The documents of `row`'s window `window` (its slots window * W ... + W - 1), shuffled in training."""
     docs = []
     for k in range(window * self.window, (window + 1) * self.window):
-      docs += self.reader.read(self.split_blocks, self.block(k * num_rows + row))
+      docs += self.reader.read(*self.block(k * num_rows + row))
     if self.shuffle:
       order = np.random.default_rng([self.seed, _DOCUMENT_ORDER, row, window]).permutation(len(docs))
       docs = [docs[i] for i in order]
@@ -126,6 +213,11 @@ class RowStream:
     self.position = (0, 0, 0)
     self._windows: collections.OrderedDict[int, list] = collections.OrderedDict()
     self._tokens: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
+
+  def forget(self) -> None:
+    """Drops the windows and documents read so far."""
+    self._windows.clear()
+    self._tokens.clear()
 
   def _docs(self, window: int) -> list[records.Document]:
     if window not in self._windows:
@@ -160,6 +252,9 @@ class RowStream:
     while filled < len(out):
       window, doc = self._find(window, doc)  # Mid-document (token > 0), it is where it was.
       ids = self._doc_tokens(window, doc)
+      if token >= len(ids):  # A position in a document that changed since the checkpoint: the next one.
+        doc, token = doc + 1, 0
+        continue
       take = min(len(out) - filled, len(ids) - token)
       out[filled:filled + take] = ids[token:token + take]
       filled, token = filled + take, token + take
@@ -213,7 +308,8 @@ class RowsIterator:
   """This process's local batches: its rows of each step, micro-batch by micro-batch."""
 
   def __init__(self, splits: list[Split], weights: list[float], rows: np.ndarray, num_rows: int,
-               seq_len: int, seed: int, separators: segments.Separators, padded: bool):
+               seq_len: int, seed: int, separators: segments.Separators, padded: bool, on_corpus_change: str):
+    self.splits, self.on_corpus_change = splits, on_corpus_change
     self.weights, self.rows, self.num_rows, self.seed = weights, rows, num_rows, seed
     self.separators, self.padded = separators, padded
     self.streams = {int(g): [RowStream(s, int(g), num_rows, seq_len) for s in splits] for g in rows}
@@ -232,7 +328,8 @@ class RowsIterator:
 
   def get_state(self) -> dict[str, Any]:
     return {'step': self.step,
-            'rows': {str(g): [p for s in streams for p in s.position] for g, streams in self.streams.items()}}
+            'rows': {str(g): [p for s in streams for p in s.position] for g, streams in self.streams.items()},
+            'corpus': [split.corpus_state() for split in self.splits]}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     missing = [g for g in self.streams if str(g) not in state['rows']]
@@ -247,6 +344,17 @@ class RowsIterator:
                         f'data.mixture {len(streams)}; it cannot continue it.')
       for i, stream in enumerate(streams):
         stream.position = tuple(int(p) for p in position[_STATE_WIDTH * i:_STATE_WIDTH * (i + 1)])
+        stream.forget()  # Windows read before may be of another era.
+    for i, (split, eras) in enumerate(zip(self.splits, state.get('corpus', []))):
+      windows = [position[_STATE_WIDTH * i] for position in state['rows'].values()]
+      last_slot = max(((w + 1) * split.window - 1) * self.num_rows + int(g)
+                      for g, w in zip(state['rows'], windows))
+      change = split.resume(eras, last_slot, self.on_corpus_change)
+      if change:
+        _log.warning(f'warning: {change}')
+      if change and self.on_corpus_change == 'restart':
+        for streams in self.streams.values():
+          streams[i].position = (0, 0, 0)
 
 
 class Prefetch:
@@ -320,7 +428,7 @@ def make_iterator(data_cfg: DataConfig, *, split: str, seq_len: int, global_batc
   mine = (np.arange(accum)[:, None] * micro_batch_size + np.asarray(rows)[None, :]).reshape(-1)
   separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer))
   local = RowsIterator(splits, [w for _, w in settings], mine, global_batch_size, seq_len, seed, separators,
-                       padded=data_cfg.packing == 'pad')
+                       padded=data_cfg.packing == 'pad', on_corpus_change=data_cfg.on_corpus_change)
   return Prefetch(local, data_cfg.prefetch) if data_cfg.prefetch else local
 
 
@@ -334,5 +442,5 @@ def gather_rows(state: dict[str, Any], num_rows: int) -> dict[str, Any]:
   for g, position in state['rows'].items():
     mine[int(g)] = position
   every = np.asarray(multihost_utils.process_allgather(mine)).max(axis=0)  # Rows held twice agree.
-  return {'step': state['step'], 'rows': {str(g): [int(p) for p in every[g]] for g in range(num_rows)
-                                          if every[g, 0] >= 0}}
+  return {**state, 'rows': {str(g): [int(p) for p in every[g]] for g in range(num_rows)
+                            if every[g, 0] >= 0}}

@@ -232,11 +232,26 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
 
 
 def resolve(spec: str, hf_checkpoint: str) -> str:
-  """data.tokenizer as the run uses it: '' is the init.hf_checkpoint directory's tokenizer if it has one,
-  else 'byte'."""
-  if spec:
-    return spec
-  return hf_checkpoint if hf_checkpoint and has_tokenizer(hf_checkpoint) else 'byte'
+  """data.tokenizer as the run uses it: '' is the init.hf_checkpoint directory's tokenizer, else 'byte'.
+
+  A checkpoint without a tokenizer is an error, not bytes: its model was trained on other ids.
+  """
+  if spec or not hf_checkpoint:
+    return spec or 'byte'
+  if not has_tokenizer(hf_checkpoint):
+    raise ConfigError(f'init.hf_checkpoint={hf_checkpoint!r} holds neither tokenizer.json nor {SP_FILE}: '
+                      'pass data.tokenizer=byte to train on bytes, or add the tokenizer files to the '
+                      'directory.')
+  return hf_checkpoint
+
+
+def describe(tok: Tokenizer, spec: str, hf_checkpoint: str) -> str:
+  """The console's line on the tokenizer a run uses (`spec`, resolved) and where it comes from."""
+  kind = ('byte-level' if isinstance(tok, ByteTokenizer) else
+          'Hugging Face tokenizer.json' if isinstance(tok, HFTokenizer) else 'SentencePiece model')
+  where = (f'init.hf_checkpoint={hf_checkpoint}' if hf_checkpoint and spec == hf_checkpoint
+           else f'data.tokenizer={spec}')
+  return f'tokenizer: {kind}, {tok.vocab_size} ids, from {where}'
 
 
 _RUN_TOKENIZERS: contextvars.ContextVar[dict[str, Tokenizer] | None] = contextvars.ContextVar(

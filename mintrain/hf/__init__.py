@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -45,6 +46,7 @@ from mintrain.errors import ConfigError
 from mintrain.hf import safetensors as safetensors_reader
 from mintrain.models import FAMILIES, hf_model_options
 
+_log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 INDEX = 'model.safetensors.index.json'
 SINGLE = 'model.safetensors'
 # What an export writes: a directory holding only these (or nothing) may be replaced by a new export whole.
@@ -178,13 +180,14 @@ def check(path: str | os.PathLike, run: Run) -> None:
   config.json, from the files' headers alone: a run checks before it writes anything."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
   with _Tensors(path) as tensors:
-    _checked(tensors, run, leaves)
+    _checked(tensors, run, leaves, warn=False)  # The load that follows warns.
 
 
-def _checked(tensors: _Tensors, run: Run,
-             leaves: list) -> list[tuple[Any, _Source, list[safetensors_reader.Tensor]]]:
+def _checked(tensors: _Tensors, run: Run, leaves: list,
+             warn: bool = True) -> list[tuple[Any, _Source, list[safetensors_reader.Tensor]]]:
   """(variable, its _Source, its tensors) for each (key path, abstract variable) of `leaves`; the tensors
-  checked to exist with the shapes config.json gives."""
+  checked to exist with the shapes config.json gives, and every tensor to be used (`init.hf_strict`; else,
+  with `warn`, a warning names those dropped)."""
   conversion = run.config.family.hf
   where = _sources(conversion, run.config.model,
                    {train_state.path_str(key): _shape_and_axes(var) for key, var in leaves})
@@ -194,7 +197,29 @@ def _checked(tensors: _Tensors, run: Run,
     source = where[ours]
     their_shape = tuple(conversion.their_shape(source.kind, shape[len(source.lead):]))
     out.append((var, source, [tensors.get(name, ours, their_shape) for name in source.names]))
+  unused = set(tensors.tensors) - {name for _, source, _ in out for name in source.names}
+  if unused:
+    what = (f'{tensors.path}: the model config.json describes does not use {len(unused)} of the '
+            f"checkpoint's tensors ({_names(unused, tensors.tensors)}); config.json and the weights disagree "
+            '(e.g. num_hidden_layers)')
+    if run.config.init.hf_strict:
+      raise ConfigError(f'{what}: use the config.json saved with these weights, or init.hf_strict=False to '
+                        'drop them.')
+    if warn:
+      _log.warning(f'warning: {what}; they are dropped (init.hf_strict=False).')
   return out
+
+
+def _names(unused: set[str], every: Iterable[str]) -> str:
+  """`unused` in short (transformers lists each): `model.layers.3.*` for a layer none of whose tensors is
+  used."""
+  layer = re.compile(r'(.*\.layers\.\d+)\.')
+  partly = {m.group(1) for name in every if name not in unused and (m := layer.match(name))}
+  short = set()
+  for name in unused:
+    m = layer.match(name)
+    short.add(f'{m.group(1)}.*' if m and m.group(1) not in partly else name)
+  return ', '.join(sorted(short, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r'(\d+)', s)]))
 
 
 def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tensor], shape: tuple[int, ...],

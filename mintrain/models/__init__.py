@@ -31,6 +31,9 @@ def hf_model_options(path: str | os.PathLike) -> dict[str, Any]:
     raise ConfigError(f'{path} is not a Hugging Face model directory: it has no config.json.') from None
   except ValueError as e:
     raise ConfigError(f'{file} is not valid JSON: {e}.') from None
+  if not isinstance(hf, dict):
+    raise ConfigError(f'{file} holds a JSON {type(hf).__name__}, not an object of model settings: use the '
+                      'config.json saved with these weights.')
   return FAMILIES[family_for_hf(hf.get('model_type'))].hf.model_options(hf)
 
 

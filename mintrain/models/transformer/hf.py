@@ -47,9 +47,26 @@ class Kind(enum.Enum):
   HEADS = 'heads'  # ours (N, K) = theirs (N*K,), reshaped.
 
 
+ROPE_KEYS = {'llama3': ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'),
+             'linear': ('factor',), 'dynamic': ('factor',), 'yarn': ('factor',)}
+
+
 def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
   """The `model` section's options for a `config.json` whose model_type is one of MODEL_TYPES
   (`models.family_for_hf` picked this family by it); a one-line ConfigError for what is not read."""
+  try:
+    return _model_options(hf)
+  except ConfigError:
+    raise
+  except KeyError as e:
+    raise ConfigError(f"config.json has no {e.args[0]!r}, which a {hf['model_type']} checkpoint needs: use "
+                      'the config.json saved with these weights.') from None
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f'config.json holds a value of the wrong type ({e}): use the config.json saved with '
+                      'these weights.') from None
+
+
+def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
   model_type = hf['model_type']
   if hf.get('mlp_bias') or (model_type not in QKV_BIAS and hf.get('attention_bias')):
     raise ConfigError(f'config.json: {model_type} with mlp_bias or attention_bias is not supported (mintrain '
@@ -62,6 +79,10 @@ def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
                       'other logits: load a checkpoint of a model that uses one of these.')
   if rope.get('partial_rotary_factor', hf.get('partial_rotary_factor', 1.0)) != 1.0:
     raise ConfigError('config.json partial_rotary_factor is not supported; mintrain rotates all of head_dim.')
+  missing = [key for key in ROPE_KEYS.get(rope_type, ()) if key not in rope]
+  if missing:
+    raise ConfigError(f"config.json: rope type {rope_type!r} needs {', '.join(missing)} beside it (in "
+                      'rope_parameters or rope_scaling): use the config.json saved with these weights.')
   activation = hf.get('hidden_activation') or hf.get('hidden_act', 'silu')
   if activation not in ACTIVATIONS:
     raise ConfigError(f'config.json hidden_act={activation!r} is not supported; mintrain reads '
