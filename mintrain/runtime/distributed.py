@@ -8,6 +8,7 @@ On CPU, collectives between processes use gloo. Everything here must run before 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import socket
@@ -202,3 +203,111 @@ def barrier(name: str, timeout: int = 600) -> None:
   if jax.process_count() > 1:
     from orbax.checkpoint import multihost  # Orbax's public barrier over JAX's distributed client.
     multihost.sync_global_processes(name, timeout=timeout)
+
+
+PEER_DIED_EXIT = 3  # A peer died; this process stopped (2 is bad input).
+
+
+class PeerWatch:
+  """Stops the survivors within a second of a peer's hard death (SIGKILL, a crash, the OOM killer), with
+  one line naming it and the newest saved step, rather than JAX's abort with a C++ stack trace once its
+  heartbeat times out.
+
+  JAX's runtime offers only the heartbeat timeout (`heartbeat_timeout_seconds`), whose expiry aborts every
+  process in C++: no Python sees it. So each process holds a TCP connection to process 0, and the kernel
+  closes a dead process's end at once. A process that exits through Python says `bye` first (atexit);
+  an end closed without it is a death, which process 0 passes on to the others before it stops.
+  """
+
+  def __init__(self, process_id: int, saved: Callable[[], str]):
+    self.process_id, self.saved = process_id, saved
+    self.lock = threading.Lock()
+    self.peers: dict[socket.socket, str] = {}  # Open connection -> whom it reaches ("process 1 (pid ...)").
+    self.leaving = False
+
+  @classmethod
+  def start(cls, coordinator_host: str | None, saved: Callable[[], str]) -> PeerWatch:
+    """Process 0 listens on a free port, which a collective tells the others; they connect to it."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    watch = cls(jax.process_index(), saved)
+    listener = None
+    address = np.zeros(256, np.uint8)
+    if watch.process_id == 0:
+      listener = socket.create_server(('', 0))
+      host = coordinator_host or socket.gethostname()
+      encoded = f'{host}:{listener.getsockname()[1]}'.encode()
+      address[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    address = bytes(np.asarray(multihost_utils.broadcast_one_to_all(address))).rstrip(b'\0').decode()
+    if listener is not None:
+      threading.Thread(target=watch._accept, args=(listener,), daemon=True).start()
+    else:
+      host, _, port = address.rpartition(':')
+      conn = socket.create_connection((host, int(port)), timeout=30)
+      conn.settimeout(None)
+      conn.sendall(watch._hello())
+      reader = conn.makefile('r', errors='replace')
+      watch._follow(conn, reader, watch._who(reader.readline()) or 'process 0')
+    atexit.register(watch.leave)
+    return watch
+
+  def _hello(self) -> bytes:
+    return f'hello {self.process_id} {socket.gethostname()} {os.getpid()}\n'.encode()
+
+  @staticmethod
+  def _who(hello: str) -> str | None:
+    parts = hello.split()
+    if len(parts) != 4 or parts[0] != 'hello':
+      return None
+    return f'process {parts[1]} (pid {parts[3]} on {parts[2]})'
+
+  def _accept(self, listener: socket.socket) -> None:
+    while True:
+      conn, _ = listener.accept()
+      reader = conn.makefile('r', errors='replace')
+      who = self._who(reader.readline())
+      if who is None:
+        conn.close()
+        continue
+      conn.sendall(self._hello())
+      self._follow(conn, reader, who)
+
+  def _follow(self, conn: socket.socket, reader, who: str) -> None:
+    with self.lock:
+      self.peers[conn] = who
+    threading.Thread(target=self._read, args=(conn, reader, who), daemon=True).start()
+
+  def _read(self, conn: socket.socket, reader, who: str) -> None:
+    for line in reader:
+      if line.startswith('bye'):
+        with self.lock:
+          self.peers.pop(conn, None)
+        return
+      if line.startswith('dead '):
+        self._stop(line[len('dead '):].strip())
+    self._stop(who)
+
+  def _stop(self, dead: str) -> None:
+    with self.lock:
+      if self.leaving:
+        return
+      self.leaving = True
+      for conn in self.peers:
+        try:
+          conn.sendall(f'dead {dead}\n'.encode())
+        except OSError:
+          pass
+    sys.stdout.flush()
+    print(f'error: {dead} died; process {self.process_id} stops too, with status {PEER_DIED_EXIT}. '
+          f'{self.saved()}', file=sys.stderr, flush=True)
+    os._exit(PEER_DIED_EXIT)  # The main thread may be inside a collective that will never finish.
+
+  def leave(self) -> None:
+    """Tells the others that this process exits on its own, so its closed end is no death."""
+    with self.lock:
+      self.leaving = True
+      for conn in self.peers:
+        try:
+          conn.sendall(b'bye\n')
+        except OSError:
+          pass
