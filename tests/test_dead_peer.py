@@ -2,7 +2,8 @@
 process and the newest saved step, a non-zero status and checkpoints that still restore.
 
 Real processes and a real SIGKILL: two processes under scripts/launch_local.py, or started by hand through
-JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. Where process 0 dies, JAX's client in the
+other notices as soon (the coordination service ran in process 0) and may print its own abort line first.
 """
 
 from __future__ import annotations
@@ -89,21 +90,28 @@ def test_a_peer_killed_after_a_save_stops_the_other_within_10s_with_one_line_and
   survivors = procs if not by_hand else [procs[1 - victim]]
   try:
     codes = [p.wait(timeout=STOP_BOUND + 20) for p in survivors]
+  except subprocess.TimeoutExpired:
+    codes = None
   finally:
     for p in procs:
       p.kill()
   elapsed = time.monotonic() - killed
   out = ''.join(lines)
+  assert codes is not None, f'still running {STOP_BOUND + 20:.0f} s after the SIGKILL\n{out}'
   assert all(code != 0 for code in codes), (codes, out)
   assert elapsed < STOP_BOUND, f'{elapsed:.1f} s from the SIGKILL to the exit of the others\n{out}'
-  stops = [line for line in out.splitlines() if ' died; ' in line]
+  stops = [line for line in out.splitlines() if re.search(r'error: process \d .* died; ', line)]
   assert len(stops) == 1, out
+  if victim != 0:
+    assert 'JAX distributed service detected fatal errors' not in out, out
   newest = saved_steps(workdir)[-1]
   assert newest >= saved
   dead = rf'process {victim} \(pid {pids[victim]} on [^)]+\)'
   said = rf'error: {dead} died; process {1 - victim} stops too, .* The newest saved step is {newest} '
   assert re.search(said, stops[0]), stops[0]
   assert 'stack trace' not in out and 'Traceback' not in out, out
+  if not by_hand:
+    assert f'[launcher] process {victim} exited with code -9; stopping the others' in out, out
 
   resumed = run_script('scripts/train.py', '--workdir', str(workdir), *ARGS,
                        f'--config.train.steps={newest + 1}')

@@ -3,7 +3,8 @@
 One process per host (or, for tests, several on one machine). The coordinator address, process count and
 process id come from flags or JAX's environment variables; what they leave out, JAX's own cluster detection
 (SLURM, Open MPI, Kubernetes, Cloud TPU) fills in, and where it finds no cluster the run is one process.
-On CPU, collectives between processes use gloo. Everything here must run before the JAX backend starts.
+On CPU, collectives between processes use gloo. Everything here but `PeerWatch` must run before the JAX
+backend starts.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from typing import TextIO
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from mintrain.errors import DistributedError
 
@@ -209,18 +213,22 @@ PEER_DIED_EXIT = 3  # A peer died; this process stopped (2 is bad input).
 
 
 class PeerWatch:
-  """Stops the survivors within a second of a peer's hard death (SIGKILL, a crash, the OOM killer), with
-  one line naming it and the newest saved step, rather than JAX's abort with a C++ stack trace once its
-  heartbeat times out.
+  """Stops the survivors at once when a peer dies hard (SIGKILL, a crash, the OOM killer), with one line
+  naming it and the newest saved step, rather than JAX's abort with a C++ stack trace once its heartbeat
+  times out.
 
   JAX's runtime offers only the heartbeat timeout (`heartbeat_timeout_seconds`), whose expiry aborts every
   process in C++: no Python sees it. So each process holds a TCP connection to process 0, and the kernel
   closes a dead process's end at once. A process that exits through Python says `bye` first (atexit);
-  an end closed without it is a death, which process 0 passes on to the others before it stops.
+  an end closed without it is a death, which process 0 passes on to the others before it stops. JAX's
+  client notices process 0's death as soon (its service runs there) and aborts with its own lines, so the
+  watch first points the C++ side's stderr at /dev/null.
   """
 
   def __init__(self, process_id: int, saved: Callable[[], str]):
     self.process_id, self.saved = process_id, saved
+    self.console = os.dup(2)  # Where the one line goes once fd 2 is silenced.
+    self.devnull = os.open(os.devnull, os.O_WRONLY)
     self.lock = threading.Lock()
     self.peers: dict[socket.socket, str] = {}  # Open connection -> whom it reaches ("process 1 (pid ...)").
     self.leaving = False
@@ -228,13 +236,13 @@ class PeerWatch:
   @classmethod
   def start(cls, coordinator_host: str | None, saved: Callable[[], str]) -> PeerWatch:
     """Process 0 listens on a free port, which a collective tells the others; they connect to it."""
-    import numpy as np
-    from jax.experimental import multihost_utils
     watch = cls(jax.process_index(), saved)
     listener = None
     address = np.zeros(256, np.uint8)
     if watch.process_id == 0:
-      listener = socket.create_server(('', 0))
+      dual = socket.has_dualstack_ipv6()
+      listener = socket.create_server(('', 0), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                      dualstack_ipv6=dual)
       host = coordinator_host or socket.gethostname()
       encoded = f'{host}:{listener.getsockname()[1]}'.encode()
       address[:len(encoded)] = np.frombuffer(encoded, np.uint8)
@@ -243,7 +251,11 @@ class PeerWatch:
       threading.Thread(target=watch._accept, args=(listener,), daemon=True).start()
     else:
       host, _, port = address.rpartition(':')
-      conn = socket.create_connection((host, int(port)), timeout=30)
+      try:
+        conn = socket.create_connection((host.strip('[]'), int(port)), timeout=30)
+      except OSError as e:
+        raise DistributedError(f'process {watch.process_id} cannot reach process 0 at {address} ({e}) to '
+                               'hear of a peer\'s death.') from e
       conn.settimeout(None)
       conn.sendall(watch._hello())
       reader = conn.makefile('r', errors='replace')
@@ -272,19 +284,22 @@ class PeerWatch:
       conn.sendall(self._hello())
       self._follow(conn, reader, who)
 
-  def _follow(self, conn: socket.socket, reader, who: str) -> None:
+  def _follow(self, conn: socket.socket, reader: TextIO, who: str) -> None:
     with self.lock:
       self.peers[conn] = who
     threading.Thread(target=self._read, args=(conn, reader, who), daemon=True).start()
 
-  def _read(self, conn: socket.socket, reader, who: str) -> None:
-    for line in reader:
-      if line.startswith('bye'):
-        with self.lock:
-          self.peers.pop(conn, None)
-        return
-      if line.startswith('dead '):
-        self._stop(line[len('dead '):].strip())
+  def _read(self, conn: socket.socket, reader: TextIO, who: str) -> None:
+    try:
+      for line in reader:
+        if line.startswith('bye'):
+          with self.lock:
+            self.peers.pop(conn, None)
+          return
+        if line.startswith('dead '):
+          self._stop(line[len('dead '):].strip())
+    except OSError:  # A reset: the peer died with our bytes unread.
+      pass
     self._stop(who)
 
   def _stop(self, dead: str) -> None:
@@ -292,14 +307,15 @@ class PeerWatch:
       if self.leaving:
         return
       self.leaving = True
+      os.dup2(self.devnull, 2)  # Before JAX's abort can write there.
       for conn in self.peers:
         try:
           conn.sendall(f'dead {dead}\n'.encode())
         except OSError:
           pass
     sys.stdout.flush()
-    print(f'error: {dead} died; process {self.process_id} stops too, with status {PEER_DIED_EXIT}. '
-          f'{self.saved()}', file=sys.stderr, flush=True)
+    os.write(self.console, f'error: {dead} died; process {self.process_id} stops too, with status '
+                           f'{PEER_DIED_EXIT}. {self.saved()}\n'.encode())
     os._exit(PEER_DIED_EXIT)  # The main thread may be inside a collective that will never finish.
 
   def leave(self) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from typing import NoReturn
 
@@ -16,7 +15,7 @@ import jax
 from mintrain import config as config_lib
 from mintrain import errors
 from mintrain import mesh as mesh_lib
-from mintrain.runtime import distributed
+from mintrain.runtime import distributed, storage
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -86,7 +85,10 @@ def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = Non
     fail(str(e))
   if joined and jax.process_count() > 1:
     host = dist.coordinator_address.rpartition(':')[0] if dist.coordinator_address else None
-    distributed.PeerWatch.start(host, functools.partial(newest_saved, getattr(args, 'workdir', None)))
+    try:
+      distributed.PeerWatch.start(host, functools.partial(newest_saved, getattr(args, 'workdir', None)))
+    except errors.DistributedError as e:
+      fail(str(e))
   if note and jax.process_index() == 0:
     print(note, flush=True)
   return devices
@@ -97,13 +99,14 @@ def newest_saved(workdir: str | None) -> str:
   if workdir is None:
     return 'This run has no workdir: nothing was saved.'
   from mintrain.checkpoint.checkpoints import CHECKPOINTS
-  folder = os.path.join(workdir, CHECKPOINTS)
+  folder = storage.run_path(workdir) / CHECKPOINTS
+  remote = storage.is_remote(folder)  # Written in place there: complete once Orbax's commit file is.
   try:
-    steps = [int(n) for n in os.listdir(folder)
-             if n.isdigit() and os.path.isdir(os.path.join(folder, n, 'state'))]
+    steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / 'state').is_dir()
+             and (not remote or (p / 'commit_success.txt').exists())]
   except OSError:
     steps = []
   if not steps:
     return f'No step was saved in {folder}.'
   newest = max(steps)
-  return f'The newest saved step is {newest} ({os.path.join(folder, str(newest))}); a restart resumes there.'
+  return f'The newest saved step is {newest} ({folder / str(newest)}); a restart resumes there.'
