@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, run_script
+from helpers import REPO, SCRIPT_DEFAULTS, run_script
 
 # The reference run's model and schedule; every row starts from them, so a run that got past a bad input
 # would resume the reference run rather than stop on a model mismatch.

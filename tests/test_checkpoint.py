@@ -10,7 +10,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from conftest import MESH_CONFIGS, build, load_config, mesh_devices, quiet
+from helpers import MESH_CONFIGS, build, load_config, mesh_devices, quiet
 
 from mintrain import errors
 from mintrain import loop as train_loop

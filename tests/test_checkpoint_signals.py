@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, script_env
+from helpers import REPO, SCRIPT_DEFAULTS, script_env
 
 from mintrain.checkpoint import checkpoints as ckpt_lib
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build, convert_layers, fill, load_config
 from flax import nnx
+from helpers import build, convert_layers, fill, load_config
 
 from mintrain import report, train_state
 from mintrain.data import segments

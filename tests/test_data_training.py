@@ -8,8 +8,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build, load_config, mesh_devices, quiet, script_env
 from flax import nnx
+from helpers import REPO, build, load_config, mesh_devices, quiet, script_env
 
 from mintrain import actions
 from mintrain import loop as train_loop

@@ -5,8 +5,8 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build, load_config, mesh_devices
 from flax import nnx
+from helpers import REPO, build, load_config, mesh_devices
 from jax.sharding import PartitionSpec as P
 
 from mintrain import configs, train_state

@@ -11,7 +11,7 @@ import signal
 import jax
 import numpy as np
 import pytest
-from conftest import load_config, mesh_devices, quiet
+from helpers import load_config, mesh_devices, quiet
 from tensorboard.backend.event_processing import event_accumulator
 
 from mintrain import loop as train_loop

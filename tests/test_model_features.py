@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build as build_run
-from conftest import convert_layers, fill, load_config, mesh_devices, quiet
+from helpers import build as build_run
+from helpers import convert_layers, fill, load_config, mesh_devices, quiet
 
 from mintrain import errors, report, train_state
 from mintrain import loop as train_loop

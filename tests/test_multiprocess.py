@@ -15,7 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, build, free_port, load_config, mesh_devices, quiet, script_env
+from helpers import REPO, SCRIPT_DEFAULTS, build, free_port, load_config, mesh_devices, quiet, script_env
 
 from mintrain import loop as train_loop
 from mintrain.checkpoint import checkpoints as ckpt_lib

@@ -8,8 +8,8 @@ import tomllib
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build, load_config, mesh_devices, quiet, run_script
 from google.protobuf import json_format
+from helpers import REPO, build, load_config, mesh_devices, quiet, run_script
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 

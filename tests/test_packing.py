@@ -10,8 +10,8 @@ import signal
 import jax
 import numpy as np
 import pytest
-from conftest import build, convert_layers, fill, load_config, mesh_devices, quiet, short_documents
 from flax import nnx
+from helpers import build, convert_layers, fill, load_config, mesh_devices, quiet, short_documents
 
 from mintrain import errors, train_state
 from mintrain import loop as train_loop

@@ -5,7 +5,7 @@ import math
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, free_port, script_env
+from helpers import REPO, SCRIPT_DEFAULTS, free_port, script_env
 
 pytestmark = pytest.mark.cluster
 

@@ -26,8 +26,8 @@ import uuid
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, build, load_config, mesh_devices, quiet, script_env
 from etils import epath
+from helpers import REPO, SCRIPT_DEFAULTS, build, load_config, mesh_devices, quiet, script_env
 from tensorboard.backend.event_processing import event_accumulator
 
 from mintrain import configs, errors, metrics

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build, convert_layers, fill, load_config, mesh_devices, quiet, run_script
 from flax import nnx
+from helpers import build, convert_layers, fill, load_config, mesh_devices, quiet, run_script
 
 from mintrain import loop as train_loop
 from mintrain import train_state

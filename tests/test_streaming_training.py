@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, script_env
+from helpers import REPO, SCRIPT_DEFAULTS, script_env
 from test_multiprocess import run_launch, train_losses
 from test_streaming import documents, write_jsonl, write_parquet
 

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import TOKENIZER_VOCAB, load_config, stdlib_texts
+from helpers import TOKENIZER_VOCAB, load_config, stdlib_texts
 
 from mintrain import config as config_lib
 from mintrain.data import pipeline, sources, tokenizer
@@ -160,7 +160,7 @@ def test_a_tokenizer_with_more_ids_than_the_model_names_both(bpe_tokenizer, tmp_
 
 def test_eval_bits_per_byte_divide_bits_per_token_by_the_measured_bytes_per_token(bpe_tokenizer, tmp_path):
   import jax
-  from conftest import build
+  from helpers import build
 
   from mintrain import actions
 

@@ -5,8 +5,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import MESH_CONFIGS, build, load_config, mesh_devices, quiet
 from flax import nnx
+from helpers import MESH_CONFIGS, build, load_config, mesh_devices, quiet
 
 from mintrain import loop as train_loop
 from mintrain import train_state
