@@ -31,13 +31,17 @@ def load_config(name: str, *overrides: str) -> config_lib.Config:
                                                                 (*TEST_DEFAULTS, *overrides))))[0]
 
 
-SCRIPT_DEFAULTS = [f'--config.{item}' for item in TEST_DEFAULTS]  # The same for scripts/train.py.
+def script_flags(*overrides: str) -> list[str]:
+  """TEST_DEFAULTS and `key=value` overrides as scripts/train.py's `--config.key=value` flags."""
+  return [f'--config.{item}' for item in (*TEST_DEFAULTS, *overrides)]
+
+
+SCRIPT_DEFAULTS = script_flags()
 
 SMALL = test_small.OVERRIDES  # mintrain/configs/test_small.py's model and batch on any other config.
 # test_small narrower still (32 wide, 4 heads of 8) on 8 rows of 16 tokens.
 TINY = (*SMALL, 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4', 'model.head_dim=8',
         'train.global_batch_size=8', 'train.seq_len=16')
-SMALL_SCRIPT = ['--config', str(configs.path('test_small')), *SCRIPT_DEFAULTS]  # For scripts/train.py.
 
 
 def mesh_devices(config: config_lib.Config) -> list:
@@ -50,6 +54,14 @@ def build(config: config_lib.Config):
   """The config's run on the devices its mesh uses."""
   from mintrain.build import build
   return build(config, mesh_devices(config))
+
+
+def spec_entries(spec) -> tuple:
+  """A PartitionSpec's entries without the trailing Nones, which mean the same as leaving them out."""
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries)
 
 
 def quiet(*_):
