@@ -18,7 +18,7 @@ import threading
 import time
 
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, free_port, run_script, script_env
+from helpers import REPO, SCRIPT_DEFAULTS, free_port, run_script, script_env
 
 pytestmark = pytest.mark.cluster
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import SCRIPT_DEFAULTS, load_config, mesh_devices, run_script
+from helpers import SCRIPT_DEFAULTS, load_config, mesh_devices, run_script
 
 from mintrain import errors, loop
 from mintrain.checkpoint import checkpoints as ckpt_lib

@@ -5,8 +5,8 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build, load_config, mesh_devices
 from flax import nnx
+from helpers import REPO, build, load_config, mesh_devices, spec_entries
 from jax.sharding import PartitionSpec as P
 
 from mintrain import configs, train_state
@@ -36,13 +36,6 @@ CONFIGS = sorted(p.stem for p in (configs.DIR).glob('*.py') if p.stem not in ('b
                  and devices_needed(load_config(p.stem).mesh.sizes) <= 8)
 
 
-def _strip(spec: P) -> tuple:
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return tuple(entries)
-
-
 def test_every_shipped_config_is_covered():
   shipped = {'single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2', 'mlp_dp4_tp2', 'moe_ep4_dp2'}
   assert shipped <= set(CONFIGS)
@@ -61,7 +54,7 @@ def test_initialised_params_have_the_expected_sharding(name):
   for path, var in flat.items():
     info = infos[path]
     sharding = jax.typeof(var[...]).sharding
-    assert _strip(sharding.spec) == _strip(EXPECTED[info.logical_axes]), path
+    assert spec_entries(sharding.spec) == spec_entries(EXPECTED[info.logical_axes]), path
     assert sharding.mesh.shape == mesh.shape
     assert var[...].addressable_shards[0].data.shape == info.shard_shape, path
 
@@ -69,10 +62,11 @@ def test_initialised_params_have_the_expected_sharding(name):
 def test_optimizer_state_is_sharded_like_the_params():
   config = load_config('fsdp4_tp2')
   setup = build(config)
-  param_specs = [_strip(jax.typeof(x).sharding.spec) for x in jax.tree.leaves(setup.abstract_state.params)]
+  params = jax.tree.leaves(setup.abstract_state.params)
+  param_specs = [spec_entries(jax.typeof(x).sharding.spec) for x in params]
   adam = setup.abstract_state.opt_state[1][0]
   for moment in (adam.mu, adam.nu):
-    assert [_strip(x.sharding.spec) for x in jax.tree.leaves(moment)] == param_specs
+    assert [spec_entries(x.sharding.spec) for x in jax.tree.leaves(moment)] == param_specs
 
 
 def test_layout_and_report_allocate_nothing():

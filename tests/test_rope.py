@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from conftest import load_config, mesh_devices, quiet
 from flax import nnx
+from helpers import load_config, mesh_devices, quiet
 
 from mintrain import hf
 from mintrain import loop as train_loop

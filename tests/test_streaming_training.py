@@ -10,14 +10,12 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, script_env
+from helpers import REPO, SCRIPT_DEFAULTS, TINY, script_env, script_flags
 from test_multiprocess import run_launch, train_losses
 from test_streaming import documents, write_jsonl, write_parquet
 
-SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=32', '--config.model.mlp_dim=64',
-         '--config.model.num_heads=4', '--config.model.head_dim=8', '--config.train.global_batch_size=8',
-         '--config.train.seq_len=16', '--config.train.log_every=1', '--config.optimizer.warmup_steps=2',
-         '--config.data.block_bytes=1500', '--config.data.eval_fraction=0.2', *SCRIPT_DEFAULTS]
+SMALL = script_flags(*TINY, 'train.log_every=1', 'optimizer.warmup_steps=2', 'data.block_bytes=1500',
+                     'data.eval_fraction=0.2')
 TIMEOUT = 300
 
 
