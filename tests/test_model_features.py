@@ -410,8 +410,8 @@ QWEN3_MESHES = {'single': ('mesh.data=1', 'mesh.model=1'), 'dp4_tp2': (),
                 'fsdp8': ('mesh.data=1', 'mesh.fsdp=8', 'mesh.model=1')}
 
 
-@pytest.mark.parametrize('meshes', [('dp4_tp2',), pytest.param(('tp8', 'fsdp8'), marks=pytest.mark.slow)],
-                         ids=['dp4_tp2', 'tp8-fsdp8'])
+@pytest.mark.slow
+@pytest.mark.parametrize('meshes', [('dp4_tp2',), ('tp8', 'fsdp8')], ids=['dp4_tp2', 'tp8-fsdp8'])
 def test_the_qwen3_config_trains_with_the_same_losses_on_every_mesh(meshes):
   losses = {}
   for name in ('single', *meshes):

@@ -68,6 +68,7 @@ def test_a_mixture_run_stopped_and_resumed_gives_the_losses_of_a_straight_run(tm
   assert state['source'] == 'mixture' and sorted(map(int, state['iterator']['rows'])) == list(range(8))
 
 
+@pytest.mark.slow
 def test_a_shard_added_before_a_resume_is_said_and_the_run_continues_its_batches(tmp_path):
   corpus = write_jsonl(tmp_path / 'corpus', documents(300))
   args = ['--config.data.source=jsonl', f'--config.data.path={corpus}', '--config.train.steps=8',
