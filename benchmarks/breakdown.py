@@ -32,8 +32,6 @@ import time
 import harness
 import jax
 
-SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
-         'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
 HELPERS = ('gather', 'AxisRules.reshard')  # Their time goes to the layer that gathers or reshards.
 # `models.layers.linear` is a custom VJP; JAX traces its rules once per shape and reuses them, so
@@ -115,7 +113,7 @@ def main() -> int:
 
   devices = harness.start_devices()
   path, overrides = harness.bench_tiny() if args.config is None else (args.config.resolve(), ())
-  overrides += tuple(args.override) + (SMOKE if args.smoke else ())
+  overrides += tuple(args.override) + (harness.SMOKE if args.smoke else ())
   config = harness.load(path, overrides)
   built = harness.build(config, devices)
   batches = harness.device_batches(built, 2)

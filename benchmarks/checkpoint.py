@@ -29,6 +29,7 @@ from mintrain import mesh as mesh_lib
 from mintrain.actions import checkpoint_metadata
 from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
+from mintrain.configs import test_small
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,10 +45,7 @@ MODELS = {
     'default': (),
     'x10': ('model.embed_dim=256', 'model.num_heads=16', 'model.mlp_dim=1024', 'model.num_layers=5'),
 }
-SMOKE_MODELS = {
-    'tiny': ('model.embed_dim=32', 'model.num_heads=8', 'model.head_dim=4', 'model.mlp_dim=64',
-             'model.num_layers=1', 'train.global_batch_size=8', 'train.seq_len=16'),
-}
+SMOKE_MODELS = {'tiny': test_small.OVERRIDES}
 
 
 @dataclasses.dataclass

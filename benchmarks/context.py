@@ -24,14 +24,14 @@ import sys
 import harness
 
 from mintrain import configs
+from mintrain.configs import test_small
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 MODEL = ('model.embed_dim=128', 'model.num_layers=2', 'model.num_heads=4', 'model.head_dim=32',
          'model.mlp_dim=512', 'train.seq_len=4096', 'train.global_batch_size=1', 'data.source=synthetic')
-SMOKE = ('model.embed_dim=32', 'model.num_layers=1', 'model.num_heads=4', 'model.head_dim=8',
-         'model.mlp_dim=64', 'train.seq_len=64', 'train.global_batch_size=1', 'data.source=synthetic')
+SMOKE = (*test_small.OVERRIDES, 'train.seq_len=64', 'train.global_batch_size=1', 'data.source=synthetic')
 ONE_DEVICE = ('mesh.data=1', 'mesh.fsdp=1', 'mesh.context=1', 'mesh.model=1')
 RUNS = {  # name: (mesh and attention overrides)
     'context1': ONE_DEVICE,

@@ -30,8 +30,6 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 COMMON = ('data.source=synthetic',)
-SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
-         'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')
 FORMS = {'unrolled': (), 'scanned': ('model.scan_layers=True',)}
 
 
@@ -45,7 +43,7 @@ def main() -> int:
 
   devices = harness.start_devices()
   path = args.config.resolve()
-  overrides = COMMON + (SMOKE if args.smoke else ())
+  overrides = COMMON + (harness.SMOKE if args.smoke else ())
   depths = args.layers or ((2,) if args.smoke else (4, 12, 24))
   steps = 1 if args.smoke else args.steps
 

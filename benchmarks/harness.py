@@ -30,6 +30,7 @@ from mintrain import mesh as mesh_lib
 from mintrain.build import Run
 from mintrain.build import build as mintrain_build
 from mintrain.config import Config
+from mintrain.configs import test_small
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -38,6 +39,8 @@ DEVICES = 8
 WARMUP = 6
 BENCH_TINY = configs.DIR / 'bench_tiny.py'  # The issue's model for step time and overhead.
 FALLBACK = configs.DIR / 'dp4_tp2.py'
+# --smoke: the tests' small model (mintrain/configs/test_small.py) with 256 ids and 2 heads of 16.
+SMOKE = (*test_small.OVERRIDES, 'model.vocab_size=256', 'model.num_heads=2', 'model.head_dim=16')
 
 
 def config_arguments(parser: argparse.ArgumentParser, override_help: str = 'config override; repeatable'):

@@ -25,6 +25,7 @@ import sys
 import harness
 
 from mintrain import configs
+from mintrain.configs import test_small
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -34,9 +35,7 @@ MESHES = ('single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2')
 MODEL = ('model.embed_dim=256', 'model.num_layers=4', 'model.num_heads=8', 'model.head_dim=32',
          'model.mlp_dim=1024', 'model.vocab_size=8192', 'train.seq_len=128', 'train.global_batch_size=16',
          'data.source=synthetic')
-SMOKE = ('model.embed_dim=32', 'model.num_layers=1', 'model.num_heads=8', 'model.head_dim=4',
-         'model.mlp_dim=64', 'model.vocab_size=256', 'train.seq_len=16', 'train.global_batch_size=8',
-         'data.source=synthetic')
+SMOKE = (*test_small.OVERRIDES, 'model.vocab_size=256', 'data.source=synthetic')
 
 
 def main() -> int:

@@ -32,9 +32,6 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
-         'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')
-
 # ---------------------------------------------------------------------------------------------------------
 # The hand-written step: plain JAX and optax. Shape letters: B batch, L length, D embed, F mlp, H heads,
 # K head dim, V vocab. `hp` is a plain dict of the model and optimizer hyperparameters.
@@ -174,7 +171,7 @@ def main() -> int:
 
   devices = harness.start_devices()
   path, overrides = harness.bench_tiny() if args.config is None else (args.config.resolve(), ())
-  overrides += tuple(args.override) + (SMOKE if args.smoke else ())
+  overrides += tuple(args.override) + (harness.SMOKE if args.smoke else ())
   steps, warmup = (1, 1) if args.smoke else (args.steps, args.warmup)
   config = harness.load(path, overrides)
   if config.model_name != 'transformer' or config.train.grad_accum_steps != 1 or config.model.dropout_rate:

@@ -44,8 +44,6 @@ VARIANTS = {
     'unfused_loss': ('model.loss_chunks=0',),
     'loss_chunks=4': ('model.loss_chunks=4',),
 }
-SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
-         'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8', 'train.seq_len=16')
 
 
 def calibrator(dtype: str, size: int, seconds: float, device) -> tuple[list[float], Callable[[], None]]:
@@ -71,7 +69,7 @@ def main() -> int:
     path, base = harness.bench_tiny()
   else:
     path, base = args.config.resolve(), ()
-  base = base + tuple(args.override) + (SMOKE if args.smoke else ())
+  base = base + tuple(args.override) + (harness.SMOKE if args.smoke else ())
   steps, warmup, size, seconds = ((1, 1, 256, 0.2) if args.smoke else
                                   (args.steps, args.warmup, args.calibration_size, 1.0))
 

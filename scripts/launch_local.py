@@ -87,7 +87,9 @@ def main() -> int:
         if p.poll() is None:
           os.killpg(p.pid, signal.SIGKILL)
     if failed is None:
-      failed = next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+      # One killed by a signal first: the others' failures may follow from its death.
+      dead = [pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)]
+      failed = min(dead, key=lambda pid: procs[pid].returncode > 0, default=None)
       if failed is not None:
         print(f'[launcher] process {failed} exited with code {procs[failed].returncode}; stopping the others',
               file=sys.stderr, flush=True)

@@ -18,14 +18,14 @@ import sys
 import time
 from collections.abc import Callable
 
+import helpers
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, run_script
+from helpers import REPO, run_script, script_flags
 
 # The reference run's model and schedule; every row starts from them, so a run that got past a bad input
 # would resume the reference run rather than stop on a model mismatch.
-SMALL = tuple(f'--config.{item}' for item in (
-    'data.source=synthetic', 'model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128',
-    'train.steps=2', 'train.log_every=1', 'eval.every_steps=0', 'checkpoint.every_steps=1'))
+SMALL = script_flags('data.source=synthetic', *helpers.SMALL, 'train.steps=2', 'train.log_every=1',
+                     'eval.every_steps=0', 'checkpoint.every_steps=1')
 TIMEOUT_S = 300  # Per script run; under a loaded machine the full-disk row, which trains, takes 2 min.
 
 # A run that holds the lock on a workdir until its stdin closes: another run, as far as a new one can tell.
@@ -128,8 +128,7 @@ def workdir_read_only(scene: Scene) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-  args: tuple[str,
-              ...]  # After the dp4_tp2 config, SCRIPT_DEFAULTS and SMALL; `{tmp}`: the test's directory.
+  args: tuple[str, ...]  # After the dp4_tp2 config and SMALL; `{tmp}`: the test's directory.
   says: tuple[str, ...]  # What the error line names (the key, the value, what is allowed, the path).
   setup: Callable[[Scene], None] = lambda scene: None
   kept: str = 'run'  # Under TMP: what must be unchanged byte for byte.
@@ -282,8 +281,7 @@ def reference_run(tmp_path_factory) -> pathlib.Path:
     if not done.exists():
       work = shared / 'bad_input_reference.partial'
       shutil.rmtree(work, ignore_errors=True)
-      proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', *SCRIPT_DEFAULTS,
-                        *SMALL,
+      proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', *SMALL,
                         '--workdir', str(work), timeout=TIMEOUT_S)
       assert proc.returncode == 0, proc.stderr
       work.rename(done)
@@ -306,8 +304,7 @@ def test_a_bad_input_is_one_line_exit_2_no_traceback_and_loses_nothing(name, tmp
     case.setup(scene)
     before = snapshot(tmp_path / case.kept)
     args = [a.format(tmp=tmp_path) for a in case.args]
-    proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', *SCRIPT_DEFAULTS,
-                      *SMALL, *args,
+    proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', *SMALL, *args,
                       timeout=TIMEOUT_S)
     after = snapshot(tmp_path / case.kept)
     leftovers = [str(p) for p in tmp_path.rglob('*orbax-checkpoint-tmp*')]

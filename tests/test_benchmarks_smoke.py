@@ -5,7 +5,7 @@ set (`pytest -m slow`, run by .ci/run) holds them.
 """
 
 import pytest
-from conftest import run_script
+from helpers import run_script
 
 pytestmark = pytest.mark.slow
 

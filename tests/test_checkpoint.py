@@ -7,10 +7,11 @@ import shutil
 import signal
 import threading
 
+import helpers
 import jax
 import numpy as np
 import pytest
-from conftest import MESH_CONFIGS, build, load_config, mesh_devices, quiet
+from helpers import MESH_CONFIGS, build, load_config, mesh_devices, quiet
 
 from mintrain import errors
 from mintrain import loop as train_loop
@@ -19,8 +20,7 @@ from mintrain.errors import NonFiniteLossError
 from mintrain.mesh import make_mesh
 
 # A small model keeps the many compiles of this file cheap; N steps, then N more.
-SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
-         'train.seq_len=32', 'train.log_every=1', 'optimizer.warmup_steps=2', 'checkpoint.keep=5')
+SMALL = (*helpers.SMALL, 'train.log_every=1', 'optimizer.warmup_steps=2', 'checkpoint.keep=5')
 N = 4
 TWO_BY_FOUR = ('mesh.data=2', 'mesh.fsdp=1', 'mesh.model=4')  # A mesh no config file names.
 # Targets that are a config file on another mesh: (config, mesh overrides). The MoE model (8 experts) out

@@ -6,18 +6,16 @@ import subprocess
 import sys
 import time
 
+import helpers
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, script_env
+from helpers import REPO, script_env, script_flags
 
 from mintrain.checkpoint import checkpoints as ckpt_lib
 
-SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
-         '--config.train.global_batch_size=16', '--config.train.seq_len=32', '--config.train.log_every=1',
-         *SCRIPT_DEFAULTS]
+SMALL = script_flags(*helpers.SMALL, 'train.log_every=1')
 # About 8M parameters: an asynchronous save of it (90 MB) takes long enough to be killed mid-write.
-BIG = ['--config.model.embed_dim=512', '--config.model.mlp_dim=2048', '--config.model.head_dim=64',
-       '--config.train.global_batch_size=8', '--config.train.seq_len=16', '--config.train.log_every=1',
-       *SCRIPT_DEFAULTS]
+BIG = script_flags('model.embed_dim=512', 'model.mlp_dim=2048', 'model.head_dim=64',
+                   'train.global_batch_size=8', 'train.seq_len=16', 'train.log_every=1')
 
 
 def start(workdir, *args):

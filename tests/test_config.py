@@ -6,7 +6,7 @@ import dataclasses
 import sys
 
 import pytest
-from conftest import load_config, run_script
+from helpers import SMALL, load_config, run_script
 
 from mintrain import config as config_lib
 from mintrain import configs
@@ -200,11 +200,10 @@ def test_differences_name_each_changed_key_with_both_values():
 
 
 def test_a_resume_with_a_changed_config_lists_the_changes_before_training(tmp_path):
-  from conftest import mesh_devices
+  from helpers import mesh_devices
 
   from mintrain import loop as train_loop
-  small = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'data.source=synthetic',
-           'eval.every_steps=0')
+  small = (*SMALL, 'model.embed_dim=32', 'model.mlp_dim=64', 'data.source=synthetic', 'eval.every_steps=0')
   first = load_config('single', *small, 'train.steps=2')
   train_loop.run(first, tmp_path, devices=mesh_devices(first), print_fn=lambda _: None)
   second = load_config('single', *small, 'train.steps=3', 'optimizer.learning_rate=0.1')

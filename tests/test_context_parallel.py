@@ -5,12 +5,13 @@ split does not divide is a config error."""
 
 import functools
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build, convert_layers, fill, load_config
 from flax import nnx
+from helpers import build, convert_layers, fill, load_config
 
 from mintrain import report, train_state
 from mintrain.data import segments
@@ -21,8 +22,7 @@ from mintrain.models.transformer import sampling
 from mintrain.models.transformer.context_attention import ring_attention, visible, zigzag_order
 from mintrain.train_step import loss_fn
 
-SMALL = ('model.vocab_size=128', 'model.embed_dim=64', 'model.mlp_dim=128', 'model.num_layers=1',
-         'data.source=synthetic', 'train.global_batch_size=8', 'train.seq_len=32')
+SMALL = (*helpers.SMALL, 'model.vocab_size=128', 'data.source=synthetic', 'train.global_batch_size=8')
 MESHES = {  # Meshes with `context`, beside the config file's data 2 x context 2 x model 2.
     'cp2_dp2_tp2': ('cp2_dp2_tp2',),
     'cp8': ('single', 'mesh.context=8'),

@@ -312,7 +312,7 @@ def test_a_source_that_is_no_file_source_names_the_key():
     (['train.global_batch_size=6', 'train.grad_accum_steps=4'], 'train.global_batch_size=6 is not divisible'),
 ])
 def test_bad_settings_name_the_key_once_when_the_config_is_read(overrides, message):
-  from conftest import load_config
+  from helpers import load_config
   with pytest.raises(ConfigError, match=message):
     load_config('single', *overrides)
 

@@ -5,11 +5,12 @@ import math
 import subprocess
 import sys
 
+import helpers
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build, load_config, mesh_devices, quiet, script_env
 from flax import nnx
+from helpers import REPO, build, load_config, mesh_devices, quiet, script_env
 
 from mintrain import actions
 from mintrain import loop as train_loop
@@ -22,8 +23,7 @@ from mintrain.partitioning import AxisRules
 
 BYTES = segments.Separators.of(tokenizer.BYTES)  # The byte tokenizer's: BOS starts a document.
 
-TINY = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4',
-        'model.head_dim=8', 'train.global_batch_size=8', 'train.seq_len=16', 'train.log_every=1')
+TINY = (*helpers.TINY, 'train.log_every=1')
 
 
 def tiny_corpus(tmp_path):

@@ -10,7 +10,7 @@ import types
 
 import jax
 import pytest
-from conftest import REPO, free_port
+from helpers import REPO, free_port
 
 from mintrain import errors
 from mintrain import mesh as mesh_lib

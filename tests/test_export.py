@@ -5,7 +5,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import run_script
+from helpers import run_script
 from test_hf import TOKENS, mintrain_logits, on_mesh, random_model
 
 from mintrain import hf

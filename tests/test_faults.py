@@ -6,10 +6,12 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import SCRIPT_DEFAULTS, load_config, mesh_devices, run_script
+from helpers import SCRIPT_DEFAULTS, load_config, mesh_devices, run_script
 
 from mintrain import errors, loop
 from mintrain.checkpoint import checkpoints as ckpt_lib
+
+pytestmark = pytest.mark.slow  # Real runs through the script: CI runs them after the default suite.
 
 SMALL = tuple(f'--config.{item}' for item in (
     'data.source=synthetic', 'model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128',

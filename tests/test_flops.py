@@ -4,7 +4,7 @@ import math
 
 import jax
 import pytest
-from conftest import build, load_config, mesh_devices
+from helpers import build, load_config, mesh_devices
 
 from mintrain import report
 from mintrain.data.batches import make_batches

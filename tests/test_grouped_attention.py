@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build, load_config, mesh_devices, quiet
 from flax import nnx
+from helpers import build, load_config, mesh_devices, quiet
 
 from mintrain import loop as train_loop
 from mintrain import partitioning

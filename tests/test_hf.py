@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from conftest import (
+from flax import nnx
+from helpers import (
   REPO,
   SCRIPT_DEFAULTS,
   TOKENIZER_VOCAB,
@@ -22,7 +23,6 @@ from conftest import (
   script_env,
   stdlib_texts,
 )
-from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from mintrain import config as config_lib

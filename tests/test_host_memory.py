@@ -5,7 +5,7 @@ import re
 import sys
 
 import pytest
-from conftest import SCRIPT_DEFAULTS, run_script
+from helpers import SCRIPT_DEFAULTS, run_script
 
 # scripts/train.py as a user runs it, plus one line after each save: the process's RSS when it returns.
 DRIVER = """

@@ -10,7 +10,7 @@ import ast
 import pathlib
 
 import pytest
-from conftest import REPO, run_script
+from helpers import REPO, run_script
 
 PACKAGE = REPO / 'mintrain'
 

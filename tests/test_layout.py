@@ -5,8 +5,8 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build, load_config, mesh_devices
 from flax import nnx
+from helpers import REPO, build, load_config, mesh_devices, spec_entries
 from jax.sharding import PartitionSpec as P
 
 from mintrain import configs, train_state
@@ -29,18 +29,13 @@ EXPECTED = {
     ('embed', None): P('fsdp'),  # An MoE router (its experts' dimension whole on every device).
     ('expert', 'embed', 'mlp'): P('expert', 'fsdp', 'model'),  # MoE experts.
     ('expert', 'mlp', 'embed'): P('expert', 'model', 'fsdp'),
+    ('embed', 'kv_heads', 'kv'): P('fsdp', 'model', None),  # Grouped keys and values (qwen3_dp4_tp2).
+    ('kv',): P(None),  # QK-norm scales over head_dim.
 }
 # The shipped configs that fit the tests' 8 devices; a plan for more (mixtral_8x7b_256: 256 devices) is
 # laid out by show_sharding.py under several processes in tests/test_scripts.py.
 CONFIGS = sorted(p.stem for p in (configs.DIR).glob('*.py') if p.stem not in ('base', '__init__')
                  and devices_needed(load_config(p.stem).mesh.sizes) <= 8)
-
-
-def _strip(spec: P) -> tuple:
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return tuple(entries)
 
 
 def test_every_shipped_config_is_covered():
@@ -61,7 +56,7 @@ def test_initialised_params_have_the_expected_sharding(name):
   for path, var in flat.items():
     info = infos[path]
     sharding = jax.typeof(var[...]).sharding
-    assert _strip(sharding.spec) == _strip(EXPECTED[info.logical_axes]), path
+    assert spec_entries(sharding.spec) == spec_entries(EXPECTED[info.logical_axes]), path
     assert sharding.mesh.shape == mesh.shape
     assert var[...].addressable_shards[0].data.shape == info.shard_shape, path
 
@@ -69,10 +64,11 @@ def test_initialised_params_have_the_expected_sharding(name):
 def test_optimizer_state_is_sharded_like_the_params():
   config = load_config('fsdp4_tp2')
   setup = build(config)
-  param_specs = [_strip(jax.typeof(x).sharding.spec) for x in jax.tree.leaves(setup.abstract_state.params)]
+  params = jax.tree.leaves(setup.abstract_state.params)
+  param_specs = [spec_entries(jax.typeof(x).sharding.spec) for x in params]
   adam = setup.abstract_state.opt_state[1][0]
   for moment in (adam.mu, adam.nu):
-    assert [_strip(x.sharding.spec) for x in jax.tree.leaves(moment)] == param_specs
+    assert [spec_entries(x.sharding.spec) for x in jax.tree.leaves(moment)] == param_specs
 
 
 def test_layout_and_report_allocate_nothing():

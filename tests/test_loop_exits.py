@@ -9,10 +9,11 @@ import logging
 import signal
 import sys
 
+import helpers
 import jax
 import numpy as np
 import pytest
-from conftest import load_config, mesh_devices, quiet
+from helpers import load_config, mesh_devices, quiet
 from tensorboard.backend.event_processing import event_accumulator
 
 from mintrain import loop as train_loop
@@ -20,9 +21,9 @@ from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.errors import NonFiniteLossError
 
-SMALL = ('data.source=synthetic', 'model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128',
-         'train.steps=6', 'train.log_every=1', 'eval.every_steps=0', 'eval.steps=1',
-         'checkpoint.every_steps=1', 'checkpoint.keep=10', 'profile.start_step=2', 'profile.num_steps=100')
+SMALL = ('data.source=synthetic', *helpers.SMALL, 'train.steps=6', 'train.log_every=1', 'eval.every_steps=0',
+         'eval.steps=1', 'checkpoint.every_steps=1', 'checkpoint.keep=10', 'profile.start_step=2',
+         'profile.num_steps=100')
 TRIGGER_STEP = 4
 
 

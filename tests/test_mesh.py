@@ -6,7 +6,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from conftest import load_config
+from helpers import load_config
 from jax.sharding import AxisType
 
 from mintrain.errors import ConfigError

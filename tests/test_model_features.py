@@ -10,12 +10,13 @@ import io
 import math
 import re
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build as build_run
-from conftest import convert_layers, fill, load_config, mesh_devices, quiet
+from helpers import build as build_run
+from helpers import convert_layers, fill, load_config, mesh_devices, quiet
 
 from mintrain import errors, report, train_state
 from mintrain import loop as train_loop
@@ -33,8 +34,8 @@ from mintrain.partitioning import AxisRules
 from mintrain.report import format_report
 from mintrain.train_step import loss_fn
 
-SMALL = ('model.vocab_size=128', 'model.embed_dim=64', 'model.mlp_dim=128', 'data.source=synthetic',
-         'train.global_batch_size=8', 'train.seq_len=32', 'train.log_every=1', 'optimizer.warmup_steps=1')
+SMALL = (*helpers.SMALL, 'model.num_layers=2', 'model.vocab_size=128', 'data.source=synthetic',
+         'train.global_batch_size=8', 'train.log_every=1', 'optimizer.warmup_steps=1')
 MESHES = {'2x4': ('dp4_tp2', 'mesh.data=2', 'mesh.model=4')}  # A model=4 mesh no config file names.
 
 
@@ -409,8 +410,8 @@ QWEN3_MESHES = {'single': ('mesh.data=1', 'mesh.model=1'), 'dp4_tp2': (),
                 'fsdp8': ('mesh.data=1', 'mesh.fsdp=8', 'mesh.model=1')}
 
 
-@pytest.mark.parametrize('meshes', [('dp4_tp2',), pytest.param(('tp8', 'fsdp8'), marks=pytest.mark.slow)],
-                         ids=['dp4_tp2', 'tp8-fsdp8'])
+@pytest.mark.slow
+@pytest.mark.parametrize('meshes', [('dp4_tp2',), ('tp8', 'fsdp8')], ids=['dp4_tp2', 'tp8-fsdp8'])
 def test_the_qwen3_config_trains_with_the_same_losses_on_every_mesh(meshes):
   losses = {}
   for name in ('single', *meshes):

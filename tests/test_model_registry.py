@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import REPO, quiet
 from flax import nnx
+from helpers import REPO, quiet
 
 from mintrain import config as config_lib
 from mintrain import configs, errors, models, report
@@ -96,7 +96,7 @@ def bigram_config(mesh: str, *overrides: str) -> config_lib.Config:
 
 
 def run(config, workdir=None):
-  from conftest import mesh_devices
+  from helpers import mesh_devices
   return train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=quiet)
 
 
@@ -112,7 +112,7 @@ def test_its_flops_parameters_and_weight_decay_come_from_the_family():
   assert report.param_count(config) == 2 * 64 * 32
   assert report.train_flops_per_step(config) == 3 * 2 * 32 * 64 * 16 * config.train.global_batch_size
   assert report.tokens_per_step(config) == 16 * config.train.global_batch_size
-  from conftest import build
+  from helpers import build
 
   from mintrain.optimizer import decay_mask
   mask = decay_mask(build(config).abstract_state.params)
@@ -154,7 +154,7 @@ def test_no_code_outside_the_models_compares_model_names_or_knows_parameter_path
 
 
 def test_the_options_are_checked_once_and_the_mesh_reaches_the_model_through_its_constructor(monkeypatch):
-  from conftest import build, load_config
+  from helpers import build, load_config
 
   from mintrain.models.transformer.config import TransformerConfig
   checked = []

@@ -12,18 +12,26 @@ import subprocess
 import sys
 import time
 
+import helpers
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, build, free_port, load_config, mesh_devices, quiet, script_env
+from helpers import (
+  REPO,
+  build,
+  free_port,
+  load_config,
+  mesh_devices,
+  quiet,
+  script_env,
+  script_flags,
+)
 
 from mintrain import loop as train_loop
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.mesh import make_mesh
 
-SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
-         '--config.train.global_batch_size=16', '--config.train.seq_len=32', '--config.train.log_every=1',
-         *SCRIPT_DEFAULTS]
+SMALL = (*helpers.SMALL, 'train.log_every=1')
 TIMEOUT = 240
 
 
@@ -32,7 +40,7 @@ def launch(num_processes, workdir, *args):
   env = script_env()
   command = [sys.executable, 'scripts/launch_local.py', '--num_processes', str(num_processes), '--',
              sys.executable, 'scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py',
-             '--workdir', str(workdir), *SMALL, *args]
+             '--workdir', str(workdir), *script_flags(*SMALL), *args]
   return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
 
@@ -60,7 +68,7 @@ def test_two_processes_train_with_the_losses_of_one(tmp_path):
   assert code == 0, out
   assert '[0] 2 processes with 4 cpu device(s) each, 8 in all.' in out
   assert not re.search(r'^\[1\] step \d', out, re.M)  # Only process 0 reports.
-  config = load_config('dp4_tp2', *overrides(SMALL), 'train.steps=4', 'checkpoint.keep=0')
+  config = load_config('dp4_tp2', *SMALL, 'train.steps=4', 'checkpoint.keep=0')
   one = train_loop.run(config, tmp_path / 'one', devices=mesh_devices(config), print_fn=quiet)
   np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)
 
@@ -75,7 +83,7 @@ def test_two_processes_standing_in_for_slices_train_with_the_losses_of_one(tmp_p
   assert code == 0, out
   assert ('[0] across 2 processes (DCN): data=1 x fsdp=2 x model=1; within each (ICI): data=1 x '
           'fsdp=2 x model=2') in out
-  config = load_config('dp4_tp2', *overrides(SMALL), *overrides(slices), 'mesh.dcn_fsdp=1')
+  config = load_config('dp4_tp2', *SMALL, *overrides(slices), 'mesh.dcn_fsdp=1')
   one = train_loop.run(config, tmp_path / 'one', devices=mesh_devices(config), print_fn=quiet)
   np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)
 
@@ -92,7 +100,7 @@ def test_each_process_reads_the_rows_its_devices_hold_whatever_the_batch_rule(tm
   code, out = run_launch(2, tmp_path / 'two', *INTERLEAVED, '--config.train.steps=3',
                          '--config.checkpoint.keep=0', '--config.train.grad_accum_steps=2')
   assert code == 0, out
-  config = load_config('dp4_tp2', *overrides(SMALL + INTERLEAVED), 'train.steps=3', 'checkpoint.keep=0',
+  config = load_config('dp4_tp2', *SMALL, *overrides(INTERLEAVED), 'train.steps=3', 'checkpoint.keep=0',
                        'train.grad_accum_steps=2')
   one = train_loop.run(config, tmp_path / 'one', devices=mesh_devices(config), print_fn=quiet)
   np.testing.assert_allclose(train_losses(tmp_path / 'two'), one.losses, rtol=1e-5)
@@ -107,7 +115,7 @@ def test_checkpoint_of_two_processes_restores_in_one_and_in_four(tmp_path):
 
   # One process, 8 devices: the parameters arrive equal to the saved ones, read on a single device.
   def restored(name, *extra):
-    config = load_config(name, *overrides(SMALL), 'train.steps=5', *extra)
+    config = load_config(name, *SMALL, 'train.steps=5', *extra)
     mesh = make_mesh(config.mesh.sizes, mesh_devices(config))
     setup = build(config)
     with jax.set_mesh(mesh):
@@ -117,7 +125,7 @@ def test_checkpoint_of_two_processes_restores_in_one_and_in_four(tmp_path):
   for a, b in zip(restored('dp4_tp2'), restored('single')):
     np.testing.assert_array_equal(a, b)
 
-  config = load_config('dp4_tp2', *overrides(SMALL), 'train.steps=5', 'checkpoint.keep=0')
+  config = load_config('dp4_tp2', *SMALL, 'train.steps=5', 'checkpoint.keep=0')
   one = train_loop.run(config, tmp_path / 'one', devices=mesh_devices(config), print_fn=quiet,
                        restore_from=str(step_dir))
   code, out = run_launch(4, tmp_path / 'four', '--config.train.steps=5', '--config.checkpoint.keep=0',
@@ -176,7 +184,7 @@ def test_a_process_that_never_joins_is_named_within_the_join_timeout(tmp_path):
                JAX_PROCESS_ID=str(process_id), JAX_PLATFORMS='cpu')
     command = [sys.executable, 'scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py',
                '--init_timeout', '6',
-               '--workdir', str(tmp_path / str(process_id)), *SMALL]
+               '--workdir', str(tmp_path / str(process_id)), *script_flags(*SMALL)]
     return address, subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
   started = time.monotonic()

@@ -5,19 +5,19 @@ import logging
 import time
 import tomllib
 
+import helpers
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, build, load_config, mesh_devices, quiet, run_script
 from google.protobuf import json_format
+from helpers import REPO, build, load_config, mesh_devices, quiet, run_script
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from mintrain import errors, metrics, report
 from mintrain import loop as train_loop
 
-SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
-         'train.seq_len=32', 'checkpoint.keep=0')
+SMALL = (*helpers.SMALL, 'checkpoint.keep=0')
 
 
 @pytest.fixture(scope='module')

@@ -4,7 +4,7 @@ import json
 import pathlib
 import shutil
 
-from conftest import SCRIPT_DEFAULTS, run_script
+from helpers import SCRIPT_DEFAULTS, run_script
 
 # tests/data/run_before_layout/checkpoints/4: written by ded0bca's scripts/train.py with these options and
 # train.steps=4; the same code resumed it to step 6 with the losses below (under the XLA flags of

@@ -7,11 +7,12 @@ however the batch is split into micro-batches.
 
 import signal
 
+import helpers
 import jax
 import numpy as np
 import pytest
-from conftest import build, convert_layers, fill, load_config, mesh_devices, quiet, short_documents
 from flax import nnx
+from helpers import build, convert_layers, fill, load_config, mesh_devices, quiet, short_documents
 
 from mintrain import errors, train_state
 from mintrain import loop as train_loop
@@ -24,8 +25,7 @@ from mintrain.train_step import loss_fn
 BYTES = segments.Separators.of(tokenizer.BYTES)  # The byte tokenizer's: BOS starts a document.
 
 BOS = tokenizer.BOS
-TINY = ('model.num_layers=2', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4',
-        'model.head_dim=8', 'train.seq_len=32', 'train.global_batch_size=8', 'train.log_every=1',
+TINY = (*helpers.TINY, 'model.num_layers=2', 'train.seq_len=32', 'train.log_every=1',
         'optimizer.warmup_steps=1')
 
 

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from conftest import REPO, load_config, mesh_devices
+from helpers import REPO, load_config, mesh_devices
 
 from mintrain import loop
 

@@ -21,17 +21,14 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, free_port, script_env
+from helpers import REPO, SMALL, free_port, script_env, script_flags
 
 pytestmark = pytest.mark.cluster
 
 STEPS = 300
-ARGS = ['--config', 'mintrain/configs/dp4_tp2.py', '--config.model.num_layers=1',
-        '--config.model.embed_dim=64',
-        '--config.model.mlp_dim=128', '--config.train.global_batch_size=16', '--config.train.seq_len=32',
-        '--config.train.log_every=1', f'--config.train.steps={STEPS}', '--config.checkpoint.every_steps=25',
-        '--config.checkpoint.keep=100', '--config.eval.every_steps=50', *SCRIPT_DEFAULTS,
-        '--config.eval.steps=20']
+ARGS = ['--config', 'mintrain/configs/dp4_tp2.py',
+        *script_flags(*SMALL, 'train.log_every=1', f'train.steps={STEPS}', 'checkpoint.every_steps=25',
+                      'checkpoint.keep=100', 'eval.every_steps=50', 'eval.steps=20')]
 # Seconds from the signal, or from the first step if that ends later (every process finishes its compile
 # first; a compile is not interrupted), until every process has exited (README states it).
 STOP_BOUND = 20.0

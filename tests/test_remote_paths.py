@@ -16,18 +16,18 @@ import json
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
 
+import helpers
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, build, load_config, mesh_devices, quiet, script_env
 from etils import epath
+from helpers import REPO, SCRIPT_DEFAULTS, build, free_port, load_config, mesh_devices, quiet, script_env
 from tensorboard.backend.event_processing import event_accumulator
 
 from mintrain import configs, errors, metrics
@@ -36,16 +36,9 @@ from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.runtime import storage
 
 BUCKET = 'mintrain-test'
-SMALL = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
-         'train.seq_len=32', 'train.log_every=1', 'optimizer.warmup_steps=2')
+SMALL = (*helpers.SMALL, 'train.log_every=1', 'optimizer.warmup_steps=2')
 SCRIPT_SMALL = [f'--config.{item}' for item in SMALL] + SCRIPT_DEFAULTS
 N = 4  # Steps before the stop, then as many more.
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope='session')

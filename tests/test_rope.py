@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from conftest import load_config, mesh_devices, quiet
 from flax import nnx
+from helpers import load_config, mesh_devices, quiet
 
 from mintrain import hf
 from mintrain import loop as train_loop
@@ -129,7 +129,8 @@ TRAIN = ('model.vocab_size=384', 'model.embed_dim=32', 'model.mlp_dim=64', 'data
          'model.rope_original_max_len=8', 'model.rope_scaling_factor=2.0')
 
 
-@pytest.mark.parametrize('rope', ['dynamic', pytest.param('yarn', marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('rope', ['dynamic', 'yarn'])
 def test_a_scaled_rope_trains_with_the_same_losses_on_every_mesh(rope):
   """Past the original context; on cp2_dp2_tp2 the ring's zigzag order holds the last position mid-row."""
   losses = {}

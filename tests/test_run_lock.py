@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from mintrain.errors import RunLockError
 from mintrain.runtime import run_lock

@@ -1,11 +1,12 @@
 """Sampling: the KV-cached decode computes what the training forward pass does, on any mesh."""
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build, convert_layers, fill, load_config, mesh_devices, quiet, run_script
 from flax import nnx
+from helpers import build, convert_layers, fill, load_config, mesh_devices, quiet, run_script
 
 from mintrain import loop as train_loop
 from mintrain import train_state
@@ -15,7 +16,8 @@ from mintrain.models.transformer.attention import BLHK
 from mintrain.partitioning import AxisRules
 
 # vocab_size 384 holds the tokenizer's BOS (256); batch 8 splits over every config's `batch` axes.
-SMALL = ('model.vocab_size=384', 'model.embed_dim=32', 'model.mlp_dim=64', 'train.global_batch_size=8')
+SMALL = (*helpers.SMALL, 'model.num_layers=2', 'model.vocab_size=384', 'model.embed_dim=32',
+         'model.mlp_dim=64', 'train.global_batch_size=8')
 B, P, N = 8, 5, 12
 
 

@@ -5,7 +5,7 @@ import re
 import sys
 
 import pytest
-from conftest import run_script
+from helpers import run_script
 
 
 def test_train_runs_end_to_end_and_writes_metrics(tmp_path):

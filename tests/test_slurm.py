@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, script_env
+from helpers import REPO, SCRIPT_DEFAULTS, script_env
 
 from mintrain.checkpoint import checkpoints as ckpt_lib
 

@@ -350,13 +350,13 @@ def test_token_records_outside_the_vocabulary_are_named(tmp_path):
     ("({'source': 'jsonl', 'block_bytes': 0}, 1)", r'data.mixture\[0\].block_bytes=0 must be'),
 ])
 def test_bad_mixture_entries_are_config_errors(entry, says):
-  from conftest import load_config
+  from helpers import load_config
   with pytest.raises(errors.ConfigError, match=says):
     load_config('single', 'data.source=mixture', f'data.mixture=[{entry}]')
 
 
 def test_mixture_and_source_go_together():
-  from conftest import load_config
+  from helpers import load_config
   with pytest.raises(errors.ConfigError, match="data.source='mixture' and a non-empty data.mixture"):
     load_config('single', 'data.source=mixture')
   with pytest.raises(errors.ConfigError, match="data.source='mixture' and a non-empty data.mixture"):

@@ -10,14 +10,12 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, SCRIPT_DEFAULTS, script_env
+from helpers import REPO, SCRIPT_DEFAULTS, TINY, script_env, script_flags
 from test_multiprocess import run_launch, train_losses
 from test_streaming import documents, write_jsonl, write_parquet
 
-SMALL = ['--config.model.num_layers=1', '--config.model.embed_dim=32', '--config.model.mlp_dim=64',
-         '--config.model.num_heads=4', '--config.model.head_dim=8', '--config.train.global_batch_size=8',
-         '--config.train.seq_len=16', '--config.train.log_every=1', '--config.optimizer.warmup_steps=2',
-         '--config.data.block_bytes=1500', '--config.data.eval_fraction=0.2', *SCRIPT_DEFAULTS]
+SMALL = script_flags(*TINY, 'train.log_every=1', 'optimizer.warmup_steps=2', 'data.block_bytes=1500',
+                     'data.eval_fraction=0.2')
 TIMEOUT = 300
 
 
@@ -70,6 +68,7 @@ def test_a_mixture_run_stopped_and_resumed_gives_the_losses_of_a_straight_run(tm
   assert state['source'] == 'mixture' and sorted(map(int, state['iterator']['rows'])) == list(range(8))
 
 
+@pytest.mark.slow
 def test_a_shard_added_before_a_resume_is_said_and_the_run_continues_its_batches(tmp_path):
   corpus = write_jsonl(tmp_path / 'corpus', documents(300))
   args = ['--config.data.source=jsonl', f'--config.data.path={corpus}', '--config.train.steps=8',

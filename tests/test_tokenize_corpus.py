@@ -7,7 +7,7 @@ import gzip
 import json
 
 import numpy as np
-from conftest import run_script
+from helpers import run_script
 from test_streaming import data_cfg, documents, rows_iter, take, write_jsonl
 
 from mintrain.data import records, tokenizer

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import TOKENIZER_VOCAB, load_config, stdlib_texts
+from helpers import TINY, TOKENIZER_VOCAB, load_config, stdlib_texts
 
 from mintrain import config as config_lib
 from mintrain.data import pipeline, sources, statistics, tokenizer
@@ -176,15 +176,14 @@ def test_a_tokenizer_with_more_ids_than_the_model_names_both(bpe_tokenizer, tmp_
 
 def test_eval_bits_per_byte_divide_bits_per_token_by_the_measured_bytes_per_token(bpe_tokenizer, tmp_path):
   import jax
-  from conftest import build
+  from helpers import build
 
   from mintrain import actions
 
   write_texts(tmp_path / 'corpus')
   config = load_config('single', 'data.source=text', f'data.path={tmp_path / "corpus" / "*.txt"}',
                        f'data.tokenizer={bpe_tokenizer}', 'data.eval_fraction=0.3', 'eval.steps=1',
-                       'model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'model.num_heads=4',
-                       'model.head_dim=8', 'train.global_batch_size=8', 'train.seq_len=16')
+                       *TINY)
   run = build(config)
   bytes_per_token = statistics.bytes_per_token(config.data)
   with jax.set_mesh(run.mesh):

@@ -5,8 +5,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import MESH_CONFIGS, build, load_config, mesh_devices, quiet
 from flax import nnx
+from helpers import MESH_CONFIGS, build, load_config, mesh_devices, quiet, spec_entries
 
 from mintrain import loop as train_loop
 from mintrain import train_state
@@ -25,19 +25,12 @@ def run(name, *overrides):
   return train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet)
 
 
-def _strip(spec):
-  entries = list(spec)
-  while entries and entries[-1] is None:
-    entries.pop()
-  return tuple(entries)
-
-
 def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time():
   config = load_config('fsdp4_tp2')
   mesh = make_mesh(config.mesh.sizes)
   rules = AxisRules.from_config(config.partitioning)
   setup = build(config)
-  expected = {info.path: _strip(info.spec) for info in setup.layout}
+  expected = {info.path: spec_entries(info.spec) for info in setup.layout}
   seen = {}
 
   def check(state, batch):
@@ -47,7 +40,7 @@ def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time
     for name, tree in (('params', state.params), ('grads', grads), ('mu', opt_state[1][0].mu),
                        ('nu', opt_state[1][0].nu)):
       for path, var in nnx.to_flat_state(tree):
-        seen[(name, train_state.path_str(path))] = _strip(jax.typeof(var[...]).sharding.spec)
+        seen[(name, train_state.path_str(path))] = spec_entries(jax.typeof(var[...]).sharding.spec)
     return grads
 
   with jax.set_mesh(mesh):

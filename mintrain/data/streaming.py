@@ -96,7 +96,7 @@ class _Era:
   """The corpus as the block order holds it from `first_slot` (the start of epoch `first_epoch`) on."""
   first_slot: int
   first_epoch: int
-  blocks: records.Blocks
+  listed: records.Blocks  # Its blocks, as listed then.
   files: list  # `_files` of the corpus then.
 
 
@@ -128,19 +128,19 @@ class Split:
   def block(self, slot: int) -> tuple[records.Blocks, int]:
     """(the blocks of the era holding `slot`, the index of the block that fills it)."""
     era = next(e for e in reversed(self.eras) if e.first_slot <= slot)
-    local_epoch, k = divmod(slot - era.first_slot, len(era.blocks))
+    local_epoch, k = divmod(slot - era.first_slot, len(era.listed))
     epoch = era.first_epoch + local_epoch
     if epoch > self.epochs_said and self.shuffle and time.monotonic() - self.said_at > _SAY_EVERY_S:
       self.epochs_said, self.said_at = epoch, time.monotonic()
       _log.info(f'data: {self.name} ran out; repeating it (epoch {epoch + 1}).')
     if not self.shuffle:
-      return era.blocks, k
+      return era.listed, k
     if epoch not in self._orders:  # Rows cross an epoch's end at different steps: keep a few.
       rng = np.random.default_rng([self.seed, _BLOCK_ORDER, epoch])
-      self._orders[epoch] = rng.permutation(len(era.blocks))
+      self._orders[epoch] = rng.permutation(len(era.listed))
       if len(self._orders) > 4:
         self._orders.popitem(last=False)
-    return era.blocks, int(self._orders[epoch][k])
+    return era.listed, int(self._orders[epoch][k])
 
   def corpus_state(self) -> list:
     """The eras of the block order, JSON-able, for the data state."""
@@ -168,8 +168,8 @@ class Split:
       return (f"data: {self.name} changed since the checkpoint: {what}; its data order starts anew at the "
               f"checkpoint's step (data.on_corpus_change='restart').")
     last = self.eras[-1]
-    epochs = (last_slot - last.first_slot) // len(last.blocks) + 1
-    self.eras.append(dataclasses.replace(current, first_slot=last.first_slot + epochs * len(last.blocks),
+    epochs = (last_slot - last.first_slot) // len(last.listed) + 1
+    self.eras.append(dataclasses.replace(current, first_slot=last.first_slot + epochs * len(last.listed),
                                          first_epoch=last.first_epoch + epochs))
     return (f"data: {self.name} changed since the checkpoint: {what}; continuing its order with the files "
             f"unchanged until epoch {last.first_epoch + epochs + 1}, which reads the corpus as it is now "

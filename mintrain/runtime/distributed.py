@@ -3,19 +3,24 @@
 One process per host (or, for tests, several on one machine). The coordinator address, process count and
 process id come from flags or JAX's environment variables; what they leave out, JAX's own cluster detection
 (SLURM, Open MPI, Kubernetes, Cloud TPU) fills in, and where it finds no cluster the run is one process.
-On CPU, collectives between processes use gloo. Everything here must run before the JAX backend starts.
+On CPU, collectives between processes use gloo. Everything here but `PeerWatch` must run before the JAX
+backend starts.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import socket
 import sys
 import threading
 from collections.abc import Callable
+from typing import TextIO
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from mintrain.errors import DistributedError
 
@@ -202,3 +207,123 @@ def barrier(name: str, timeout: int = 600) -> None:
   if jax.process_count() > 1:
     from orbax.checkpoint import multihost  # Orbax's public barrier over JAX's distributed client.
     multihost.sync_global_processes(name, timeout=timeout)
+
+
+PEER_DIED_EXIT = 3  # A peer died; this process stopped (2 is bad input).
+
+
+class PeerWatch:
+  """Stops the survivors at once when a peer dies hard (SIGKILL, a crash, the OOM killer), with one line
+  naming it and the newest saved step, rather than JAX's abort with a C++ stack trace once its heartbeat
+  times out.
+
+  JAX's runtime offers only the heartbeat timeout (`heartbeat_timeout_seconds`), whose expiry aborts every
+  process in C++: no Python sees it. So each process holds a TCP connection to process 0, and the kernel
+  closes a dead process's end at once. A process that exits through Python says `bye` first (atexit);
+  an end closed without it is a death, which process 0 passes on to the others before it stops. JAX's
+  client notices process 0's death as soon (its service runs there) and aborts with its own lines, so the
+  watch first points the C++ side's stderr at /dev/null.
+  """
+
+  def __init__(self, process_id: int, saved: Callable[[], str]):
+    self.process_id, self.saved = process_id, saved
+    self.console = os.dup(2)  # Where the one line goes once fd 2 is silenced.
+    self.devnull = os.open(os.devnull, os.O_WRONLY)
+    self.lock = threading.Lock()
+    self.peers: dict[socket.socket, str] = {}  # Open connection -> whom it reaches ("process 1 (pid ...)").
+    self.leaving = False
+
+  @classmethod
+  def start(cls, coordinator_host: str | None, saved: Callable[[], str]) -> PeerWatch:
+    """Process 0 listens on a free port, which a collective tells the others; they connect to it."""
+    watch = cls(jax.process_index(), saved)
+    listener = None
+    address = np.zeros(256, np.uint8)
+    if watch.process_id == 0:
+      dual = socket.has_dualstack_ipv6()
+      listener = socket.create_server(('', 0), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                      dualstack_ipv6=dual)
+      host = coordinator_host or socket.gethostname()
+      encoded = f'{host}:{listener.getsockname()[1]}'.encode()
+      address[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    address = bytes(np.asarray(multihost_utils.broadcast_one_to_all(address))).rstrip(b'\0').decode()
+    if listener is not None:
+      threading.Thread(target=watch._accept, args=(listener,), daemon=True).start()
+    else:
+      host, _, port = address.rpartition(':')
+      try:
+        conn = socket.create_connection((host.strip('[]'), int(port)), timeout=30)
+      except OSError as e:
+        raise DistributedError(f'process {watch.process_id} cannot reach process 0 at {address} ({e}) to '
+                               'hear of a peer\'s death.') from e
+      conn.settimeout(None)
+      conn.sendall(watch._hello())
+      reader = conn.makefile('r', errors='replace')
+      watch._follow(conn, reader, watch._who(reader.readline()) or 'process 0')
+    atexit.register(watch.leave)
+    return watch
+
+  def _hello(self) -> bytes:
+    return f'hello {self.process_id} {socket.gethostname()} {os.getpid()}\n'.encode()
+
+  @staticmethod
+  def _who(hello: str) -> str | None:
+    parts = hello.split()
+    if len(parts) != 4 or parts[0] != 'hello':
+      return None
+    return f'process {parts[1]} (pid {parts[3]} on {parts[2]})'
+
+  def _accept(self, listener: socket.socket) -> None:
+    while True:
+      conn, _ = listener.accept()
+      reader = conn.makefile('r', errors='replace')
+      who = self._who(reader.readline())
+      if who is None:
+        conn.close()
+        continue
+      conn.sendall(self._hello())
+      self._follow(conn, reader, who)
+
+  def _follow(self, conn: socket.socket, reader: TextIO, who: str) -> None:
+    with self.lock:
+      self.peers[conn] = who
+    threading.Thread(target=self._read, args=(conn, reader, who), daemon=True).start()
+
+  def _read(self, conn: socket.socket, reader: TextIO, who: str) -> None:
+    try:
+      for line in reader:
+        if line.startswith('bye'):
+          with self.lock:
+            self.peers.pop(conn, None)
+          return
+        if line.startswith('dead '):
+          self._stop(line[len('dead '):].strip())
+    except OSError:  # A reset: the peer died with our bytes unread.
+      pass
+    self._stop(who)
+
+  def _stop(self, dead: str) -> None:
+    with self.lock:
+      if self.leaving:
+        return
+      self.leaving = True
+      os.dup2(self.devnull, 2)  # Before JAX's abort can write there.
+      for conn in self.peers:
+        try:
+          conn.sendall(f'dead {dead}\n'.encode())
+        except OSError:
+          pass
+    sys.stdout.flush()
+    os.write(self.console, f'error: {dead} died; process {self.process_id} stops too, with status '
+                           f'{PEER_DIED_EXIT}. {self.saved()}\n'.encode())
+    os._exit(PEER_DIED_EXIT)  # The main thread may be inside a collective that will never finish.
+
+  def leave(self) -> None:
+    """Tells the others that this process exits on its own, so its closed end is no death."""
+    with self.lock:
+      self.leaving = True
+      for conn in self.peers:
+        try:
+          conn.sendall(b'bye\n')
+        except OSError:
+          pass

@@ -6,6 +6,7 @@ Runs before the JAX backend starts, so it can still ask XLA for simulated CPU de
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import NoReturn
 
@@ -14,7 +15,7 @@ import jax
 from mintrain import config as config_lib
 from mintrain import errors
 from mintrain import mesh as mesh_lib
-from mintrain.runtime import distributed
+from mintrain.runtime import distributed, storage
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -74,14 +75,38 @@ def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = Non
     fail(f'the mesh needs {needed} devices, which {processes} processes cannot share evenly.')
   mesh_lib.simulate_cpu_devices(needed // processes)
   try:
-    if dist is not None:
-      distributed.initialize(dist, getattr(args, 'init_timeout', distributed.DEFAULT_TIMEOUT))
+    joined = dist is not None and distributed.initialize(
+        dist, getattr(args, 'init_timeout', distributed.DEFAULT_TIMEOUT))
   except errors.DistributedError as e:
     fail(str(e))
   try:
     devices, note = mesh_lib.pick_devices(None if all_devices else needed)
   except errors.MeshError as e:
     fail(str(e))
+  if joined and jax.process_count() > 1:
+    host = dist.coordinator_address.rpartition(':')[0] if dist.coordinator_address else None
+    try:
+      distributed.PeerWatch.start(host, functools.partial(newest_saved, getattr(args, 'workdir', None)))
+    except errors.DistributedError as e:
+      fail(str(e))
   if note and jax.process_index() == 0:
     print(note, flush=True)
   return devices
+
+
+def newest_saved(workdir: str | None) -> str:
+  """What a restart would resume from: the newest complete step directory, as a restore finds them."""
+  if workdir is None:
+    return 'This run has no workdir: nothing was saved.'
+  from mintrain.checkpoint.checkpoints import CHECKPOINTS
+  folder = storage.run_path(workdir) / CHECKPOINTS
+  remote = storage.is_remote(folder)  # Written in place there: complete once Orbax's commit file is.
+  try:
+    steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / 'state').is_dir()
+             and (not remote or (p / 'commit_success.txt').exists())]
+  except OSError:
+    steps = []
+  if not steps:
+    return f'No step was saved in {folder}.'
+  newest = max(steps)
+  return f'The newest saved step is {newest} ({folder / str(newest)}); a restart resumes there.'
