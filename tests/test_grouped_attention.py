@@ -55,7 +55,7 @@ def test_grouped_attention_is_multi_head_attention_with_each_kv_head_repeated_fo
 
 @pytest.mark.parametrize('overrides,meshes', [
     ((), ('dp4_tp2', 'tp8')),  # Split kv heads, and replicated ones.
-    (('model.num_kv_heads=1',), ('tp8',)),
+    pytest.param(('model.num_kv_heads=1',), ('tp8',), marks=pytest.mark.slow),  # As Gemma's parity.
     pytest.param((), ('fsdp4_tp2', 'fsdp8'), marks=pytest.mark.slow),
 ], ids=['grouped', 'multi-query', 'grouped-fsdp'])
 def test_grouped_attention_trains_with_the_same_losses_on_every_mesh(overrides, meshes):
