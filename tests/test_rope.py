@@ -80,7 +80,7 @@ def test_each_rope_type_changes_the_logits_of_the_default_rope(reference, tmp_pa
   assert np.abs(torch_logits(default, TOKENS) - expected).max() > 1e-3
 
 
-@pytest.mark.parametrize('mesh_name', ['single', 'dp4_tp2'])
+@pytest.mark.parametrize('mesh_name', ['single', pytest.param('dp4_tp2', marks=pytest.mark.slow)])
 def test_a_scaled_rope_gives_the_logits_of_transformers_past_the_original_context(reference, mesh_name):
   directory, expected = reference
   with on_mesh(mesh_name):
@@ -88,6 +88,7 @@ def test_a_scaled_rope_gives_the_logits_of_transformers_past_the_original_contex
   assert np.abs(logits - expected).max() <= 1e-4
 
 
+@pytest.mark.slow  # A decode step compiled per length: the default suite's budget.
 def test_greedy_generation_past_the_original_context_equals_transformers_generate(reference):
   directory, _ = reference
   model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
