@@ -28,7 +28,7 @@ def main() -> int:
   args, config, tok = startup.parse(parser)
   if args.restore_params_only and not args.restore_from:
     parser.error('--restore_params_only needs --restore_from PATH')
-  devices = startup.devices_for(config.mesh, args)
+  devices = startup.devices_for(config.mesh, args, watch_peers=True)
 
   import jax
 

@@ -59,9 +59,11 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                      help='seconds to wait for every process to join (default %(default)s)')
 
 
-def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = None):
+def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = None, *,
+                watch_peers: bool = False):
   """Devices for the mesh: joins a multi-process run if one is set up; on the CPU backend, simulates
-  the mesh's devices (each process its share); elsewhere, the accelerators or a one-line error."""
+  the mesh's devices (each process its share); elsewhere, the accelerators or a one-line error.
+  `watch_peers` (training): a peer's death stops this process (`distributed.PeerWatch`)."""
   quiet_libraries()
   needed = mesh_lib.devices_needed(mesh.sizes)
   all_devices = -1 in mesh.sizes.values()
@@ -83,7 +85,7 @@ def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = Non
     devices, note = mesh_lib.pick_devices(None if all_devices else needed)
   except errors.MeshError as e:
     fail(str(e))
-  if joined and jax.process_count() > 1:
+  if watch_peers and joined and jax.process_count() > 1:
     host = dist.coordinator_address.rpartition(':')[0] if dist.coordinator_address else None
     try:
       distributed.PeerWatch.start(host, functools.partial(newest_saved, getattr(args, 'workdir', None)))
