@@ -28,7 +28,7 @@ from mintrain.errors import CheckpointError, DamagedCheckpointError, DiskFullErr
 from mintrain.fields import option
 from mintrain.runtime import distributed
 from mintrain.runtime.lazy import lazy_import
-from mintrain.runtime.storage import free_bytes, is_remote, os_reason, prepare_dir, run_path
+from mintrain.runtime.storage import first_line, free_bytes, is_remote, os_reason, prepare_dir, run_path
 from mintrain.train_state import TrainState, flat_logical_axes, path_str
 
 ocp = lazy_import('orbax.checkpoint')  # Loaded by the first save or restore.
@@ -136,7 +136,7 @@ def find_run_checkpoints(path: str | os.PathLike) -> tuple[epath.Path, int | Non
   try:
     return _find_run_checkpoints(path)
   except ImportError as e:
-    raise StorageError(f'{path} cannot be reached: {_first_line(e)}') from e
+    raise StorageError(f'{path} cannot be reached: {first_line(e)}') from e
   except OSError as e:
     raise StorageError(f'{path} cannot be read ({os_reason(e)}).') from e
 
@@ -252,7 +252,7 @@ class Checkpoints:
       free = free_bytes(self.directory)
       return DiskFullError(f'Saving {what} under {self.directory} ran out of disk space (its partial files '
                            f'are removed): {self._space(needed, free)}')
-    return CheckpointError(f'Saving {what} under {self.directory} failed: {_first_line(e)}')
+    return CheckpointError(f'Saving {what} under {self.directory} failed: {first_line(e)}')
 
   def _space(self, needed: int, free: int | None) -> str:
     """What a full disk needs: the bytes, the free space, what to do, and that nothing saved is lost."""
@@ -311,7 +311,7 @@ class Checkpoints:
         _note_not_damage(e, f'Reading the array metadata of checkpoint step {step} at {self.step_dir(step)}')
         raise
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: its array '
-                            f'metadata cannot be read ({_first_line(e)}).') from e
+                            f'metadata cannot be read ({first_line(e)}).') from e
     if tree is None:
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: '
                                    'no state metadata.')
@@ -371,7 +371,7 @@ class Checkpoints:
       bad = self._unreadable_arrays(step, source)
       what = f'array(s) {", ".join(bad)}' if bad else 'its data or metadata files'
       raise DamagedCheckpointError(f'Checkpoint step {step} at {self.step_dir(step)} is damaged: cannot read '
-                                   f'{what} ({_first_line(e)}).') from e
+                                   f'{what} ({first_line(e)}).') from e
     state = dict(restored.state)
     if relayout:
       flat = relayout.apply(_leaves(state), target_arrays)
@@ -452,8 +452,3 @@ def _is_unfinished(path: epath.Path) -> bool:
 def _restore_args(target: Any, partial: bool) -> ocp.args.PyTreeRestore:
   return ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                 partial_restore=partial)
-
-
-def _first_line(e: BaseException) -> str:
-  text = str(e).strip().splitlines()
-  return (text[0] if text else type(e).__name__)[:200]
