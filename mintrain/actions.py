@@ -56,7 +56,8 @@ def to_host(tree):
 
 
 class RunLog(logging.Handler):
-  """For a run's duration, the libraries' log records (Orbax through absl, asyncio) and the exceptions Python
+  """For a run's duration, the libraries' log records (Orbax through absl, asyncio: e.g. the tracebacks of a
+  save that ran out of disk, which mintrain's DiskFullError says in one line) and the exceptions Python
   reports as unraisable (Orbax's read coroutines after a damaged checkpoint) go to WORKDIR/logs/run.log, not
   the console, which keeps mintrain's one line. Held in memory until the run may write (`open`)."""
 

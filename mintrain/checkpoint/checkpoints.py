@@ -13,7 +13,6 @@ import dataclasses
 import errno
 import importlib.metadata
 import json
-import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,20 +52,6 @@ def save_bytes(tree: Any, *json_items: Any) -> int:
   arrays = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, 'dtype'))
   texts = sum(len(json.dumps(item, default=str)) for item in json_items)
   return int((arrays + texts) * 1.02) + 64 * 1024
-
-
-class _DiskFullLogFilter(logging.Filter):
-  """Drops the tracebacks that Orbax (through absl) and asyncio log for a save that ran out of disk space:
-  its DiskFullError says it in one line."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if record.name == 'absl' and f'{os.sep}orbax{os.sep}' not in record.pathname:
-      return True
-    return not (_is_disk_full(record.exc_info[1] if record.exc_info else None)
-                or 'No space left on device' in record.getMessage())
-
-
-_FILTERED_LOGGERS = ('absl', 'asyncio')
 
 
 def _manager_class() -> type:
@@ -199,9 +184,6 @@ class Checkpoints:
     if not read_only:
       self._remove_partial_saves()
     self.manager = _manager_class()(self.directory, options=options, item_handlers=handlers)
-    self._log_filter = None if read_only else _DiskFullLogFilter()  # Until `close`: these saves only.
-    for logger in _FILTERED_LOGGERS if self._log_filter else ():
-      logging.getLogger(logger).addFilter(self._log_filter)
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
@@ -278,11 +260,7 @@ class Checkpoints:
           child.rmtree(missing_ok=True)
 
   def close(self) -> None:
-    try:
-      self.manager.close()
-    finally:
-      for logger in _FILTERED_LOGGERS:
-        logging.getLogger(logger).removeFilter(self._log_filter)
+    self.manager.close()
 
   def step_dir(self, step: int) -> epath.Path:
     return self.directory / str(step)
