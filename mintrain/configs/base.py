@@ -161,12 +161,25 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint.fallback_to_previous = True  # If the newest checkpoint is damaged, restore the previous one.
 
   c.optimizer = ml_collections.ConfigDict()
+  # 'adamw'; 'lion' (sign updates: use a 3-10x smaller learning rate); 'adafactor' (factored second
+  # moments, momentum b1 if > 0); 'muon' (hidden matrices orthogonalised by Newton-Schulz, scaled to AdamW's
+  # update size as Moonlight does; embeddings, the output layer and vectors by AdamW); 'sgd' (momentum b1,
+  # L2 weight decay). Each state shards like the parameters it tracks.
+  c.optimizer.name = 'adamw'
   c.optimizer.learning_rate = 3e-3  # Peak learning rate, reached after warmup.
   c.optimizer.warmup_steps = 30  # Linear warmup from 0 to the peak.
-  c.optimizer.end_lr_fraction = 0.1  # Cosine decay ends at this fraction of the peak.
-  c.optimizer.b1 = 0.9  # Adam first-moment decay.
-  c.optimizer.b2 = 0.95  # Adam second-moment decay.
-  c.optimizer.eps = 1e-8  # Adam denominator epsilon.
+  # After warmup: 'cosine' or 'linear' decay to end_lr_fraction at the last step, 'constant', or 'wsd'
+  # (warmup-stable-decay: the peak until the last decay_fraction of the steps, then decay_shape down).
+  c.optimizer.schedule = 'cosine'
+  c.optimizer.end_lr_fraction = 0.1  # Where the decay ends, as a fraction of the peak.
+  c.optimizer.decay_fraction = 0.2  # 'wsd': the share of the steps after warmup that decays.
+  c.optimizer.decay_shape = 'sqrt'  # 'wsd': 'linear', 'cosine' or 'sqrt' (1 - sqrt(t), MiniCPM's).
+  c.optimizer.b1 = 0.9  # First-moment decay (AdamW, Lion, Muon's momentum, Adafactor and SGD momentum).
+  c.optimizer.b2 = 0.95  # Second-moment decay (AdamW; Lion's momentum tracking).
+  c.optimizer.eps = 1e-8  # Denominator epsilon.
   c.optimizer.weight_decay = 0.1  # Decoupled weight decay (not on norms, biases, embeddings).
   c.optimizer.grad_clip_norm = 1.0  # Global-norm gradient clipping; 0 disables it.
+  # dtype of first moments (momentum): '' is the parameters' dtype; 'bfloat16' halves their memory (the
+  # memory plan counts it).
+  c.optimizer.mu_dtype = ''
   return c
