@@ -17,6 +17,8 @@ if 'MINTRAIN_TEST_JAX_CACHE' not in os.environ:  # The first process of the sess
   os.environ['MINTRAIN_TEST_JAX_CACHE'] = tempfile.mkdtemp(prefix='mintrain_test_jax_cache_')
   atexit.register(shutil.rmtree, os.environ['MINTRAIN_TEST_JAX_CACHE'], ignore_errors=True)
 os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ['MINTRAIN_TEST_JAX_CACHE']
+# Matmul calibrations (runtime.hardware) stay in the session's cache, not the user's.
+os.environ['MINTRAIN_CACHE_DIR'] = os.environ['MINTRAIN_TEST_JAX_CACHE']
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 TEST_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false'

@@ -1,5 +1,6 @@
 """Peak FLOP/s: table lookup by device kind, config override, CPU calibration."""
 
+import json
 import math
 import time
 import types
@@ -49,11 +50,28 @@ def test_config_override_wins_over_the_table():
   assert hardware.peak_tflops(h100, 'bfloat16', override=400.0) == (400.0, 'config: metrics.peak_tflops')
 
 
-def test_cpu_falls_back_to_a_measurement_shared_by_the_simulated_devices(monkeypatch):
+def test_cpu_falls_back_to_a_measurement_shared_by_the_simulated_devices(monkeypatch, tmp_path):
+  monkeypatch.setenv('MINTRAIN_CACHE_DIR', str(tmp_path))
   monkeypatch.setattr(hardware, 'measure_matmul_tflops', lambda dtype, device: 0.25)
   assert jax.local_device_count() == 8
   assert hardware.peak_tflops(jax.devices('cpu')[0], 'float32') == (
       0.25 / 8, 'measured: CPU matmul calibration / 8 simulated devices')
+
+
+def test_the_cpu_calibration_is_measured_once_per_machine_and_keeps_the_best(monkeypatch, tmp_path):
+  monkeypatch.setenv('MINTRAIN_CACHE_DIR', str(tmp_path))
+  cpu = jax.devices('cpu')[0]
+  measured = []
+  monkeypatch.setattr(hardware, 'measure_matmul_tflops', lambda dtype, device: measured.append(dtype) or 0.5)
+  assert hardware.calibrated_tflops('float32', cpu) == 0.5
+  assert hardware.calibrated_tflops('float32', cpu) == 0.5  # From the cache: measured once.
+  assert measured == ['float32']
+  assert hardware.calibrated_tflops('bfloat16', cpu) == 0.5 and len(measured) == 2  # Per dtype.
+  [key] = [k for k in json.loads(hardware.calibration_cache().read_text()) if k.endswith('float32')]
+  assert hardware.keep_best(key, 0.2) == 0.5 and hardware.keep_best(key, 0.8) == 0.8
+  assert hardware.calibrated_tflops('float32', cpu) == 0.8 and len(measured) == 2
+  hardware.calibration_cache().write_text('{not json')  # A damaged cache is measured again.
+  assert hardware.calibrated_tflops('float32', cpu) == 0.5 and len(measured) == 3
 
 
 def test_calibration_is_positive_finite_and_quick():
@@ -63,7 +81,8 @@ def test_calibration_is_positive_finite_and_quick():
   assert tflops > 0 and math.isfinite(tflops)
 
 
-def test_mfu_is_model_flops_over_peak():
+def test_mfu_is_model_flops_over_peak_and_never_above_one():
   assert hardware.mfu(494.7e12, 989.4) == pytest.approx(0.5)
+  assert hardware.mfu(3e12, 2.0) == 1.0  # A peak measured too low does not print 150%.
   with pytest.raises(ValueError, match='positive'):
     hardware.mfu(1e12, 0.0)

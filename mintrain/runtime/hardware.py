@@ -5,7 +5,11 @@ nvidia.com/en-us/data-center/{h100,h200,a100,l4}/, cloud.google.com/tpu/docs/{v4
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import pathlib
+import platform
 import re
 import statistics
 import time
@@ -95,7 +99,7 @@ def peak_tflops(device: jax.Device, dtype: jnp.dtype | str,
     if _full_float32() and peak.float32_full is not None:
       return peak.float32_full, f'table: {peak.name} (full float32)'
     return peak.float32, f'table: {peak.name}'
-  value = measure_matmul_tflops(dtype, device=device)
+  value = calibrated_tflops(dtype, device)
   if device.platform == 'cpu' and jax.local_device_count() > 1:
     # Simulated CPU devices share the host's cores: while all of them train, each gets 1/N.
     shared = jax.local_device_count()
@@ -103,8 +107,63 @@ def peak_tflops(device: jax.Device, dtype: jnp.dtype | str,
   return value, f'measured: {device.platform.upper()} matmul calibration'
 
 
+def calibration_cache() -> pathlib.Path:
+  """Where measured peaks are kept: $MINTRAIN_CACHE_DIR, else ~/.cache/mintrain."""
+  root = os.environ.get('MINTRAIN_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache', 'mintrain')
+  return pathlib.Path(root) / 'matmul_peak.json'
+
+
+def _machine() -> str:
+  """What a CPU peak belongs to: the processor model, the cores this process may use, the JAX version."""
+  model = platform.processor() or platform.machine()
+  try:
+    names = [line.split(':', 1)[1].strip() for line in pathlib.Path('/proc/cpuinfo').read_text().splitlines()
+             if line.startswith('model name')]
+    model = names[0] if names else model
+  except OSError:
+    pass
+  return f'{model} x{len(os.sched_getaffinity(0))} jax {jax.__version__}'
+
+
+def calibrated_tflops(dtype: jnp.dtype | str, device: jax.Device) -> float:
+  """The matmul calibration of this machine: measured once and cached (a second of every start-up
+  saved, and one stable figure where a loaded machine's measurements vary severalfold), raised when a
+  later measurement (`measure_matmul_tflops`, e.g. by a benchmark) is kept with `keep_best`."""
+  key = f'{device.platform} {_machine()} {jnp.dtype(dtype).name}'
+  cached = _read_cache().get(key)
+  if cached is not None:
+    return float(cached)
+  return keep_best(key, measure_matmul_tflops(dtype, device=device))
+
+
+def keep_best(key: str, tflops: float) -> float:
+  """Records `tflops` under `key` unless a higher figure is there; returns the best. A cache that cannot
+  be written only costs the next run a measurement."""
+  cache = _read_cache()
+  best = max(float(cache.get(key, 0.0)), tflops)
+  cache[key] = best
+  path = calibration_cache()
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f'{path.name}.{os.getpid()}')
+    partial.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    partial.replace(path)
+  except OSError:
+    pass
+  return best
+
+
+def _read_cache() -> dict[str, float]:
+  try:
+    cache = json.loads(calibration_cache().read_text())
+  except (OSError, ValueError):
+    return {}
+  return cache if isinstance(cache, dict) else {}
+
+
 def mfu(model_flops_per_sec_per_device: float, peak: float) -> float:
-  """Model FLOPs utilisation: achieved model FLOP/s over the peak (`peak` in TFLOP/s)."""
+  """Model FLOPs utilisation: achieved model FLOP/s over the peak (`peak` in TFLOP/s), at most 1: a
+  measured peak below what a run achieves is the measurement's error, not a utilisation."""
   if not peak > 0 or not math.isfinite(peak):
     raise ValueError(f'Peak must be a positive number of TFLOP/s; got {peak}.')
-  return model_flops_per_sec_per_device / (peak * 1e12)
+  return min(model_flops_per_sec_per_device / (peak * 1e12), 1.0)
