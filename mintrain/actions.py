@@ -296,7 +296,7 @@ class Actions:
                peak: float, batches: GlobalBatches, eval_batches: GlobalBatches | None,
                bytes_per_token: float | None, *, is_main: bool, say: Say, print_fn: Say):
     config = run.config
-    self.stack, self.config, self.workdir = stack, config, workdir
+    self.stack, self.config, self.workdir, self.run = stack, config, workdir, run
     self.is_main, self.print_fn = is_main, print_fn
     self.records: list[dict] = []
     self.writer: metrics.MultiWriter | None = None
@@ -311,8 +311,13 @@ class Actions:
   def start_writing(self) -> None:
     """Opens the metrics writer (closed by the stack, keeping an error already on its way out over its own)
     and writes the hyperparameters."""
+    run = self.run
+    metadata = {'sharding_report': report.format_report(run.layout, run.abstract_state, run.mesh, run.plan,
+                                                        run.rules),
+                'memory_plan_bytes_per_device': dataclasses.asdict(run.plan)}
     self.writer = self.stack.enter_context(metrics.make_writer(
-        self.workdir, is_main=self.is_main, total_steps=self.config.train.steps, print_fn=self.print_fn))
+        self.workdir, is_main=self.is_main, total_steps=self.config.train.steps, print_fn=self.print_fn,
+        cfg=self.config.metrics, metadata=metadata))
     self.writer.write_hparams(metrics.flat_hparams(self.config.to_dict()))
 
   def log(self, step: int, scalars: dict[str, float]) -> None:

@@ -108,6 +108,7 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
   for note in r.notes:
     say(f'note: {note}')
   report.check(r.plan)
+  metrics.check_wandb(config.metrics)
   text = config.data.source != 'synthetic'
   say(tokenizer.describe(tok, config.data.tokenizer, config.init.hf_checkpoint))
   with jax.set_mesh(r.mesh):  # Data first: a bad file or tokenizer stops the run before it writes.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from typing import Any, Protocol
 
 from etils import epath
 
-from mintrain.errors import StorageError
+from mintrain.errors import ConfigError, StorageError
 from mintrain.fields import option
 from mintrain.runtime import hardware
 from mintrain.runtime.storage import free_bytes, is_remote, prepare_dir
@@ -52,6 +53,11 @@ def _import_tensorboardx() -> None:
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
   peak_tflops: float = option(at_least=0)
+  wandb_project: str = option()
+  wandb_entity: str = option()
+  wandb_run_name: str = option()
+  wandb_tags: str = option()
+  wandb_mode: str = option(choices=('online', 'offline'))
 
 
 SYNC_SECS = 60.0  # How often at most a remote workdir's metrics are copied there while the run writes.
@@ -236,6 +242,50 @@ class TensorBoardWriter:
         events.close()
 
 
+WANDB_RUN_ID = 'wandb_run_id'  # WORKDIR/wandb_run_id: the W&B run a resumed run continues.
+
+
+class WandbWriter:
+  """A Weights & Biases run (files in WORKDIR/wandb): the same scalars as TensorBoard, the config and
+  the run's `metadata` (sharding report, memory plan) in its config. The run's id is kept in the workdir, so
+  a resumed run continues the same W&B run."""
+
+  def __init__(self, cfg: MetricsConfig, local: pathlib.Path, metadata: Mapping[str, Any]):
+    import wandb  # An optional extra: `check_wandb` said how to install it.
+
+    id_path = local / WANDB_RUN_ID
+    run_id = id_path.read_text().strip() if id_path.exists() else uuid.uuid4().hex[:8]
+    with _writing(local):
+      id_path.write_text(run_id + '\n')
+      (local / 'wandb').mkdir(exist_ok=True)
+    self.run = wandb.init(
+        project=cfg.wandb_project, entity=cfg.wandb_entity or None, name=cfg.wandb_run_name or None,
+        tags=[t.strip() for t in cfg.wandb_tags.split(',') if t.strip()] or None, mode=cfg.wandb_mode,
+        dir=str(local), id=run_id, resume='allow', config=dict(metadata),
+        settings=wandb.Settings(console='off', silent=True, x_disable_stats=True))
+
+  def write_scalars(self, step: int, scalars: Scalars) -> None:
+    self.run.log({k: float(v) for k, v in scalars.items()}, step=int(step))
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    self.run.config.update(dict(hparams), allow_val_change=True)
+
+  def flush(self) -> None:
+    pass  # W&B's own process streams the records.
+
+  def close(self) -> None:
+    run, self.run = self.run, None
+    if run is not None:
+      run.finish()
+
+
+def check_wandb(cfg: MetricsConfig) -> None:
+  """A ConfigError, before the run writes, when W&B is asked for and not installed."""
+  if cfg.wandb_project and importlib.util.find_spec('wandb') is None:
+    raise ConfigError(f"metrics.wandb_project={cfg.wandb_project!r} needs Weights & Biases: "
+                      f"pip install -e '.[wandb]' (or pip install wandb).")
+
+
 class Staging:
   """A local directory that stands for `target`: `target` itself when it is local; for a remote one
   (`gs://...`), a temporary directory whose new or changed files `sync` copies there whole (object stores
@@ -346,8 +396,10 @@ class MultiWriter:
 
 
 def make_writer(workdir: str | os.PathLike | None, *, is_main: bool, total_steps: int,
-                print_fn: Callable[[str], None] = print) -> MultiWriter:
-  """Console + TensorBoard + metrics.jsonl on process 0; nothing elsewhere. Counts the run's attempt.
+                print_fn: Callable[[str], None] = print, cfg: MetricsConfig | None = None,
+                metadata: Mapping[str, Any] | None = None) -> MultiWriter:
+  """Console + TensorBoard + metrics.jsonl (+ W&B with `cfg.wandb_project`, given `metadata`) on process 0;
+  nothing elsewhere. Counts the run's attempt.
 
   A workdir that is a file, or on a read-only or full file system, is a StorageError here; a remote one
   is written through a `Staging` directory (metrics.jsonl fetched first, so a resumed run appends).
@@ -358,9 +410,11 @@ def make_writer(workdir: str | os.PathLike | None, *, is_main: bool, total_steps
   if workdir is None:
     return MultiWriter(writers)
   workdir = prepare_dir(workdir)
-  staging = Staging(workdir, fetch=('metrics.jsonl',)) if is_remote(workdir) else None
+  staging = Staging(workdir, fetch=('metrics.jsonl', WANDB_RUN_ID)) if is_remote(workdir) else None
   local = staging.local if staging is not None else pathlib.Path(workdir)
   writers += [TensorBoardWriter(local / 'tensorboard'), JsonlWriter(local, next_attempt(workdir))]
+  if cfg is not None and cfg.wandb_project:
+    writers.append(WandbWriter(cfg, local, metadata or {}))
   return MultiWriter(writers, staging)
 
 

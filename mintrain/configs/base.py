@@ -141,6 +141,14 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0  # Peak TFLOP/s per device for MFU; 0: the device table, or a CPU calibration.
+  # Weights & Biases (pip install -e '.[wandb]'), on process 0: the same scalars as TensorBoard, the config,
+  # the sharding report and the memory plan. '' is off. A resumed run continues the same W&B run (its id is
+  # kept in WORKDIR/wandb_run_id). WANDB_MODE and W&B's other environment variables apply as usual.
+  c.metrics.wandb_project = ''
+  c.metrics.wandb_entity = ''  # '' : W&B's default entity.
+  c.metrics.wandb_run_name = ''  # '' : W&B picks one.
+  c.metrics.wandb_tags = ''  # Comma-separated.
+  c.metrics.wandb_mode = 'online'  # 'online' or 'offline' (written to WORKDIR/wandb; `wandb sync` later).
 
   c.profile = ml_collections.ConfigDict()
   c.profile.start_step = -1  # Write a JAX profiler trace starting at this step to WORKDIR/profile; -1: off.
