@@ -121,11 +121,16 @@ class Timer:
   """Wall time of the steps between logging records, with the actions' own time left out."""
 
   def __init__(self):
+    self.phases: dict[str, float] = {}
     self.restart()
 
   def restart(self) -> None:  # The first step, with its compilation, is left out of the rates.
     self.steps, self.seconds, self.all_steps, self.all_seconds, self.data_wait = 0, 0.0, 0, 0.0, 0.0
     self._since = time.perf_counter()
+
+  def spend(self, phase: str, seconds: float) -> None:
+    """Wall time outside the steps, by what it went to (goodput's split: data wait, checkpointing, ...)."""
+    self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
   def resume(self) -> None:
     self._since = time.perf_counter()
@@ -154,6 +159,8 @@ class StepInfo:
 class Log:
   """Every `train.log_every` steps and at the end: the step's metrics and the interval's throughput."""
 
+  phase = 'logging'  # Where its time goes in the run's time split.
+
   def __init__(self, run: Run, timer: Timer, log: LogFn, peak: float):
     self.every, self.total = run.config.train.log_every, run.config.train.steps
     self.timer, self.log, self.peak = timer, log, peak
@@ -179,6 +186,8 @@ class Log:
 
 class Evaluate:
   """Every `eval.every_steps` steps and at the end: mean loss on the same held-out batches each time."""
+
+  phase = 'evaluation'  # Where its time goes in the run's time split.
 
   def __init__(self, run: Run, log: LogFn, batches: GlobalBatches | None, bytes_per_token: float | None):
     self.run, self.log, self.every = run, log, run.config.eval.every_steps
@@ -222,6 +231,8 @@ class Save:
   Orbax). On exit it finishes the save in flight, or after a failure abandons it rather than hide the
   failure. Each save hands the host heap's free pages back, so the RSS stays where the first left it."""
 
+  phase = 'checkpointing'  # Where its time goes in the run's time split.
+
   def __init__(self, run: Run, checkpoints: ckpt_lib.Checkpoints, batches: GlobalBatches):
     self.run, self.checkpoints, self.batches = run, checkpoints, batches
     self.every = run.config.checkpoint.every_steps
@@ -251,6 +262,8 @@ class Save:
 class Profile:
   """A JAX profiler trace of steps start_step .. start_step + num_steps - 1 into WORKDIR/profile (staged
   locally for a remote workdir), closed on exit; none without a workdir."""
+
+  phase = 'profiling'  # Where its time goes in the run's time split.
 
   def __init__(self, cfg: ProfileConfig, workdir: epath.Path | None, say: Say):
     self.start, self.count, self.say = cfg.start_step, cfg.num_steps, say

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ from mintrain.data import statistics, tokenizer
 from mintrain.data.batches import GlobalBatches
 from mintrain.runtime import distributed, hardware, preemption, storage
 from mintrain.runtime.run_lock import RunLock
+from mintrain.runtime.watchdog import Watchdog
 from mintrain.train_state import TrainState
 
 
@@ -133,20 +135,23 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
 
 
 def train(r: Run, state: TrainState, batches: GlobalBatches, actions: actions_lib.Actions,
-          stop: preemption.StopRequests, timer: Timer, say: Say
+          stop: preemption.StopRequests, timer: Timer, watchdog: Watchdog, say: Say
           ) -> tuple[TrainState, list[float], float, bool]:
   """Steps to `train.steps` or an agreed stop: (state, losses, compile seconds, stopped)."""
   first_step, total = int(to_host(state.step)), r.config.train.steps
   train_step, compile_time, stopped, pending, losses = r.train_step, 0.0, False, [], []
   for step in range(first_step, total):
+    watchdog.beat()
     actions.profile.before(step + 1)
     wait_start = time.perf_counter()
     batch = next(batches)
     timer.data_wait += time.perf_counter() - wait_start
+    timer.spend('data_wait', time.perf_counter() - wait_start)
     if step == first_step:  # Compile ahead, so its time is reported apart from the steps'.
       compile_start = time.perf_counter()
       train_step = train_step.lower(state, batch).compile()
       compile_time = time.perf_counter() - compile_start
+      timer.spend('compile', compile_time)
       say(f'compiled the train step in {compile_time:.1f} s')
       distributed.barrier('mintrain: the train step is compiled')
     state, step_metrics = train_step(state, batch)
@@ -167,7 +172,9 @@ def train(r: Run, state: TrainState, batches: GlobalBatches, actions: actions_li
     check_finite(step + 1 - len(info.metrics), info.metrics)
     losses += [float(m['loss']) for m in info.metrics]
     for action in due:
+      start = time.perf_counter()
       action(info)
+      timer.spend(getattr(action, 'phase', 'other'), time.perf_counter() - start)
     timer.resume()
     if info.stopping:
       break
@@ -191,6 +198,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     if workdir is not None and is_main:
       stack.enter_context(RunLock(workdir, force=force, warn=say))
     run_log = stack.enter_context(actions_lib.RunLog(workdir))
+    logs = run_log.path.parent if run_log.path is not None else None
+    watchdog = stack.enter_context(Watchdog(config.train.hang_timeout_s, logs, _warn))
     r = build(config, devices)
     config = r.config
     tok = tok or tokenizer.load(config.data.tokenizer)
@@ -213,7 +222,13 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     first_step = int(to_host(state.step))
     if baseline:
       actions.log(first_step, baseline)
-    state, losses, compile_time, stopped = train(r, state, batches, actions, stop, timer, say)
+    timer.spend('startup', time.perf_counter() - run_start)
+    state, losses, compile_time, stopped = train(r, state, batches, actions, stop, timer, watchdog, say)
+    summary = summarize(r, timer, peak, time.perf_counter() - run_start, compile_time, losses,
+                        actions.evaluation.last)
+    if losses:
+      actions.log(int(to_host(state.step)), {k: v for k, v in summary.items() if k.startswith('time_')}
+                  | {'goodput': summary['goodput']})
 
   last_step = int(to_host(state.step))
   stopped_by = stop.reason if stopped and last_step < config.train.steps else None
@@ -222,17 +237,25 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
              else 'no workdir, nothing saved')
     cause = f'Received {stop.received}' if stop.received else f'Stopped by {stopped_by}'
     say(f'{cause}: finished step {last_step}, {where}; exiting.')
-  summary = summarize(r, timer, peak, time.perf_counter() - run_start, compile_time, losses,
-                      actions.evaluation.last)
   if losses:
     say(metrics.format_summary(summary))
   return RunResult(actions.records, losses, state, first_step, stopped_by, summary)
+
+
+def _warn(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
 
 
 def summarize(r: Run, timer: Timer, peak: float, total_time: float, compile_time: float, losses: list[float],
               evaluation: dict[str, float]) -> dict:
   """The final summary's figures: times, the throughput of every timed step, the last loss and eval."""
   summary = {'total_time_sec': total_time, 'compile_time_sec': compile_time}
+  # Goodput (MaxText's): the share of the wall time spent in training steps.
+  spent = {phase: timer.phases.get(phase, 0.0) for phase in metrics.TIME_SPLIT if phase != 'steps'}
+  loop_time = total_time - spent['startup']
+  spent['steps'] = max(loop_time - sum(v for k, v in spent.items() if k != 'startup'), 0.0)
+  summary |= {f'time_{phase}_sec': spent[phase] for phase in metrics.TIME_SPLIT}
+  summary['goodput'] = spent['steps'] / total_time if total_time > 0 else 0.0
   if timer.all_steps:
     summary.update(metrics.throughput(timer.all_steps, timer.all_seconds,
                                       tokens_per_step=report.tokens_per_step(r.config),

@@ -105,7 +105,8 @@ class ConsoleWriter:
     self.print_fn, self.total_steps = print_fn, total_steps
 
   def write_scalars(self, step: int, scalars: Scalars) -> None:
-    self.print_fn(format_line(step, scalars, self.total_steps))
+    if any(key in scalars for key, _ in CONSOLE):  # The time split is in the summary line instead.
+      self.print_fn(format_line(step, scalars, self.total_steps))
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     pass  # The config is in hparams.json and TensorBoard; on the console it would bury the report.
@@ -432,11 +433,20 @@ def flat_hparams(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   return out
 
 
+# The run's wall time by what it went to; goodput is the share of 'steps'.
+TIME_SPLIT = ('startup', 'compile', 'steps', 'data_wait', 'checkpointing', 'evaluation', 'logging',
+              'profiling')
+
+
 def format_summary(s: Mapping[str, float]) -> str:
   parts = [f"total {format_duration(s['total_time_sec'])}", f"compile {s['compile_time_sec']:.1f} s"]
   if 'step_time' in s:
     parts += [f"mean step {s['step_time'] * 1e3:.1f} ms", f"{s['tokens_per_sec']:,.0f} tok/s",
               f"{s['tflops_per_device']:.3f} TFLOP/s/dev", f"MFU {s['mfu']:.1%}"]
+  if 'goodput' in s:
+    split = ', '.join(f"{name.replace('_', ' ')} {s[f'time_{name}_sec']:.1f} s" for name in TIME_SPLIT
+                      if s.get(f'time_{name}_sec', 0.0) >= 0.05)
+    parts.append(f"goodput {s['goodput']:.1%} ({split})")
   if 'final_loss' in s:
     parts.append(f"final loss {s['final_loss']:.4f}")
   if 'final_eval_loss' in s:

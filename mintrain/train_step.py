@@ -24,6 +24,7 @@ class TrainConfig:
   seq_len: int = option(at_least=1)
   grad_accum_steps: int = option(at_least=1)
   log_every: int = option(at_least=1)
+  hang_timeout_s: float = option(above=0)
 
   def __post_init__(self):
     if self.global_batch_size % self.grad_accum_steps:

@@ -30,9 +30,10 @@ ARGS = ['--config', 'mintrain/configs/dp4_tp2.py', '--config.model.num_layers=1'
 STOP_BOUND = 10.0
 
 
-def start(workdir: pathlib.Path, by_hand: bool) -> tuple[list[subprocess.Popen], dict[int, int], list[str]]:
+def start(workdir: pathlib.Path, by_hand: bool, extra: tuple[str, ...] = ()
+          ) -> tuple[list[subprocess.Popen], dict[int, int], list[str]]:
   """(the Popen objects, process id -> OS pid, the output lines as they come)."""
-  train = [sys.executable, 'scripts/train.py', '--workdir', str(workdir), *ARGS]
+  train = [sys.executable, 'scripts/train.py', '--workdir', str(workdir), *ARGS, *extra]
   if by_hand:
     address = f'127.0.0.1:{free_port()}'
     procs = [subprocess.Popen(train, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -138,6 +138,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.seq_len = 64  # Tokens per sequence.
   c.train.grad_accum_steps = 1  # Micro-batches per step; gradients are averaged over them.
   c.train.log_every = 25  # Steps between progress lines and metrics.jsonl records.
+  # Seconds without a finished step (start-up and compilation included) after which every process writes
+  # the stacks of all its threads to WORKDIR/logs/hang.log and says on the console where it is stuck; the
+  # run goes on (a slow step may yet finish). Generous, so a long compile or save is not taken for a hang.
+  c.train.hang_timeout_s = 1800.0
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0  # Peak TFLOP/s per device for MFU; 0: the device table, or a CPU calibration.
