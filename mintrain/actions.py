@@ -22,9 +22,10 @@ from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.data import streaming
 from mintrain.data.batches import GlobalBatches
+from mintrain.errors import StorageError
 from mintrain.fields import option
 from mintrain.runtime import host_allocator
-from mintrain.runtime.storage import is_remote
+from mintrain.runtime.storage import is_remote, os_reason
 from mintrain.train_state import TrainState
 
 Say = Callable[[str], None]
@@ -301,16 +302,19 @@ class Profile:
     self.close()
 
 
+SHARDING_REPORT = 'sharding.txt'  # WORKDIR/sharding.txt: every parameter's shape, axes and layout.
+
+
 class Actions:
   """A run's actions in the order they run (a save first). The metrics writer is opened by `start_writing`,
   once the restore has passed its checks, so a refused run writes nothing."""
 
   def __init__(self, stack: contextlib.ExitStack, run: Run, workdir: epath.Path | None, timer: Timer,
                peak: float, batches: GlobalBatches, eval_batches: GlobalBatches | None,
-               bytes_per_token: float | None, *, is_main: bool, say: Say, print_fn: Say):
+               bytes_per_token: float | None, *, is_main: bool, say: Say, console: metrics.Console):
     config = run.config
     self.stack, self.config, self.workdir, self.run = stack, config, workdir, run
-    self.is_main, self.print_fn = is_main, print_fn
+    self.is_main, self.console = is_main, console
     self.records: list[dict] = []
     self.writer: metrics.MultiWriter | None = None
     self.checkpoints, save = None, []
@@ -325,11 +329,17 @@ class Actions:
     """Opens the metrics writer (closed by the stack, keeping an error already on its way out over its own)
     and writes the hyperparameters."""
     run = self.run
-    metadata = {'sharding_report': report.format_report(run.layout, run.abstract_state, run.mesh, run.plan,
-                                                        run.rules),
-                'memory_plan_bytes_per_device': dataclasses.asdict(run.plan)}
+    sharding = report.format_report(run.layout, run.abstract_state, run.mesh, run.plan, run.rules)
+    if self.is_main and self.workdir is not None:  # The console had the summary; the table goes here.
+      path = self.workdir / SHARDING_REPORT
+      try:
+        path.write_text(sharding + '\n')
+      except OSError as e:
+        raise StorageError(f'Writing {path} failed ({os_reason(e)}).') from e
+      self.console.line(f'sharding: one row per parameter in {path}')
+    metadata = {'sharding_report': sharding, 'memory_plan_bytes_per_device': dataclasses.asdict(run.plan)}
     self.writer = self.stack.enter_context(metrics.make_writer(
-        self.workdir, is_main=self.is_main, total_steps=self.config.train.steps, print_fn=self.print_fn,
+        self.workdir, is_main=self.is_main, total_steps=self.config.train.steps, console=self.console,
         cfg=self.config.metrics, metadata=metadata))
     self.writer.write_hparams(metrics.flat_hparams(self.config.to_dict()))
 

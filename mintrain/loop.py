@@ -106,7 +106,7 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
   """What can fail on bad input, checked before the run writes (memory plan, data, tokenizer, HF tensors):
   (train batches, eval batches, bytes per token, baseline record, peak TFLOP/s per device)."""
   config = r.config
-  say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan, r.rules))
+  say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan, r.rules, table=False))
   for note in r.notes:
     say(f'note: {note}')
   report.check(r.plan)
@@ -188,7 +188,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
   workdir's lock from before anything is built to the end; `force` takes it over from a live holder."""
   run_start = time.perf_counter()
   is_main = jax.process_index() == 0
-  say = print_fn if is_main else (lambda _: None)
+  console = metrics.Console(print_fn)
+  say = console.line if is_main else (lambda _: None)
   workdir = None if workdir is None else storage.prepare_dir(workdir)  # A bad one fails before the build.
   timer = Timer()
   with contextlib.ExitStack() as stack:
@@ -206,7 +207,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say,
                                                                      tok)
     actions = actions_lib.Actions(stack, r, workdir, timer, peak, batches, eval_batches, bytes_per_token,
-                                  is_main=is_main, say=say, print_fn=print_fn)
+                                  is_main=is_main, say=say, console=console)
     stack.enter_context(jax.set_mesh(r.mesh))
     state, data_state = initial_state(r, actions.checkpoints, restore_from=restore_from,
                                       params_only=restore_params_only, print_fn=say)
@@ -261,6 +262,8 @@ def summarize(r: Run, timer: Timer, peak: float, total_time: float, compile_time
                                       tokens_per_step=report.tokens_per_step(r.config),
                                       flops_per_step=report.train_flops_per_step(r.config),
                                       num_devices=r.mesh.size, peak_tflops=peak))
+    if not r.config.metrics.peak_tflops:
+      hardware.observed(r.mesh.devices.flat[0], r.config.model.compute_dtype, summary['tflops_per_device'])
   if losses:
     summary['final_loss'] = losses[-1]
   return summary | {f'final_{k}': v for k, v in evaluation.items()}

@@ -98,15 +98,48 @@ class Writer(Protocol):
     """Idempotent: a second call does nothing."""
 
 
-class ConsoleWriter:
-  """One line per record: progress, the figures in CONSOLE, and the ETA."""
+class Console:
+  """A run's console. On a terminal, progress records redraw one live line (with a bar); every other
+  line ends it first. Elsewhere (a file, a pipe, a test's `print_fn`), plain lines."""
 
-  def __init__(self, print_fn: Callable[[str], None], total_steps: int):
-    self.print_fn, self.total_steps = print_fn, total_steps
+  BAR = 20
+
+  def __init__(self, print_fn: Callable[[str], None] = print):
+    self.print_fn, self.open = print_fn, False
+    self.live = print_fn is print and sys.stdout.isatty()
+
+  def line(self, text: str) -> None:
+    if self.open:
+      print(flush=True)
+      self.open = False
+    self.print_fn(text)
+
+  def progress(self, step: int, total: int, text: str) -> None:
+    if not self.live:
+      self.print_fn(text)
+      return
+    done = round(self.BAR * step / total)
+    line = f"[{'#' * done}{'.' * (self.BAR - done)}] {text}"
+    width = shutil.get_terminal_size().columns  # A wrapped line could not be redrawn.
+    print(f'\r\x1b[K{line[:width - 1]}', end='', flush=True)
+    self.open = True
+
+
+class ConsoleWriter:
+  """One line per record: progress, the figures in CONSOLE, and the ETA; training records are the live
+  line on a terminal."""
+
+  def __init__(self, console: Console, total_steps: int):
+    self.console, self.total_steps = console, total_steps
 
   def write_scalars(self, step: int, scalars: Scalars) -> None:
-    if any(key in scalars for key, _ in CONSOLE):  # The time split is in the summary line instead.
-      self.print_fn(format_line(step, scalars, self.total_steps))
+    if not any(key in scalars for key, _ in CONSOLE):  # The time split is in the summary line instead.
+      return
+    line = format_line(step, scalars, self.total_steps)
+    if 'loss' in scalars:
+      self.console.progress(step, self.total_steps, line)
+    else:
+      self.console.line(line)
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     pass  # The config is in hparams.json and TensorBoard; on the console it would bury the report.
@@ -397,7 +430,8 @@ class MultiWriter:
 
 
 def make_writer(workdir: str | os.PathLike | None, *, is_main: bool, total_steps: int,
-                print_fn: Callable[[str], None] = print, cfg: MetricsConfig | None = None,
+                print_fn: Callable[[str], None] = print, console: Console | None = None,
+                cfg: MetricsConfig | None = None,
                 metadata: Mapping[str, Any] | None = None) -> MultiWriter:
   """Console + TensorBoard + metrics.jsonl (+ W&B with `cfg.wandb_project`, given `metadata`) on process 0;
   nothing elsewhere. Counts the run's attempt.
@@ -407,7 +441,7 @@ def make_writer(workdir: str | os.PathLike | None, *, is_main: bool, total_steps
   """
   if not is_main:
     return MultiWriter()
-  writers: list[Writer] = [ConsoleWriter(print_fn, total_steps)]
+  writers: list[Writer] = [ConsoleWriter(console or Console(print_fn), total_steps)]
   if workdir is None:
     return MultiWriter(writers)
   workdir = prepare_dir(workdir)

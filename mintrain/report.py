@@ -148,21 +148,25 @@ def format_activations(rules: partitioning.AxisRules, mesh: Mesh) -> str:
 
 
 def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mesh,
-                  plan: MemoryPlan | None = None, rules: partitioning.AxisRules | None = None) -> str:
-  """One row per parameter, then per-device totals, and, given them, how activations are split and the
-  memory plan."""
-  header = ('parameter', 'global shape', 'logical axes', 'PartitionSpec', 'per-device shape', 'bytes/device')
-  rows = [header] + [
-      (p.path, str(p.shape), str(p.logical_axes), partitioning.format_spec(p.spec),
-       str(p.shard_shape), fmt_bytes(p.bytes_per_device)) for p in layout]
-  widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-  lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-  lines.insert(1, '  '.join('-' * w for w in widths))
+                  plan: MemoryPlan | None = None, rules: partitioning.AxisRules | None = None, *,
+                  table: bool = True) -> str:
+  """One row per parameter (with `table`), then per-device totals, and, given them, how activations are
+  split and the memory plan."""
+  lines = []
+  if table:
+    header = ('parameter', 'global shape', 'logical axes', 'PartitionSpec', 'per-device shape',
+              'bytes/device')
+    rows = [header] + [
+        (p.path, str(p.shape), str(p.logical_axes), partitioning.format_spec(p.spec),
+         str(p.shard_shape), fmt_bytes(p.bytes_per_device)) for p in layout]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines[1:1] = ['  '.join('-' * w for w in widths)]
+    lines.append('')
   n_params = sum(math.prod(p.shape) for p in layout)
   param_bytes = sum(p.bytes_per_device for p in layout)
   opt_bytes = state_bytes_per_device(abstract_state.opt_state)
-  lines += ['',
-            f'mesh {mesh_lib.describe(mesh.shape)} ({mesh.size} devices), {n_params:,} parameters',
+  lines += [f'mesh {mesh_lib.describe(mesh.shape)} ({mesh.size} devices), {n_params:,} parameters',
             *filter(None, [mesh_lib.describe_levels(mesh), rules and format_activations(rules, mesh)]),
             f'per device: parameters {fmt_bytes(param_bytes)}, optimizer state {fmt_bytes(opt_bytes)}, '
             f'total {fmt_bytes(param_bytes + opt_bytes)}']

@@ -1,11 +1,15 @@
 """The command-line entry points, run as real subprocesses."""
 
+import contextlib
 import json
+import os
+import pty
 import re
+import subprocess
 import sys
 
 import pytest
-from helpers import run_script
+from helpers import REPO, TINY, run_script, script_env, script_flags
 
 
 def test_train_runs_end_to_end_and_writes_metrics(tmp_path):
@@ -13,13 +17,35 @@ def test_train_runs_end_to_end_and_writes_metrics(tmp_path):
                     '--config.train.steps=6', '--config.train.log_every=3')
   assert proc.returncode == 0, proc.stderr
   assert 'simulating 8 CPU devices' in proc.stdout
-  assert 'PartitionSpec' in proc.stdout  # The sharding report comes first.
+  assert 'mesh data=4 x fsdp=1 x model=2 (8 devices)' in proc.stdout  # The sharding summary comes first.
+  assert 'PartitionSpec' not in proc.stdout  # The per-parameter table is in the workdir.
+  assert 'blocks.0.attn.wq_DHK' in (tmp_path / 'sharding.txt').read_text()
+  startup = proc.stdout.split('compiled the train step')[0].splitlines()
+  assert len(startup) <= 16, startup
   records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   train = [r for r in records if 'loss' in r]
   assert [r['step'] for r in train] == [3, 6]
   for key in ('loss', 'grad_norm', 'learning_rate', 'steps_per_sec', 'tokens_per_sec'):
     assert key in train[-1] and train[-1][key] > 0
   assert [r['step'] for r in records if 'eval_loss' in r] == [6]
+
+
+def test_on_a_terminal_progress_is_one_live_line_with_a_bar_and_other_lines_end_it(tmp_path):
+  master, slave = pty.openpty()
+  args = ['scripts/train.py', '--config', 'single',
+          *script_flags(*TINY, 'train.steps=4', 'train.log_every=2')]
+  proc = subprocess.Popen([sys.executable, *args], stdout=slave, stderr=subprocess.PIPE, cwd=REPO,
+                          env=script_env())
+  os.close(slave)
+  out = b''
+  with contextlib.suppress(OSError):  # EIO once the process has closed its end.
+    while chunk := os.read(master, 65536):
+      out += chunk
+  assert proc.wait(timeout=300) == 0, proc.stderr.read()
+  text = out.decode()
+  assert '\r\x1b[K[##########..........] step 2/4 (50%) | loss' in text
+  assert '\r\x1b[K[####################] step 4/4 (100%) | loss' in text
+  assert re.search(r'\(100%\) \| loss [^\n]*\r\nsummary: ', text)  # The summary starts a line of its own.
 
 
 def test_unknown_config_key_is_a_one_line_error_with_close_matches():

@@ -127,13 +127,24 @@ def _machine() -> str:
 
 def calibrated_tflops(dtype: jnp.dtype | str, device: jax.Device) -> float:
   """The matmul calibration of this machine: measured once and cached (a second of every start-up
-  saved, and one stable figure where a loaded machine's measurements vary severalfold), raised when a
-  later measurement (`measure_matmul_tflops`, e.g. by a benchmark) is kept with `keep_best`."""
-  key = f'{device.platform} {_machine()} {jnp.dtype(dtype).name}'
-  cached = _read_cache().get(key)
+  saved, and one stable figure where a loaded machine's measurements vary severalfold), raised by what
+  runs achieve (`observed`)."""
+  cached = _read_cache().get(_key(device, dtype))
   if cached is not None:
     return float(cached)
-  return keep_best(key, measure_matmul_tflops(dtype, device=device))
+  return keep_best(_key(device, dtype), measure_matmul_tflops(dtype, device=device))
+
+
+def _key(device: jax.Device, dtype: jnp.dtype | str) -> str:
+  return f'{device.platform} {_machine()} {jnp.dtype(dtype).name}'
+
+
+def observed(device: jax.Device, dtype: jnp.dtype | str, tflops_per_device: float) -> None:
+  """A run's achieved model TFLOP/s per device: where it beats a measured peak (a calibration taken on a
+  loaded machine), the machine evidently reaches it, and later runs divide by it."""
+  if lookup(device.device_kind) is None:
+    shared = jax.local_device_count() if device.platform == 'cpu' else 1
+    keep_best(_key(device, dtype), tflops_per_device * shared)
 
 
 def keep_best(key: str, tflops: float) -> float:
