@@ -181,7 +181,8 @@ class HarnessLM(TemplateLM):
           out[i] = postprocess_generated_text(self.tok.decode(new_N), prepared[i][1], None)
     return out
 
-  def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+  def apply_chat_template(self, chat_history: list[dict[str, str]],
+                          add_generation_prompt: bool = True) -> str:
     from mintrain.data import chat
 
     return chat.render(self.tok, chat_history, add_generation_prompt=add_generation_prompt)[0]
