@@ -183,14 +183,14 @@ class HarnessLM(TemplateLM):
 
   def apply_chat_template(self, chat_history: list[dict[str, str]],
                           add_generation_prompt: bool = True) -> str:
+    """The chat as the tokenizer's own template renders it (as transformers' apply_chat_template)."""
     from mintrain.data import chat
 
     return chat.render(self.tok, chat_history, add_generation_prompt=add_generation_prompt)[0]
 
   def chat_template(self, chat_template: bool | str = False) -> str | None:
-    from mintrain.data import chat
-
-    return chat.template(self.tok, chat_template if isinstance(chat_template, str) else None)
+    """What lm-eval records of the template (and keys its request cache by): the tokenizer's name."""
+    return self.tokenizer_name if chat_template else None
 
 
 @functools.partial(jax.jit, static_argnames='graphdef')
