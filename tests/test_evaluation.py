@@ -204,3 +204,47 @@ def test_unknown_harness_tasks_stop_training_before_it_writes(tmp_path, bpe_toke
 def test_harness_task_lists_with_empty_names_are_refused_by_the_config():
   with pytest.raises(ConfigError, match='eval.harness_tasks'):
     load_config('single', 'eval.harness_tasks=arc_easy,,piqa')
+
+
+def test_a_model_without_a_sampler_refuses_generate_until_in_one_line():
+  from lm_eval.api.instance import Instance
+
+  from mintrain.build import build
+  from mintrain.data.tokenizer import BYTES
+  config = load_config('mlp_dp4_tp2')
+  run = build(config, mesh_devices(config))
+  lm = harness.HarnessLM(run.model(run.abstract_state.params), run.config, BYTES, run.mesh)
+  request = Instance('generate_until', {}, ('def ', {'until': ['\n']}), 0)
+  with pytest.raises(harness.EvalError, match=r"^model.name='mlp' has no sampler \(no decode step\)"):
+    lm.generate_until([request])
+  with pytest.raises(harness.EvalError, match=r"^model.name='mlp' is not a language model"):
+    lm.loglikelihood([Instance('loglikelihood', {}, ('a', 'b'), 0)])
+
+
+def test_requests_are_tokenized_and_chats_rendered_as_transformers_does(bpe_tokenizer, tmp_path):
+  """As lm-eval's hf backend: BOS first, context and continuation encoded whole then split; the chat template
+  with the assistant's turn opened."""
+  import shutil
+
+  import transformers
+  from helpers import build
+
+  from mintrain.data import tokenizer
+  shutil.copytree(bpe_tokenizer, tmp_path / 'tok')
+  (tmp_path / 'tok' / 'chat_template.jinja').write_text(
+      "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / 'tok')
+  config = load_config('single', *TINY, 'model.vocab_size=512')
+  run = build(config)
+  lm = harness.HarnessLM(run.model(run.abstract_state.params), run.config,
+                         tokenizer.load(str(tmp_path / 'tok')), run.mesh)
+  context, continuation = 'def parse(path):\n    return', ' open(path).read()'
+  whole = theirs.encode(context + continuation)
+  assert lm.tok_encode(context + continuation) == whole and whole[0] == theirs.bos_token_id
+  assert lm._encode_pair(context, continuation) == (theirs.encode(context),
+                                                    whole[len(theirs.encode(context)):])
+  chat = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
+  assert lm.apply_chat_template(chat) == theirs.apply_chat_template(chat, tokenize=False,
+                                                                    add_generation_prompt=True)
+  assert lm.apply_chat_template(chat, add_generation_prompt=False).endswith('Hi\n')
