@@ -219,6 +219,10 @@ def test_a_model_without_a_sampler_refuses_generate_until_in_one_line():
     lm.generate_until([request])
   with pytest.raises(harness.EvalError, match=r"^model.name='mlp' is not a language model"):
     lm.loglikelihood([Instance('loglikelihood', {}, ('a', 'b'), 0)])
+  from mintrain.actions import HarnessEvaluate
+  run = build(load_config('mlp_dp4_tp2', 'eval.harness_tasks=arc_easy'), mesh_devices(config))
+  with pytest.raises(ConfigError, match=r"^eval.harness_tasks='arc_easy' needs a language model"):
+    HarnessEvaluate(run, quiet, BYTES, quiet)
 
 
 def test_requests_are_tokenized_and_chats_rendered_as_transformers_does(bpe_tokenizer, tmp_path):

@@ -159,7 +159,7 @@ class HarnessLM(TemplateLM):
         raise EvalError(f'max_gen_toks={new} leaves no room for a context in max_length={self.max_length} '
                         'positions.')
       temperature = float(kwargs.get('temperature') or 0.0) if kwargs.get('do_sample') else 0.0
-      prompt = self.tok_encode(context)[-(self.max_length - new):]
+      prompt = self.tok_encode(context)[-(self.max_length - new):] or [self.prefix_token_id]
       prepared.append((prompt, until))
       groups.setdefault((len(prompt), new, temperature), []).append(i)
     out = [''] * len(requests)
