@@ -20,9 +20,9 @@ from jax.experimental import multihost_utils
 from mintrain import metrics, report
 from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
-from mintrain.data import streaming
+from mintrain.data import streaming, tokenizer
 from mintrain.data.batches import GlobalBatches
-from mintrain.errors import StorageError
+from mintrain.errors import ConfigError, StorageError
 from mintrain.fields import option
 from mintrain.runtime import host_allocator
 from mintrain.runtime.storage import is_remote, os_reason
@@ -32,10 +32,21 @@ Say = Callable[[str], None]
 LogFn = Callable[[int, dict], None]
 
 
+def _task_list(value: str) -> str | None:
+  names = value.split(',')
+  if value and any(not name.strip() or name != name.strip() for name in names):
+    return 'must be lm-eval task names separated by commas, with no spaces or empty names ("arc_easy,piqa")'
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   every_steps: int = option(at_least=0)
   steps: int = option(at_least=0)  # 0: no evaluation.
+  harness_tasks: str = option(check=_task_list)  # '': no lm-eval tasks.
+  harness_every_steps: int = option(at_least=0)
+  harness_limit: float = option(at_least=0)  # 0: every document.
+  harness_include_path: str = option()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +231,40 @@ def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
   return out | run.config.model.eval_metrics(loss)
 
 
+class HarnessEvaluate:
+  """Every `eval.harness_every_steps` steps and at the end: lm-evaluation-harness tasks on the live
+  parameters (no checkpoint round trip), each task's metrics logged as `harness/<task>/<metric>`. The task
+  names are checked when it is built, before the run writes anything."""
+
+  phase = 'evaluation'  # Where its time goes in the run's time split.
+
+  def __init__(self, run: Run, log: LogFn, tok: tokenizer.Tokenizer, say: Say):
+    from mintrain.evaluation import harness  # lm-eval (the `eval` extra) only when asked for.
+
+    cfg = run.config.eval
+    self.run, self.log, self.tok, self.say, self.harness = run, log, tok, say, harness
+    self.every, self.tasks = cfg.harness_every_steps, cfg.harness_tasks.split(',')
+    self.limit = (int(cfg.harness_limit) if cfg.harness_limit >= 1 else cfg.harness_limit) or None
+    if run.config.model.vocab_size is None:
+      raise ConfigError(f'eval.harness_tasks={cfg.harness_tasks!r} needs a language model; '
+                        f'model.name={run.config.model_name!r} reads no token ids.')
+    self.manager = harness.task_manager(cfg.harness_include_path)
+    harness.check_tasks(self.tasks, self.manager, 'eval.harness_tasks')
+
+  def due(self, info: StepInfo) -> bool:
+    return info.last or bool(self.every and info.step % self.every == 0)
+
+  def __call__(self, info: StepInfo) -> None:
+    config = self.run.config
+    lm = self.harness.HarnessLM(self.run.model(info.state.params), config, self.tok, self.run.mesh,
+                                batch_size=config.train.micro_batch_size, max_length=config.train.seq_len)
+    scalars = self.harness.scalars(self.harness.evaluate(lm, self.tasks, self.manager, limit=self.limit,
+                                                         bootstrap_iters=0))
+    self.say(f'step {info.step} lm-eval: ' + ', '.join(f'{k.removeprefix("harness/")} {v:.4g}'
+                                                      for k, v in scalars.items()))
+    self.log(info.step, scalars)
+
+
 def checkpoint_metadata(run: Run, step: int) -> dict:
   """What a checkpoint records beside the arrays: the config, the mesh and the versions that saved it."""
   return {'step': step, 'config': run.config.to_dict(),
@@ -311,7 +356,8 @@ class Actions:
 
   def __init__(self, stack: contextlib.ExitStack, run: Run, workdir: epath.Path | None, timer: Timer,
                peak: float, batches: GlobalBatches, eval_batches: GlobalBatches | None,
-               bytes_per_token: float | None, *, is_main: bool, say: Say, console: metrics.Console):
+               bytes_per_token: float | None, *, is_main: bool, say: Say, console: metrics.Console,
+               tok: tokenizer.Tokenizer | None = None):
     config = run.config
     self.stack, self.config, self.workdir, self.run = stack, config, workdir, run
     self.is_main, self.console = is_main, console
@@ -323,7 +369,8 @@ class Actions:
       save = [stack.enter_context(Save(run, self.checkpoints, batches))]
     self.profile = stack.enter_context(Profile(config.profile, workdir, say))
     self.evaluation = Evaluate(run, self.log, eval_batches, bytes_per_token)
-    self.all: list = [*save, Log(run, timer, self.log, peak), self.evaluation, self.profile]
+    harness = [HarnessEvaluate(run, self.log, tok, say)] if config.eval.harness_tasks else []
+    self.all: list = [*save, Log(run, timer, self.log, peak), self.evaluation, *harness, self.profile]
 
   def start_writing(self) -> None:
     """Opens the metrics writer (closed by the stack, keeping an error already on its way out over its own)

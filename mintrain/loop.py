@@ -207,7 +207,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say,
                                                                      tok)
     actions = actions_lib.Actions(stack, r, workdir, timer, peak, batches, eval_batches, bytes_per_token,
-                                  is_main=is_main, say=say, console=console)
+                                  is_main=is_main, say=say, console=console, tok=tok)
     stack.enter_context(jax.set_mesh(r.mesh))
     state, data_state = initial_state(r, actions.checkpoints, restore_from=restore_from,
                                       params_only=restore_params_only, print_fn=say)

@@ -119,7 +119,8 @@ def snapshot():
 modules = sys.argv[1:]
 third_party = set()
 for path in pathlib.Path('mintrain').rglob('*.py'):
-  for node in ast.parse(path.read_text()).body:
+  body = ast.parse(path.read_text()).body  # Module level, and in its try blocks (an optional extra's guard).
+  for node in body + [n for t in body if isinstance(t, ast.Try) for n in t.body]:
     if isinstance(node, ast.Import):
       third_party.update(a.name for a in node.names)
     elif isinstance(node, ast.ImportFrom) and not node.level:

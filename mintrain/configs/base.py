@@ -131,6 +131,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 100  # Evaluate on the held-out split every N steps and at the end; 0: only at the end.
   c.eval.steps = 8  # Batches of the held-out split per evaluation; 0 turns evaluation off.
+  # lm-evaluation-harness tasks run on the live model (the `eval` extra), comma-separated ('arc_easy,piqa');
+  # each task's metrics are logged as harness/<task>/<metric>. '' turns them off.
+  c.eval.harness_tasks = ''
+  c.eval.harness_every_steps = 0  # Run them every N steps and at the end; 0: only at the end.
+  c.eval.harness_limit = 0.0  # Documents per task (a fraction of them if < 1), to keep it short; 0: all.
+  c.eval.harness_include_path = ''  # A directory of task YAML files of your own; '': lm-eval's tasks only.
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 300  # Optimizer steps.

@@ -265,26 +265,30 @@ def _one_line(text: str) -> str:
 
 
 def render(tok: Tokenizer, messages: Sequence[dict], *, tools: list[dict] | None = None,
-           template: str | os.PathLike | None = None) -> tuple[str, list[tuple[int, int]]]:
+           template: str | os.PathLike | None = None,
+           add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
   """The chat as text, exactly as transformers' `apply_chat_template(..., tokenize=False)`, and the character
-  spans the template marks with `{% generation %}`."""
-  text, spans, _ = _render_checked(tok, _messages(messages), _tools(tools), template)
+  spans the template marks with `{% generation %}`; `add_generation_prompt` opens the assistant's turn (a
+  prompt to generate from, as lm-eval's chat tasks ask)."""
+  text, spans, _ = _render_checked(tok, _messages(messages), _tools(tools), template, add_generation_prompt)
   return text, spans
 
 
-def _variables(tok: Tokenizer, messages: list[dict], tools: list[dict] | None) -> dict[str, Any]:
+def _variables(tok: Tokenizer, messages: list[dict], tools: list[dict] | None,
+               add_generation_prompt: bool = False) -> dict[str, Any]:
   """What apply_chat_template gives a template: the named special tokens, then the chat."""
   return {**special_tokens(tok), 'messages': messages, 'tools': tools, 'documents': None,
-          'add_generation_prompt': False}
+          'add_generation_prompt': add_generation_prompt}
 
 
 def _render_checked(tok: Tokenizer, messages: list[dict], tools: list[dict] | None,
-                    template: str | os.PathLike | None) -> tuple[str, list[tuple[int, int]], str]:
+                    template: str | os.PathLike | None,
+                    add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]], str]:
   """`render` of checked messages and tools, and the template's source."""
   source = _template(tok, template, tools)
   roles = [m['role'] for m in messages]
   try:
-    text, spans = _render(_compile(source), _variables(tok, messages, tools))
+    text, spans = _render(_compile(source), _variables(tok, messages, tools, add_generation_prompt))
   except jinja2.exceptions.TemplateSyntaxError as e:
     raise DataError(f'the chat template does not parse (line {e.lineno}: {_one_line(e.message)}).') from None
   except jinja2.exceptions.TemplateError as e:  # Its raise_exception, or an undefined name.
