@@ -48,6 +48,19 @@ def test_on_a_terminal_progress_is_one_live_line_with_a_bar_and_other_lines_end_
   assert re.search(r'\(100%\) \| loss [^\n]*\r\nsummary: ', text)  # The summary starts a line of its own.
 
 
+def test_show_config_prints_every_key_with_its_value_and_meaning_and_trains_nothing(tmp_path):
+  proc = run_script('scripts/train.py', '--config', 'dp4_tp2', '--workdir', str(tmp_path / 'run'),
+                    '--config.optimizer.name=muon', '--show_config')
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert "optimizer.name = 'muon'  # 'adamw'; 'lion'" in proc.stdout
+  assert "mesh.model = 2  # Tensor-parallel ways" in proc.stdout
+  keys = [line.split(' = ')[0] for line in lines]
+  assert len(keys) == len(set(keys)) > 100 and all('  # ' in line for line in lines), [
+      line for line in lines if '  # ' not in line]
+  assert not (tmp_path / 'run').exists()
+
+
 def test_unknown_config_key_is_a_one_line_error_with_close_matches():
   proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--config.train.step=3')
   assert proc.returncode != 0

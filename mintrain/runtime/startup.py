@@ -13,7 +13,7 @@ from typing import NoReturn
 import jax
 
 from mintrain import config as config_lib
-from mintrain import errors
+from mintrain import configs, errors
 from mintrain import mesh as mesh_lib
 from mintrain.runtime import distributed, storage
 
@@ -35,12 +35,34 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None):
   """Parses `--config FILE` plus `--config.key.path=value` overrides into (args, the validated and resolved
   config, its loaded tokenizer)."""
   overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
+  parser.add_argument('--show_config', action='store_true',
+                      help='print every config key with its value and meaning, then exit')
   args = parser.parse_args(rest)
   try:
     config, tok = config_lib.resolve(config_lib.validate(config_lib.load(args.config, overrides)))
   except errors.ConfigError as e:
     fail(str(e))
+  if args.show_config:
+    print(show_config(config.to_dict()))
+    sys.exit(0)
   return args, config, tok
+
+
+def show_config(config: dict) -> str:
+  """`key = value  # meaning` for every key, the meanings from mintrain/configs/base.py's comments."""
+  meanings = configs.comments()
+  rows = []
+
+  def walk(tree: dict, prefix: str) -> None:
+    for key, value in tree.items():
+      if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        walk(value, f'{prefix}{key}.')
+      else:
+        meaning = meanings.get(f'{prefix}{key}', '')
+        rows.append(f'{prefix}{key} = {value!r}' + (f'  # {meaning}' if meaning else ''))
+
+  walk(config, '')
+  return '\n'.join(rows)
 
 
 def quiet_libraries() -> None:
