@@ -71,7 +71,8 @@ class RunLog(logging.Handler):
   """For a run's duration, the libraries' log records (Orbax through absl, asyncio: e.g. the tracebacks of a
   save that ran out of disk, which mintrain's DiskFullError says in one line) and the exceptions Python
   reports as unraisable (Orbax's read coroutines after a damaged checkpoint) go to WORKDIR/logs/run.log, not
-  the console, which keeps mintrain's one line. Held in memory until the run may write (`open`)."""
+  the console, which keeps mintrain's one line. Held in memory until the run may write (`open`); for a
+  remote workdir, copied there when the run ends."""
 
   LOGGERS = ('absl', 'asyncio')
 
@@ -80,8 +81,11 @@ class RunLog(logging.Handler):
     self.setFormatter(logging.Formatter('%(asctime)s %(levelname)s %(name)s %(pathname)s:%(lineno)d] '
                                         '%(message)s'))
     index = jax.process_index()
-    local = workdir is not None and not is_remote(workdir)
-    self.path = workdir / 'logs' / ('run.log' if index == 0 else f'run.{index}.log') if local else None
+    self.name = 'run.log' if index == 0 else f'run.{index}.log'
+    # A remote workdir's log is written to a local stand-in and copied there whole at the end.
+    self.remote = workdir / 'logs' if workdir is not None and is_remote(workdir) else None
+    self.path = workdir / 'logs' / self.name if workdir is not None and self.remote is None else None
+    self.staging: metrics.Staging | None = None
     self.pending: list[str] = []
     self.file, self.opened = None, False
 
@@ -95,9 +99,13 @@ class RunLog(logging.Handler):
   def write(self, text: str) -> None:
     if not self.opened:
       self.pending.append(text)
-    elif self.path is not None:
-      with contextlib.suppress(OSError):  # A full disk loses these details, never the run's own error.
+    elif self.path is not None or self.remote is not None:
+      # A full disk or an unreachable bucket loses these details, never the run's own error.
+      with contextlib.suppress(OSError, StorageError):
         if self.file is None:  # Made on the first record: a quiet run leaves no log file.
+          if self.remote is not None:
+            self.staging = metrics.Staging(self.remote, fetch=(self.name,))
+            self.path = epath.Path(self.staging.local) / self.name
           self.path.parent.mkdir(parents=True, exist_ok=True)
           self.file = open(self.path, 'a')  # Closed by __exit__.
         self.file.write(text.rstrip('\n') + '\n')
@@ -126,6 +134,9 @@ class RunLog(logging.Handler):
     if self.file is not None:
       with contextlib.suppress(OSError):
         self.file.close()
+    if self.staging is not None:
+      with contextlib.suppress(OSError, StorageError):
+        self.staging.close()
     self.close()
 
 

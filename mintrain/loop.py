@@ -199,7 +199,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     if workdir is not None and is_main:
       stack.enter_context(RunLock(workdir, force=force, warn=say))
     run_log = stack.enter_context(actions_lib.RunLog(workdir))
-    logs = run_log.path.parent if run_log.path is not None else None
+    logs = run_log.path.parent if run_log.path is not None else None  # A remote one: stderr.
     watchdog = stack.enter_context(Watchdog(config.train.hang_timeout_s, logs, _warn))
     r = build(config, devices)
     config = r.config

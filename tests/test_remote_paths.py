@@ -13,6 +13,7 @@ stop root): a read-only one, and one too small for a later checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import re
 import signal
@@ -30,7 +31,7 @@ from etils import epath
 from helpers import REPO, SCRIPT_DEFAULTS, build, free_port, load_config, mesh_devices, quiet, script_env
 from tensorboard.backend.event_processing import event_accumulator
 
-from mintrain import configs, errors, metrics
+from mintrain import actions, configs, errors, metrics
 from mintrain import loop as train_loop
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.runtime import storage
@@ -251,6 +252,19 @@ def test_a_profile_trace_for_a_remote_workdir_lands_there_on_close(bucket_dir):
   traces = [name for name, content in remote_files(f'{bucket_dir}/profile').items()
             if name.endswith('.xplane.pb') and content]
   assert traces and not staging.local.exists()
+
+
+def test_a_remote_workdir_gets_its_run_log_at_the_end_appended_to_an_earlier_one(bucket_dir):
+  workdir = epath.Path(f'{bucket_dir}/run')
+  for attempt in (1, 2):
+    with actions.RunLog(workdir) as run_log:
+      logging.getLogger('absl').warning('held until the run may write, attempt %d', attempt)
+      run_log.open()
+      logging.getLogger('asyncio').error('written, attempt %d', attempt)
+  log = remote_files(f'{bucket_dir}/run')['logs/run.log'].decode()
+  assert [line.split('] ')[-1] for line in log.splitlines()] == [
+      'held until the run may write, attempt 1', 'written, attempt 1',
+      'held until the run may write, attempt 2', 'written, attempt 2']
 
 
 def test_a_local_staging_directory_is_the_directory_itself(tmp_path):
