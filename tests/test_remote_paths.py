@@ -267,6 +267,24 @@ def test_a_remote_workdir_gets_its_run_log_at_the_end_appended_to_an_earlier_one
       'held until the run may write, attempt 2', 'written, attempt 2']
 
 
+def test_an_unreachable_bucket_is_a_one_line_error_within_seconds(monkeypatch):
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', f'http://127.0.0.1:{free_port()}')  # Nothing listens there.
+  start = time.monotonic()
+  with pytest.raises(errors.StorageError) as e:
+    storage.prepare_dir('gs://bucket/run')
+  assert time.monotonic() - start < 10
+  assert re.fullmatch(r'workdir gs://bucket/run cannot be reached: no connection to 127\.0\.0\.1:\d+ '
+                      r'\(.+\); check the network, or give a local directory\.', str(e.value)), str(e.value)
+
+
+def test_the_train_script_says_so_in_one_line_without_a_traceback(tmp_path):
+  env = dict(script_env(), STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{free_port()}')
+  proc = subprocess.run([sys.executable, 'scripts/train.py', '--config', 'single', '--workdir', 'gs://b/run',
+                         *SCRIPT_DEFAULTS], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and proc.stderr.count('\n') == 1 and 'Traceback' not in proc.stderr
+  assert proc.stderr.startswith('error: workdir gs://b/run cannot be reached: no connection to 127.0.0.1:')
+
+
 def test_a_local_staging_directory_is_the_directory_itself(tmp_path):
   staging = metrics.Staging(tmp_path / 'profile')
   assert staging.local == tmp_path / 'profile' and staging.local.is_dir()

@@ -7,6 +7,8 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
+import urllib.parse
 import uuid
 
 from etils import epath
@@ -66,6 +68,8 @@ def prepare_dir(path: str | os.PathLike, what: str = 'workdir') -> epath.Path:
   through them, but not to a read-only mount.
   """
   path = run_path(path)
+  if os.fspath(path).startswith('gs://'):
+    _check_gcs(path, what)
   try:
     if path.exists() and not path.is_dir():
       raise StorageError(f'{what} {path} is a file, not a directory; give a directory (it is created if '
@@ -83,6 +87,37 @@ def prepare_dir(path: str | os.PathLike, what: str = 'workdir') -> epath.Path:
     raise StorageError(f'{what} {path} is not writable ({os_reason(e)}); give a directory on a writable '
                        'file system.') from e
   return path
+
+
+GCS_HOST = ('storage.googleapis.com', 443)
+PROBE_SECS = 5.0
+
+
+def _check_gcs(path: epath.Path, what: str) -> None:
+  """Cloud Storage reachable and credentials present, found in seconds: gcsfs alone retries for a minute
+  and logs a traceback per retry. `STORAGE_EMULATOR_HOST` (an emulator) needs no credentials."""
+  emulator = os.environ.get('STORAGE_EMULATOR_HOST', '')
+  if emulator:
+    url = urllib.parse.urlsplit(emulator if '://' in emulator else f'http://{emulator}')
+    host, port = url.hostname or 'localhost', url.port or (443 if url.scheme == 'https' else 80)
+  else:
+    host, port = GCS_HOST
+  try:
+    socket.create_connection((host, port), timeout=PROBE_SECS).close()
+  except OSError as e:
+    raise StorageError(f'{what} {path} cannot be reached: no connection to {host}:{port} '
+                       f'({os_reason(e) if not isinstance(e, TimeoutError) else "timed out"}); check the '
+                       f'network, or give a local directory.') from None
+  if emulator:
+    return
+  import google.auth  # With google-cloud-storage, which `run_path` checked.
+  import google.auth.exceptions
+
+  try:
+    google.auth.default()
+  except google.auth.exceptions.DefaultCredentialsError:
+    raise StorageError(f'{what} {path}: no Google Cloud credentials found; run `gcloud auth '
+                       'application-default login` or set GOOGLE_APPLICATION_CREDENTIALS.') from None
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
