@@ -17,7 +17,6 @@ import json
 import pathlib
 import sys
 
-from mintrain import config as config_lib
 from mintrain import errors
 from mintrain.runtime import startup
 
@@ -41,6 +40,7 @@ def main() -> int:
   parser.add_argument('--output_path', required=True, help="the results JSON file to write")
   overrides, rest = startup.split_overrides(sys.argv[1:])
   args = parser.parse_args(rest)
+  from mintrain import config as config_lib  # After --help: it imports JAX.
   tasks = [t.strip() for t in args.tasks.split(',') if t.strip()]
   if not tasks:
     parser.error('--tasks names no task')

@@ -61,6 +61,24 @@ def test_show_config_prints_every_key_with_its_value_and_meaning_and_trains_noth
   assert not (tmp_path / 'run').exists()
 
 
+FAST_HELP = ['train', 'show_sharding', 'inspect_checkpoint', 'evaluate', 'plot_metrics', 'launch_local']
+
+
+@pytest.mark.parametrize('script', FAST_HELP)
+def test_help_answers_before_jax_is_imported(script):
+  probe = ('import runpy, sys\n'
+           f'sys.argv = ["scripts/{script}.py", "--help"]\n'
+           'try:\n'
+           f'  runpy.run_path("scripts/{script}.py", run_name="__main__")\n'
+           'except SystemExit as e:\n'
+           '  assert e.code == 0, e.code\n'
+           'print("jax imported:", "jax" in sys.modules)\n')
+  proc = subprocess.run([sys.executable, '-c', probe], cwd=REPO, env=script_env(), capture_output=True,
+                        text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  assert 'usage:' in proc.stdout and proc.stdout.rstrip().endswith('jax imported: False')
+
+
 def test_unknown_config_key_is_a_one_line_error_with_close_matches():
   proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--config.train.step=3')
   assert proc.returncode != 0

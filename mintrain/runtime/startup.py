@@ -1,6 +1,7 @@
 """Shared start-up of the scripts: the config from the command line, one-line failures, the devices.
 
-Runs before the JAX backend starts, so it can still ask XLA for simulated CPU devices.
+Runs before the JAX backend starts, so it can still ask XLA for simulated CPU devices. It imports JAX and
+the config only once the arguments are parsed, so `--help` answers at once.
 """
 
 from __future__ import annotations
@@ -8,14 +9,12 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-import jax
+from mintrain import errors
 
-from mintrain import config as config_lib
-from mintrain import configs, errors
-from mintrain import mesh as mesh_lib
-from mintrain.runtime import distributed, storage
+if TYPE_CHECKING:
+  from mintrain import mesh as mesh_lib
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -38,6 +37,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None):
   parser.add_argument('--show_config', action='store_true',
                       help='print every config key with its value and meaning, then exit')
   args = parser.parse_args(rest)
+  from mintrain import config as config_lib
+
   try:
     config, tok = config_lib.resolve(config_lib.validate(config_lib.load(args.config, overrides)))
   except errors.ConfigError as e:
@@ -50,6 +51,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None):
 
 def show_config(config: dict) -> str:
   """`key = value  # meaning` for every key, the meanings from mintrain/configs/base.py's comments."""
+  from mintrain import configs
+
   meanings = configs.comments()
   rows = []
 
@@ -77,8 +80,8 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument('--coordinator_address', default=None, help='host:port of process 0')
   group.add_argument('--num_processes', type=int, default=None)
   group.add_argument('--process_id', type=int, default=None)
-  group.add_argument('--init_timeout', type=float, default=distributed.DEFAULT_TIMEOUT,
-                     help='seconds to wait for every process to join (default %(default)s)')
+  group.add_argument('--init_timeout', type=float, default=None,
+                     help="seconds to wait for every process to join (default: JAX's 300)")
 
 
 def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = None, *,
@@ -86,6 +89,11 @@ def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = Non
   """Devices for the mesh: joins a multi-process run if one is set up; on the CPU backend, simulates
   the mesh's devices (each process its share); elsewhere, the accelerators or a one-line error.
   `watch_peers` (training): a peer's death stops this process (`distributed.PeerWatch`)."""
+  import jax
+
+  from mintrain import mesh as mesh_lib
+  from mintrain.runtime import distributed
+
   quiet_libraries()
   needed = mesh_lib.devices_needed(mesh.sizes)
   all_devices = -1 in mesh.sizes.values()
@@ -100,7 +108,7 @@ def devices_for(mesh: mesh_lib.MeshConfig, args: argparse.Namespace | None = Non
   mesh_lib.simulate_cpu_devices(needed // processes)
   try:
     joined = dist is not None and distributed.initialize(
-        dist, getattr(args, 'init_timeout', distributed.DEFAULT_TIMEOUT))
+        dist, getattr(args, 'init_timeout', None) or distributed.DEFAULT_TIMEOUT)
   except errors.DistributedError as e:
     fail(str(e))
   try:
@@ -123,6 +131,7 @@ def newest_saved(workdir: str | None) -> str:
   if workdir is None:
     return 'This run has no workdir: nothing was saved.'
   from mintrain.checkpoint.checkpoints import CHECKPOINTS
+  from mintrain.runtime import storage
   folder = storage.run_path(workdir) / CHECKPOINTS
   remote = storage.is_remote(folder)  # Written in place there: complete once Orbax's commit file is.
   try:
