@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from mintrain import config as config_lib
-from mintrain.data import records, sources, streaming
+from mintrain.data import records, sources, streaming, tokenizer
 from mintrain.data.config import DataConfig
 from mintrain.errors import DataError
 from mintrain.runtime import startup
@@ -44,13 +44,13 @@ def tokenize_file(data_cfg: DataConfig, path: pathlib.Path, target: pathlib.Path
                   fmt: str) -> tuple[int, int, int, int]:
   """Writes `path`'s documents as ids to `target` (through a temporary name); (documents, tokens, bytes
   read, records skipped)."""
-  reader = records.Reader(dataclasses.replace(data_cfg, path=str(path)))
+  tok = tokenizer.load(data_cfg.tokenizer)  # In each worker process.
+  reader = records.Reader(dataclasses.replace(data_cfg, path=str(path)), tok)
   blocks = reader.all_blocks()
   dtype = np.dtype(data_cfg.token_dtype)
   target.parent.mkdir(parents=True, exist_ok=True)
   partial = target.with_name(target.name + '.partial')
   docs = tokens = 0
-  encode = streaming.encoder_for(data_cfg)
   if fmt == 'arrayrecord':
     from array_record.python.array_record_module import ArrayRecordWriter
     writer = ArrayRecordWriter(str(partial), 'group_size:1')
@@ -61,7 +61,7 @@ def tokenize_file(data_cfg: DataConfig, path: pathlib.Path, target: pathlib.Path
   try:
     for i in range(len(blocks)):
       for doc in reader.read(blocks, i):
-        ids = streaming.encode_document(doc, encode)
+        ids = streaming.encode_document(doc, tok)
         if ids.max(initial=0) > np.iinfo(dtype).max:
           raise DataError(f'{path}: token id {int(ids.max())} does not fit data.token_dtype='
                           f'{dtype.name!r}; use uint32.')

@@ -90,7 +90,7 @@ class Blocks:
 class Reader:
   """Lists a corpus's blocks and reads a block's documents, with the data settings' field and checks."""
 
-  def __init__(self, data_cfg: DataConfig, vocab_size: int | None = None):
+  def __init__(self, data_cfg: DataConfig, tok: tokenizer.Tokenizer, vocab_size: int | None = None):
     if data_cfg.source not in FORMATS:
       raise DataError(f'data.source={data_cfg.source!r} is not a streamed format; choose one of {FORMATS}.')
     self.kind, self.field = data_cfg.source, data_cfg.text_field
@@ -98,7 +98,7 @@ class Reader:
     self.tokens = self.kind == 'arrayrecord' and data_cfg.record_format == 'tokens'
     self.dtype = np.dtype(data_cfg.token_dtype)
     # Token records' ids stay below the model's vocabulary (default: the tokenizer's).
-    self.vocab_size = vocab_size or tokenizer.load(data_cfg.tokenizer).vocab_size
+    self.vocab_size = vocab_size or tok.vocab_size
     self.bad = BadRecords(data_cfg.skip_bad_records)
     self.pattern, self.max_bytes = data_cfg.path, data_cfg.max_bytes
     self._open: dict[pathlib.Path, Any] = {}

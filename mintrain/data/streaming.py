@@ -34,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -52,21 +52,10 @@ _log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging
 _SAY_EVERY_S = 10.0  # At most one "ran out" line per source this often (a small corpus repeats quickly).
 
 
-Encoder = Callable[[str], np.ndarray]  # Text -> int (n,) ids, BOS first: the run's tokenizer.
-
-
-byte_encoder: Encoder = tokenizer.BYTES.document
-
-
-def encoder_for(data_cfg: DataConfig) -> Encoder:
-  """The run's tokenizer (`data.tokenizer`) as an encoder, the one place that picks it: a document's ids
-  with the BOS and EOS its conventions add."""
-  return tokenizer.load(data_cfg.tokenizer).document
-
-
-def encode_document(doc: records.Document, encode: Encoder = byte_encoder) -> np.ndarray:
-  """A document's ids, BOS first; token records already hold theirs."""
-  return doc if isinstance(doc, np.ndarray) else encode(doc)
+def encode_document(doc: records.Document, tok: tokenizer.Tokenizer) -> np.ndarray:
+  """A document's ids, with the BOS and EOS the tokenizer's conventions add; token records already hold
+  theirs."""
+  return doc if isinstance(doc, np.ndarray) else tok.document(doc)
 
 
 def source_settings(data_cfg: DataConfig) -> list[tuple[DataConfig, float]]:
@@ -107,11 +96,11 @@ def _names(keys: list[str]) -> str:
 class Split:
   """One source's blocks of one split, and which block fills each slot of the endless block order."""
 
-  def __init__(self, data_cfg: DataConfig, split: str, seed: int, encode: Encoder = byte_encoder,
+  def __init__(self, data_cfg: DataConfig, tok: tokenizer.Tokenizer, split: str, seed: int,
                vocab_size: int | None = None):
     if split == 'eval' and data_cfg.eval_fraction == 0.0:
       raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
-    self.reader, self.encode = records.Reader(data_cfg, vocab_size), encode
+    self.reader, self.tok = records.Reader(data_cfg, tok, vocab_size), tok
     every = self.reader.all_blocks()
     in_eval = np.array([sources.in_eval(every.key(i), data_cfg.eval_fraction) for i in range(len(every))])
     self.split_blocks = every.select(in_eval if split == 'eval' else ~in_eval)
@@ -229,7 +218,7 @@ class RowStream:
   def _doc_tokens(self, window: int, doc: int) -> np.ndarray:
     key = (window, doc)
     if key not in self._tokens:
-      self._tokens[key] = encode_document(self._docs(window)[doc], self.split.encode)
+      self._tokens[key] = encode_document(self._docs(window)[doc], self.split.tok)
       if len(self._tokens) > 4:
         self._tokens.popitem(last=False)
     return self._tokens[key]
@@ -413,20 +402,19 @@ class Prefetch:
     self._start()
 
 
-def make_iterator(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
-                  micro_batch_size: int, rows: np.ndarray, seed: int, encode: Encoder | None = None,
+def make_iterator(data_cfg: DataConfig, tok: tokenizer.Tokenizer, *, split: str, seq_len: int,
+                  global_batch_size: int, micro_batch_size: int, rows: np.ndarray, seed: int,
                   separators: segments.Separators | None = None,
                   vocab_size: int | None = None) -> RowsIterator | Prefetch:
   """This process's endless local batches of a streamed source or mixture (the layout of
   `pipeline.make_dataset`, packed or padded as `data.packing` says), read `data.prefetch` batches ahead
-  on a thread; text becomes ids by `encode` and documents are told apart by `separators` (default: the
-  tokenizer's, `encoder_for`); token records' ids must be below `vocab_size` (default: the tokenizer's)."""
+  on a thread; text becomes ids by the run's tokenizer `tok` and documents are told apart by `separators`
+  (default: `tok`'s); token records' ids must be below `vocab_size` (default: `tok`'s)."""
   settings = source_settings(data_cfg)
-  encode = encode or encoder_for(data_cfg)
-  splits = [Split(cfg, split, seed, encode, vocab_size) for cfg, _ in settings]
+  splits = [Split(cfg, tok, split, seed, vocab_size) for cfg, _ in settings]
   accum = global_batch_size // micro_batch_size
   mine = (np.arange(accum)[:, None] * micro_batch_size + np.asarray(rows)[None, :]).reshape(-1)
-  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer))
+  separators = separators or segments.Separators.of(tok)
   local = RowsIterator(splits, [w for _, w in settings], mine, global_batch_size, seq_len, seed, separators,
                        padded=data_cfg.packing == 'pad', on_corpus_change=data_cfg.on_corpus_change)
   return Prefetch(local, data_cfg.prefetch) if data_cfg.prefetch else local
