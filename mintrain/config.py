@@ -117,6 +117,9 @@ def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:
     model = fields.build(models.family(name).config, {**fields.to_dict(model), **options}, 'model')
   spec = tokenizer.resolve(config.data.tokenizer, hf_checkpoint)
   tok = tokenizer.load(spec)
+  if config.data.chat:
+    from mintrain.data import chat  # jinja2 only for chat data.
+    chat.run_template(tok, config.data.chat_template)
   model = model.for_tokenizer(lambda: tok.vocab_size)
   model.check(config.train.seq_len)
   data = dataclasses.replace(config.data, tokenizer=spec)

@@ -89,12 +89,12 @@ def _streamed_unigram_counts(data_cfg: DataConfig, tok: tokenizer.Tokenizer, spl
 
 
 def _streamed_bytes_per_token(data_cfg: DataConfig, tok: tokenizer.Tokenizer, split: str) -> float:
-  """UTF-8 bytes per token of each source's measured split (`_eval_documents`; token records decoded by
-  the tokenizer), averaged over the sources by their mixture weights."""
+  """UTF-8 bytes per token of each source's measured split (`_eval_documents`; token records and chats
+  decoded by the tokenizer), averaged over the sources by their mixture weights."""
   weights = [w for _, w in streaming.source_settings(data_cfg)]
   num_bytes, num_tokens = np.zeros(len(weights)), np.zeros(len(weights))
   for source, doc, ids in _eval_documents(data_cfg, tok, split):
-    text = tok.decode(doc) if isinstance(doc, np.ndarray) else doc
+    text = doc if isinstance(doc, str) else tok.decode(ids)
     num_bytes[source] += len(text.encode('utf-8'))
     num_tokens[source] += len(ids)
   return float(np.dot(weights, num_bytes / np.maximum(num_tokens, 1)) / sum(weights))
