@@ -108,8 +108,8 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
 
 def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:
   """The config the run uses and its tokenizer, each input read once: init.hf_checkpoint's config.json
-  sets the model (its other options stay), data.tokenizer is loaded (its ids give model.vocab_size=0),
-  and the model is checked against the train section."""
+  sets the model (its other options stay), data.tokenizer is loaded (its ids give model.vocab_size=0;
+  for chat data it must have a chat template), and the model is checked against the train section."""
   hf_checkpoint, name, model = config.init.hf_checkpoint, config.model_name, config.model
   if hf_checkpoint:
     options = models.hf_model_options(hf_checkpoint)

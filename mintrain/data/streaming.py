@@ -9,8 +9,9 @@ A row's stream: the corpus's blocks (`records.Blocks`) in an order drawn from th
 permutation of all blocks, new each epoch); row g takes every G-th slot of that endless order (slots g,
 g + G, ...). Its slots are grouped in windows of `data.shuffle_window` blocks whose documents it reads
 together and shuffles with the seed, so memory is a few blocks per row, whatever the size of the corpus.
-Each document is BOS + its ids; the stream packs them as the in-memory pipeline does (windows of
-seq_len + 1 tokens at stride seq_len, documents running on across windows). The eval split keeps its
+Each document is BOS + its ids (a conversation, its chat template's render, with a loss weight per token);
+the stream packs them as the in-memory pipeline does (windows of seq_len + 1 tokens at stride seq_len,
+documents running on across windows). The eval split keeps its
 blocks in file order, unshuffled.
 
 A mixture (`data.mixture`: (settings, weight) pairs) gives each row one stream per source and draws the
@@ -431,7 +432,8 @@ def make_iterator(data_cfg: DataConfig, tok: tokenizer.Tokenizer, *, split: str,
   """This process's endless local batches of a streamed source or mixture (the layout of
   `pipeline.make_dataset`, packed or padded as `data.packing` says), read `data.prefetch` batches ahead
   on a thread; text becomes ids by the run's tokenizer `tok` and documents are told apart by `separators`
-  (default: `tok`'s); token records' ids must be below `vocab_size` (default: `tok`'s)."""
+  (default: `tok`'s; conversations by where each starts); token records' ids must be below `vocab_size`
+  (default: `tok`'s)."""
   settings = source_settings(data_cfg)
   splits = [Split(cfg, tok, split, seed, vocab_size) for cfg, _ in settings]
   accum = global_batch_size // micro_batch_size
