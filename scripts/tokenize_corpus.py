@@ -145,7 +145,10 @@ def main() -> int:
     startup.fail(f'data.source={data_cfg.source!r}: tokenize_corpus.py reads {records.FORMATS}; set '
                     f'--config.data.source and --config.data.path.')
   if args.format == 'chat':
-    data_cfg = dataclasses.replace(data_cfg, format='chat')
+    try:
+      data_cfg = dataclasses.replace(data_cfg, format='chat')  # Checked anew.
+    except ConfigError as e:
+      startup.fail(str(e))
   if args.show < 0 or (args.show and data_cfg.format != 'chat'):
     startup.fail(f'--show={args.show} prints conversations: give N >= 1 with --format chat.')
   if data_cfg.format == 'chat' and not args.show:
