@@ -1,11 +1,13 @@
 """Chat SFT data (`data.format='chat'`) through the real pipeline, against transformers' apply_chat_template:
 ids, assistant weights as target_weights, conversations as documents, bad records, training and resume."""
 
+import functools
 import json
 import re
 import signal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TINY, build, load_config, mesh_devices, quiet, run_script, script_flags
@@ -14,6 +16,7 @@ from mintrain import loop as train_loop
 from mintrain.data import pipeline, records, streaming, tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError, DataError
+from mintrain.train_step import loss_fn
 
 SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
 # ChatML (Qwen's, without tools), its assistant turns marked with {% generation %}; unknown roles refused.
@@ -247,6 +250,24 @@ def test_training_on_chats_runs_and_its_eval_counts_only_the_assistant_tokens(ma
   weights = np.asarray(batch['target_weights'])
   assert 0 < weights.sum() < (np.asarray(batch['segment_ids']) > 0).sum()  # Not the user's or system's.
   assert float(count) == weights.sum() and np.isfinite(float(summed))
+
+
+@pytest.mark.parametrize('loss_chunks', [-1, pytest.param(0, marks=pytest.mark.slow)])  # -1: fused, on CPU.
+def test_a_micro_batch_of_prompts_alone_adds_no_loss_and_no_gradient(loss_chunks):
+  """Chat rows may hold no assistant token: the mean over no target is 0, not NaN."""
+  config = load_config('single', *TINY, 'data.source=synthetic', 'model.vocab_size=384',
+                       f'model.loss_chunks={loss_chunks}')
+  run = build(config)
+  with jax.set_mesh(run.mesh):
+    batch = next(make_batches(config, run.mesh, run.rules, tokenizer.BYTES))
+    micro = jax.tree.map(lambda x: x[0], batch)
+    micro['target_weights'] = jnp.zeros(micro['inputs'].shape, jnp.float32)
+    params = run.init().params
+    step = jax.jit(jax.value_and_grad(functools.partial(loss_fn, graphdef=run.graphdef, dropout_key=None),
+                                      has_aux=True))
+    (loss, (count, _)), grads = step(params, batch=micro)
+  assert float(loss) == 0 and float(count) == 0
+  assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
 
 
 def test_chat_rows_resume_exactly_from_a_saved_state(marked, tmp_path):
