@@ -238,6 +238,7 @@ def test_a_chat_config_needs_a_tokenizer_with_a_chat_template(bpe, tmp_path):
 
 
 def test_training_on_chats_runs_and_its_eval_counts_only_the_assistant_tokens(marked, tmp_path):
+  """And rows of prompts alone (no assistant token) add no loss and no gradient, rather than NaN."""
   config = load_config('single', *TINY, 'train.steps=2', 'eval.steps=1', 'train.seq_len=128',
                        *chat_overrides(tmp_path, marked[1], eval_fraction=0.5, block_bytes=512))
   result = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet)
@@ -247,27 +248,30 @@ def test_training_on_chats_runs_and_its_eval_counts_only_the_assistant_tokens(ma
   with jax.set_mesh(run.mesh):
     batch = next(make_batches(config, run.mesh, run.rules, tokenizer.load(marked[1]), split='eval'))
     summed, count = run.eval_step(result.state.params, batch)
+    prompts = {**jax.tree.map(lambda x: x[0], batch), 'target_weights': jnp.zeros(batch['inputs'].shape[1:])}
+    assert_no_loss_and_no_gradient(run, result.state.params, prompts)
   weights = np.asarray(batch['target_weights'])
   assert 0 < weights.sum() < (np.asarray(batch['segment_ids']) > 0).sum()  # Not the user's or system's.
   assert float(count) == weights.sum() and np.isfinite(float(summed))
 
 
-@pytest.mark.parametrize('loss_chunks', [-1, pytest.param(0, marks=pytest.mark.slow)])  # -1: fused, on CPU.
-def test_a_micro_batch_of_prompts_alone_adds_no_loss_and_no_gradient(loss_chunks):
-  """Chat rows may hold no assistant token: the mean over no target is 0, not NaN."""
+def assert_no_loss_and_no_gradient(run, params, micro):
+  step = jax.jit(jax.value_and_grad(functools.partial(loss_fn, graphdef=run.graphdef, dropout_key=None),
+                                    has_aux=True))
+  (loss, (count, _)), grads = step(params, batch=micro)
+  assert float(loss) == 0 and float(count) == 0
+  assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.slow
+def test_prompts_alone_add_no_loss_and_no_gradient_on_the_logits_path_too():
   config = load_config('single', *TINY, 'data.source=synthetic', 'model.vocab_size=384',
-                       f'model.loss_chunks={loss_chunks}')
+                       'model.loss_chunks=0')
   run = build(config)
   with jax.set_mesh(run.mesh):
     batch = next(make_batches(config, run.mesh, run.rules, tokenizer.BYTES))
-    micro = jax.tree.map(lambda x: x[0], batch)
-    micro['target_weights'] = jnp.zeros(micro['inputs'].shape, jnp.float32)
-    params = run.init().params
-    step = jax.jit(jax.value_and_grad(functools.partial(loss_fn, graphdef=run.graphdef, dropout_key=None),
-                                      has_aux=True))
-    (loss, (count, _)), grads = step(params, batch=micro)
-  assert float(loss) == 0 and float(count) == 0
-  assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
+    prompts = {**jax.tree.map(lambda x: x[0], batch), 'target_weights': jnp.zeros(batch['inputs'].shape[1:])}
+    assert_no_loss_and_no_gradient(run, run.init().params, prompts)
 
 
 def test_chat_rows_resume_exactly_from_a_saved_state(marked, tmp_path):
