@@ -30,6 +30,7 @@ from mintrain.actions import checkpoint_metadata
 from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.configs import test_small
+from mintrain.data import tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -78,7 +79,7 @@ def measure(name: str, overrides: tuple[str, ...], devices: list, workdir: pathl
   with jax.set_mesh(run.mesh):
     state = run.init()
     step_fn = run.train_step
-    batches = run.batches()
+    batches = run.batches(tokenizer.load(run.config.data.tokenizer))
     state, metrics = step_fn(state, next(batches))  # Compiles.
     jax.block_until_ready((state, metrics))
     for _ in range(saves):

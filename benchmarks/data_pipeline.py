@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from mintrain import config as config_lib
-from mintrain.data import streaming
+from mintrain.data import streaming, tokenizer
 from mintrain.data.config import DataConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -88,8 +88,8 @@ def bpe_tokenizer(corpus: pathlib.Path, vocab: int, out: pathlib.Path) -> tuple[
 def throughput(data_cfg: DataConfig, seconds: float) -> float:
   """Tokens per second of one process reading all ROWS of each batch with the run's tokenizer
   (`data.tokenizer`; prefetch on, as in training)."""
-  it = streaming.make_iterator(data_cfg, split='train', seq_len=SEQ_LEN, global_batch_size=ROWS,
-                               micro_batch_size=ROWS, rows=np.arange(ROWS), seed=0)
+  it = streaming.make_iterator(data_cfg, tokenizer.load(data_cfg.tokenizer), split='train', seq_len=SEQ_LEN,
+                               global_batch_size=ROWS, micro_batch_size=ROWS, rows=np.arange(ROWS), seed=0)
   next(it)  # The first batch opens the first windows of every row.
   start, batches = time.perf_counter(), 0
   while time.perf_counter() - start < seconds:

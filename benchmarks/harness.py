@@ -31,6 +31,7 @@ from mintrain.build import Run
 from mintrain.build import build as mintrain_build
 from mintrain.config import Config
 from mintrain.configs import test_small
+from mintrain.data import tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -94,7 +95,7 @@ def build(config: Config, devices: Sequence[jax.Device]) -> Run:
 def device_batches(built: Run, count: int) -> list[dict[str, jax.Array]]:
   """`count` global batches, already on their devices."""
   with jax.set_mesh(built.mesh):
-    batches = built.batches()
+    batches = built.batches(tokenizer.load(built.config.data.tokenizer))
     return [jax.block_until_ready(next(batches)) for _ in range(count)]
 
 

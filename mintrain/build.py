@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mintrain import mesh as mesh_lib
 from mintrain import partitioning, report, train_state
 from mintrain.data.batches import GlobalBatches, make_batches
+from mintrain.data.tokenizer import Tokenizer
 from mintrain.errors import ConfigError
 from mintrain.models.family import Placement
 from mintrain.optimizer import make_optimizer, schedule
@@ -47,9 +48,10 @@ class Run:
   eval_step: Callable  # Jitted: (params, batch) -> (summed loss, count) over its counted targets.
   plan: report.MemoryPlan
 
-  def batches(self, split: str = 'train') -> GlobalBatches:
-    """Global batches of `split`, each process reading only its devices' rows; call under the mesh."""
-    return make_batches(self.config, self.mesh, self.rules, split=split)
+  def batches(self, tok: Tokenizer, split: str = 'train') -> GlobalBatches:
+    """Global batches of `split` read with the run's tokenizer, each process reading only its devices' rows;
+    call under the mesh."""
+    return make_batches(self.config, self.mesh, self.rules, tok, split=split)
 
   def model(self, params: nnx.State) -> nnx.Module:
     """The model module with these parameters (e.g. restored ones), to call or sample from."""

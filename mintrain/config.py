@@ -108,8 +108,8 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
 
 def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:
   """The config the run uses and its tokenizer, each input read once: init.hf_checkpoint's config.json
-  sets the model (its other options stay), data.tokenizer is loaded (its ids give model.vocab_size=0),
-  and the model is checked against the train section."""
+  sets the model (its other options stay), data.tokenizer is loaded (its ids give model.vocab_size=0;
+  for chat data it must have a chat template), and the model is checked against the train section."""
   hf_checkpoint, name, model = config.init.hf_checkpoint, config.model_name, config.model
   if hf_checkpoint:
     options = models.hf_model_options(hf_checkpoint)
@@ -117,6 +117,9 @@ def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:
     model = fields.build(models.family(name).config, {**fields.to_dict(model), **options}, 'model')
   spec = tokenizer.resolve(config.data.tokenizer, hf_checkpoint)
   tok = tokenizer.load(spec)
+  if config.data.chat:
+    from mintrain.data import chat  # jinja2 only for chat data.
+    chat.run_template(tok, config.data.chat_template)
   model = model.for_tokenizer(lambda: tok.vocab_size)
   model.check(config.train.seq_len)
   data = dataclasses.replace(config.data, tokenizer=spec)

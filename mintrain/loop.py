@@ -114,12 +114,12 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
   text = config.data.source != 'synthetic'
   say(tokenizer.describe(tok, config.data.tokenizer, config.init.hf_checkpoint))
   with jax.set_mesh(r.mesh):  # Data first: a bad file or tokenizer stops the run before it writes.
-    batches = r.batches()
-    eval_batches = r.batches('eval') if config.eval.steps else None
-  bytes_per_token = statistics.bytes_per_token(config.data) if text else None
+    batches = r.batches(tok)
+    eval_batches = r.batches(tok, 'eval') if config.eval.steps else None
+  bytes_per_token = statistics.bytes_per_token(config.data, tok) if text else None
   baseline = {}
   if text and is_main:  # A full pass over the eval split: once.
-    bits = statistics.unigram_bits_per_token(config.data)
+    bits = statistics.unigram_bits_per_token(config.data, tok)
     baseline = {'unigram_bits_per_token': bits, 'unigram_bits_per_byte': bits / bytes_per_token}
   if config.init.hf_checkpoint and restore_from is None and not _has_saves(workdir):
     from mintrain import hf  # safetensors only when asked for.
@@ -195,7 +195,6 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(preemption.StopRequests())  # First: a stop during the set-up is kept.
     stack.enter_context(metrics.console_logging(say))
-    stack.enter_context(tokenizer.loaded_once())
     if workdir is not None and is_main:
       stack.enter_context(RunLock(workdir, force=force, warn=say))
     run_log = stack.enter_context(actions_lib.RunLog(workdir))

@@ -73,8 +73,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                                 jax.eval_shape(loss_fn, state.params, graphdef, first, None)[1][1])
     (metric_sum, count, grad_sum), _ = jax.lax.scan(
         micro_step, (metric_zeros, jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), batch))
-    model_metrics = jax.tree.map(lambda m: m / count, metric_sum)
-    grads = jax.tree.map(lambda g: g / count, grad_sum)
+    total = jnp.where(count > 0, count, 1.0)  # A step without a counted target: zero loss and gradients.
+    model_metrics = jax.tree.map(lambda m: m / total, metric_sum)
+    grads = jax.tree.map(lambda g: g / total, grad_sum)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {**model_metrics, 'grad_norm': optax.tree.norm(grads), 'param_norm': optax.tree.norm(params),

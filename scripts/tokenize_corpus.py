@@ -10,6 +10,13 @@ data.text_field, data.skip_bad_records); each document becomes BOS + its ids. `-
 default) writes one record per document of data.token_dtype ids, read back with
 data.source=arrayrecord data.record_format=tokens; `--format tokens` writes the documents end to end.
 Progress goes to stderr; the last line on stdout is the setting that trains on the output.
+
+  python scripts/tokenize_corpus.py ... --config.data.source=jsonl --config.data.path='chats/*.jsonl' \\
+      --config.data.tokenizer=path/to/hf_dir --format chat --show 3
+
+`--format chat` reads the records as conversations (data.format=chat) and `--show N` prints the first N as
+the chat template renders them, the tokens the loss trains on (data.loss_on) between ⟦ and ⟧ (green on a
+terminal), with the count of trained and all tokens. Chat data trains from its JSONL or Parquet files.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ import time
 import numpy as np
 
 from mintrain import config as config_lib
-from mintrain.data import records, sources, streaming
+from mintrain.data import records, sources, streaming, tokenizer
 from mintrain.data.config import DataConfig
-from mintrain.errors import DataError
+from mintrain.errors import ConfigError, DataError
 from mintrain.runtime import startup
 
 SUFFIXES = ('.jsonl.gz', '.jsonl', '.parquet', '.arrayrecord')
+MARKS = {False: ('⟦', '⟧'), True: ('\033[32m', '\033[0m')}  # Around trained text; on a terminal, green.
 OUTPUT_SUFFIX = {'arrayrecord': '.arrayrecord', 'tokens': '.bin'}
 
 
@@ -44,13 +52,13 @@ def tokenize_file(data_cfg: DataConfig, path: pathlib.Path, target: pathlib.Path
                   fmt: str) -> tuple[int, int, int, int]:
   """Writes `path`'s documents as ids to `target` (through a temporary name); (documents, tokens, bytes
   read, records skipped)."""
-  reader = records.Reader(dataclasses.replace(data_cfg, path=str(path)))
+  tok = tokenizer.load(data_cfg.tokenizer)  # In each worker process.
+  reader = records.Reader(dataclasses.replace(data_cfg, path=str(path)), tok)
   blocks = reader.all_blocks()
   dtype = np.dtype(data_cfg.token_dtype)
   target.parent.mkdir(parents=True, exist_ok=True)
   partial = target.with_name(target.name + '.partial')
   docs = tokens = 0
-  encode = streaming.encoder_for(data_cfg)
   if fmt == 'arrayrecord':
     from array_record.python.array_record_module import ArrayRecordWriter
     writer = ArrayRecordWriter(str(partial), 'group_size:1')
@@ -61,7 +69,7 @@ def tokenize_file(data_cfg: DataConfig, path: pathlib.Path, target: pathlib.Path
   try:
     for i in range(len(blocks)):
       for doc in reader.read(blocks, i):
-        ids = streaming.encode_document(doc, encode)
+        ids = streaming.encode_document(doc, tok)
         if ids.max(initial=0) > np.iinfo(dtype).max:
           raise DataError(f'{path}: token id {int(ids.max())} does not fit data.token_dtype='
                           f'{dtype.name!r}; use uint32.')
@@ -74,6 +82,26 @@ def tokenize_file(data_cfg: DataConfig, path: pathlib.Path, target: pathlib.Path
     raise
   os.replace(partial, target)
   return docs, tokens, path.stat().st_size, reader.bad.count
+
+
+def show(data_cfg: DataConfig, tok: tokenizer.Tokenizer, count: int) -> None:
+  """Prints the corpus's first `count` conversations, each span of trained tokens decoded between MARKS,
+  and how many of their tokens are trained."""
+  reader = records.Reader(data_cfg, tok)
+  blocks = reader.all_blocks()
+  start, end = MARKS[sys.stdout.isatty()]
+  shown = 0
+  for i in range(len(blocks)):
+    for doc in reader.read(blocks, i):
+      if shown == count:
+        return
+      shown += 1
+      cuts = [0, *np.flatnonzero(np.diff(doc.weights > 0)) + 1, len(doc.ids)]
+      text = ''.join((start + piece + end) if doc.weights[a] > 0 else piece
+                     for a, b in zip(cuts, cuts[1:])
+                     for piece in [tok.tokenizer.decode(doc.ids[a:b].tolist(), skip_special_tokens=False)])
+      print(f'--- conversation {shown} ---\n{text}\n({int((doc.weights > 0).sum())} of {len(doc.ids)} tokens '
+            'trained)')
 
 
 class Progress:
@@ -105,14 +133,35 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--config', default=str(config_lib.BASE), help='the run config whose data and '
                       'tokenizer to use (default: base.py), with --config.key=value overrides')
-  parser.add_argument('--out', required=True, help='the directory to write the tokenized files to')
-  parser.add_argument('--format', default='arrayrecord', choices=tuple(OUTPUT_SUFFIX))
+  parser.add_argument('--out', help='the directory to write the tokenized files to')
+  parser.add_argument('--format', default='arrayrecord', choices=(*OUTPUT_SUFFIX, 'chat'),
+                      help="the files to write, or 'chat': read conversations (data.format=chat) to --show")
+  parser.add_argument('--show', type=int, default=0, metavar='N',
+                      help='print the first N conversations, their trained tokens marked, and write nothing')
   parser.add_argument('--workers', type=int, default=os.cpu_count(), help='files tokenized at once')
-  args, config, _ = startup.parse(parser)  # Each worker process loads the tokenizer.
+  args, config, tok = startup.parse(parser)  # Each worker process loads the tokenizer again.
   data_cfg = config.data
   if data_cfg.source not in records.FORMATS:
     startup.fail(f'data.source={data_cfg.source!r}: tokenize_corpus.py reads {records.FORMATS}; set '
                     f'--config.data.source and --config.data.path.')
+  if args.format == 'chat':
+    try:
+      data_cfg = dataclasses.replace(data_cfg, format='chat')  # Checked anew.
+    except ConfigError as e:
+      startup.fail(str(e))
+  if args.show < 0 or (args.show and data_cfg.format != 'chat'):
+    startup.fail(f'--show={args.show} prints conversations: give N >= 1 with --format chat.')
+  if data_cfg.format == 'chat' and not args.show:
+    startup.fail('chat data trains from its JSONL or Parquet files (token files would lose which tokens '
+                 'the loss trains on); use --show N to see how they render.')
+  if args.show:
+    try:
+      show(data_cfg, tok, args.show)
+    except (ConfigError, DataError, OSError) as e:
+      startup.fail(str(e).splitlines()[0])
+    return 0
+  if not args.out:
+    parser.error('--out is required to write tokenized files')
   if args.workers < 1:
     startup.fail(f'--workers={args.workers} must be >= 1.')
   out = pathlib.Path(args.out)

@@ -14,7 +14,7 @@ from flax import nnx
 from helpers import build, convert_layers, fill, load_config
 
 from mintrain import report, train_state
-from mintrain.data import segments
+from mintrain.data import segments, tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
@@ -73,8 +73,8 @@ def packed_rows(batch):
 
 def first_batch(run, packed: bool):
   """The first synthetic micro-batch, as packed rows if `packed`, in `run`'s layout."""
-  batch = jax.tree.map(lambda x: np.asarray(x)[0], jax.device_get(next(make_batches(run.config, run.mesh,
-                                                                                   run.rules))))
+  batches = make_batches(run.config, run.mesh, run.rules, tokenizer.BYTES)
+  batch = jax.tree.map(lambda x: np.asarray(x)[0], jax.device_get(next(batches)))
   if packed:
     batch = packed_rows(batch)
   layout = run.rules.activation_spec(('batch', 'length'))

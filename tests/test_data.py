@@ -53,7 +53,7 @@ def train_iter(cfg, *, batch=8, seq_len=8, seed=0, index=0, count=1, split='trai
   """Process `index` of `count` holding an equal block of each micro-batch's rows."""
   micro = micro or batch
   share = micro // count
-  return pipeline.make_iterator(cfg, split=split, seq_len=seq_len, global_batch_size=batch,
+  return pipeline.make_iterator(cfg, tokenizer.BYTES, split=split, seq_len=seq_len, global_batch_size=batch,
                                 micro_batch_size=micro, rows=np.arange(index * share, (index + 1) * share),
                                 seed=seed, separators=BYTES)
 
@@ -90,7 +90,7 @@ def test_vocab_size_counts_bytes_and_bos_and_pads_to_a_multiple():
 
 def test_the_byte_tokenizer_has_one_byte_per_token_and_no_files(tmp_path):
   assert tokenizer.load('byte') is tokenizer.BYTES and tokenizer.BYTES.bytes_per_token == 1.0
-  assert statistics.bytes_per_token(BASE_DATA) == 1.0
+  assert statistics.bytes_per_token(BASE_DATA, tokenizer.BYTES) == 1.0
   assert tokenizer.BYTES.save(tmp_path / 'out') == [] and not (tmp_path / 'out').exists()
 
 
@@ -113,7 +113,7 @@ def test_targets_are_inputs_shifted_by_one():
 def test_text_documents_are_each_preceded_by_bos(tmp_path):
   docs = write_corpus(tmp_path, n_files=5, size=40)
   cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'), eval_fraction=0.5)
-  streams = sources.load_split(cfg, 'train') + sources.load_split(cfg, 'eval')
+  streams = [s for split in ('train', 'eval') for s in sources.load_split(cfg, tokenizer.BYTES, split)]
   assert all(s[0] == tokenizer.BOS for s in streams)
   pieces = [p for s in streams for p in np.split(s, np.flatnonzero(s == tokenizer.BOS))[1:]]
   assert all(p[0] == tokenizer.BOS for p in pieces)
@@ -125,11 +125,11 @@ def test_text_documents_are_each_preceded_by_bos(tmp_path):
 def test_split_is_disjoint_covering_and_the_same_from_any_working_directory(tmp_path, monkeypatch):
   write_corpus(tmp_path / 'corpus')
   absolute = data_cfg(source='text', path=str(tmp_path / 'corpus' / '*.txt'), eval_fraction=0.25)
-  train, evals = (sources.load_split(absolute, s)[0] for s in ('train', 'eval'))
+  train, evals = (sources.load_split(absolute, tokenizer.BYTES, s)[0] for s in ('train', 'eval'))
   monkeypatch.chdir(tmp_path)
   relative = dataclasses.replace(absolute, path='corpus/*.txt')
-  assert np.array_equal(sources.load_split(relative, 'train')[0], train)
-  assert np.array_equal(sources.load_split(relative, 'eval')[0], evals)
+  assert np.array_equal(sources.load_split(relative, tokenizer.BYTES, 'train')[0], train)
+  assert np.array_equal(sources.load_split(relative, tokenizer.BYTES, 'eval')[0], evals)
   assert np.sum(train == tokenizer.BOS) + np.sum(evals == tokenizer.BOS) == 24
   assert 0 < np.sum(evals == tokenizer.BOS) < 24
 
@@ -153,7 +153,7 @@ def test_train_order_is_a_function_of_the_seed(corpus):
 
 
 def test_each_epoch_visits_every_window_once_in_a_new_order(corpus):
-  windows = pipeline.PackedSequences(sources.load_split(corpus, 'train'), 8)
+  windows = pipeline.PackedSequences(sources.load_split(corpus, tokenizer.BYTES, 'train'), 8)
   n = len(windows)
   everything = [tuple(windows[i]) for i in range(n)]
   assert len(set(everything)) == n
@@ -177,7 +177,7 @@ def test_processes_read_disjoint_rows_that_make_up_the_single_process_batch(corp
 
 
 def test_eval_batches_come_in_order_without_shuffling(corpus):
-  windows = pipeline.PackedSequences(sources.load_split(corpus, 'eval'), 8)
+  windows = pipeline.PackedSequences(sources.load_split(corpus, tokenizer.BYTES, 'eval'), 8)
   got = rows(take(train_iter(corpus, batch=4, split='eval', seed=7), 3))
   assert got == [tuple(windows[i % len(windows)]) for i in range(12)]
   assert got == rows(take(train_iter(corpus, batch=4, split='eval', seed=8), 3))
@@ -216,7 +216,7 @@ def test_unigram_bits_per_token_is_the_eval_entropy(tmp_path, symbols, bits):
   tokens.tofile(tmp_path / 'c.bin')
   fraction = 50 * len(symbols) / len(tokens)  # The eval tail is exactly the tiled symbols.
   cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=fraction)
-  assert statistics.unigram_bits_per_token(cfg) == pytest.approx(bits)
+  assert statistics.unigram_bits_per_token(cfg, tokenizer.BYTES) == pytest.approx(bits)
 
 
 # Token files.
@@ -225,7 +225,7 @@ def test_token_files_split_into_a_train_head_and_an_eval_tail(tmp_path):
   np.arange(100, dtype=np.uint32).tofile(tmp_path / 'a.bin')
   np.arange(200, 250, dtype=np.uint32).tofile(tmp_path / 'b.bin')
   cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), token_dtype='uint32', eval_fraction=0.2)
-  train, evals = sources.load_split(cfg, 'train'), sources.load_split(cfg, 'eval')
+  train, evals = (sources.load_split(cfg, tokenizer.BYTES, split) for split in ('train', 'eval'))
   assert [s.tolist() for s in train] == [list(range(80)), list(range(200, 240))]
   assert [s.tolist() for s in evals] == [list(range(80, 100)), list(range(240, 250))]
   assert isinstance(train[0], np.memmap)
@@ -235,9 +235,10 @@ def test_token_files_split_into_a_train_head_and_an_eval_tail(tmp_path):
 
 def test_glob_that_matches_nothing_names_the_pattern(tmp_path):
   with pytest.raises(DataError, match=r"data.path=.*nothing.*matches no files"):
-    sources.load_split(data_cfg(source='text', path=str(tmp_path / 'nothing' / '*.txt')), 'train')
+    sources.load_split(data_cfg(source='text', path=str(tmp_path / 'nothing' / '*.txt')), tokenizer.BYTES,
+                       'train')
   with pytest.raises(DataError, match='data.path is empty'):
-    sources.load_split(data_cfg(source='text'), 'train')
+    sources.load_split(data_cfg(source='text'), tokenizer.BYTES, 'train')
 
 
 @pytest.mark.parametrize('content, problem', [(b'abc\0def', 'binary'), (b'caf\xe9', 'not UTF-8')])
@@ -247,7 +248,7 @@ def test_binary_or_non_utf8_file_is_named(tmp_path, content, problem):
   cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'), eval_fraction=0.01)
   split = 'eval' if sources.in_eval('bad.txt', 0.01) else 'train'
   with pytest.raises(DataError, match=f'bad.txt.*{problem}'):
-    sources.load_split(cfg, split)
+    sources.load_split(cfg, tokenizer.BYTES, split)
 
 
 def test_unreadable_file_is_named(tmp_path, monkeypatch):
@@ -259,14 +260,14 @@ def test_unreadable_file_is_named(tmp_path, monkeypatch):
   monkeypatch.setattr(pathlib.Path, 'read_bytes', refuse)
   cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'), eval_fraction=1e-9)
   with pytest.raises(DataError, match=r'cannot read .*doc_00.txt \(Permission denied\)'):
-    sources.load_split(cfg, 'train')
+    sources.load_split(cfg, tokenizer.BYTES, 'train')
 
 
 def test_token_file_of_partial_tokens_names_the_dtype(tmp_path):
   (tmp_path / 'odd.bin').write_bytes(b'\x01\x00\x02')
   cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), token_dtype='uint16')
   with pytest.raises(DataError, match=r"odd.bin is 3 bytes, not a positive multiple of 2.*token_dtype"):
-    sources.load_split(cfg, 'train')
+    sources.load_split(cfg, tokenizer.BYTES, 'train')
 
 
 def test_token_id_outside_the_vocabulary_names_file_and_position(tmp_path):
@@ -276,11 +277,11 @@ def test_token_id_outside_the_vocabulary_names_file_and_position(tmp_path):
   cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=0.1)
   with pytest.raises(DataError, match=r'ids.bin holds token id 300 at token 17 \(byte offset 34\), outside '
                                       r'the vocabulary \[0, 257\) of 257 ids'):
-    sources.load_split(cfg, 'train')
-  assert sources.load_split(cfg, 'train', vocab_size=384)[0][17] == 300  # Any id below the model's.
+    sources.load_split(cfg, tokenizer.BYTES, 'train')
+  assert sources.load_split(cfg, tokenizer.BYTES, 'train', vocab_size=384)[0][17] == 300  # Below the model's.
   with pytest.raises(DataError, match=r'ids.bin holds token id 300 at token 17 .*of 300 ids'):
-    pipeline.make_iterator(cfg, split='train', seq_len=8, global_batch_size=8, micro_batch_size=8,
-                           rows=np.arange(8), seed=0, vocab_size=300)
+    pipeline.make_iterator(cfg, tokenizer.BYTES, split='train', seq_len=8, global_batch_size=8,
+                           micro_batch_size=8, rows=np.arange(8), seed=0, vocab_size=300)
 
 
 def test_sequence_longer_than_the_split_names_seq_len(corpus):
@@ -293,12 +294,13 @@ def test_empty_eval_split_names_eval_fraction(tmp_path):
   cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'))
   hashed_away = r'eval split .* empty: all 3 file\(s\) hash into train at data.eval_fraction=1e-09'
   with pytest.raises(DataError, match=hashed_away):
-    sources.load_split(dataclasses.replace(cfg, eval_fraction=1e-9), 'eval')
+    sources.load_split(dataclasses.replace(cfg, eval_fraction=1e-9), tokenizer.BYTES, 'eval')
   with pytest.raises(DataError, match='eval_fraction=0 leaves the eval split empty'):
-    sources.load_split(dataclasses.replace(cfg, eval_fraction=0.0), 'eval')
+    sources.load_split(dataclasses.replace(cfg, eval_fraction=0.0), tokenizer.BYTES, 'eval')
   np.zeros(10, np.uint16).tofile(tmp_path / 't.bin')
   with pytest.raises(DataError, match='eval split .* rounds to no tokens'):
-    sources.load_split(data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=0.05), 'eval')
+    cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), eval_fraction=0.05)
+    sources.load_split(cfg, tokenizer.BYTES, 'eval')
 
 
 def test_a_source_that_is_no_file_source_names_the_key():
@@ -332,7 +334,7 @@ def test_stdlib_files_are_sorted_python_sources_without_tests():
 
 def test_stdlib_max_bytes_reads_only_the_leading_files_and_batches_from_them():
   cfg = data_cfg(source='stdlib', max_bytes=100_000, eval_fraction=0.5)
-  streams = sources.load_split(cfg, 'train') + sources.load_split(cfg, 'eval')
+  streams = [s for split in ('train', 'eval') for s in sources.load_split(cfg, tokenizer.BYTES, split)]
   sizes = [p.stat().st_size for _, p in sources.stdlib_files()]
   n_files = int(np.searchsorted(np.cumsum(sizes), 100_000)) + 1
   assert sum(len(s) for s in streams) == sum(sizes[:n_files]) + n_files

@@ -48,10 +48,10 @@ def test_checkpointed_iterator_state_continues_the_exact_stream(tmp_path):
   mesh = make_mesh(config.mesh.sizes)
   rules = AxisRules.from_config(config.partitioning)
   with jax.set_mesh(mesh):
-    straight = make_batches(config, mesh, rules)
+    straight = make_batches(config, mesh, rules, tokenizer.BYTES)
     for _ in range(3):
       next(straight)
-    resumed = make_batches(config, mesh, rules)
+    resumed = make_batches(config, mesh, rules, tokenizer.BYTES)
     resumed.set_state(saved)
     for _ in range(2):
       a, b = next(straight), next(resumed)
@@ -69,12 +69,13 @@ def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path, packin
   setup = build(config)
   with jax.set_mesh(mesh):
     state = setup.init()
-    batches = make_batches(config, mesh, rules, split='eval')
+    batches = make_batches(config, mesh, rules, tokenizer.BYTES, split='eval')
     metrics = actions.evaluate(setup, state.params, batches, batches.get_state(),
-                                  statistics.bytes_per_token(config.data))
+                                  statistics.bytes_per_token(config.data, tokenizer.BYTES))
     model = nnx.merge(setup.graphdef, state.params)
-    local = pipeline.make_iterator(config.data, split='eval', seq_len=16, global_batch_size=8,
-                                   micro_batch_size=8, rows=np.arange(8), seed=0, separators=BYTES)
+    local = pipeline.make_iterator(config.data, tokenizer.BYTES, split='eval', seq_len=16,
+                                   global_batch_size=8, micro_batch_size=8, rows=np.arange(8), seed=0,
+                                   separators=BYTES)
     nats, weights, documents = [], [], []
     for _ in range(2):
       batch = next(local)
@@ -145,7 +146,7 @@ def test_batches_sent_ahead_are_on_their_devices_and_not_counted_in_the_saved_po
   mesh = make_mesh(ahead_config.mesh.sizes)
   rules = AxisRules.from_config(ahead_config.partitioning)
   with jax.set_mesh(mesh):
-    ahead, plain = make_batches(ahead_config, mesh, rules), make_batches(plain_config, mesh, rules)
+    ahead, plain = (make_batches(c, mesh, rules, tokenizer.BYTES) for c in (ahead_config, plain_config))
     for _ in range(3):
       a, b = next(ahead), next(plain)
       np.testing.assert_array_equal(np.asarray(a['inputs']), np.asarray(b['inputs']))
@@ -153,7 +154,7 @@ def test_batches_sent_ahead_are_on_their_devices_and_not_counted_in_the_saved_po
     for _, batch in ahead.ready:
       assert batch['inputs'].sharding == batch_sharding(mesh, rules, 3)
     assert ahead.get_state() == plain.get_state()
-    resumed = make_batches(ahead_config, mesh, rules)
+    resumed = make_batches(ahead_config, mesh, rules, tokenizer.BYTES)
     resumed.set_state(ahead.get_state())
     np.testing.assert_array_equal(np.asarray(next(resumed)['inputs']), np.asarray(next(plain)['inputs']))
 

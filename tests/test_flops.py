@@ -7,6 +7,7 @@ import pytest
 from helpers import build, load_config, mesh_devices
 
 from mintrain import report
+from mintrain.data import tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.mesh import make_mesh
 from mintrain.optimizer import schedule
@@ -72,7 +73,7 @@ def xla_train_step_flops(config) -> float:
   with jax.set_mesh(mesh):
     step = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, config.train.steps),
                            use_dropout=False)
-    batch = next(make_batches(config, mesh, rules))
+    batch = next(make_batches(config, mesh, rules, tokenizer.load(config.data.tokenizer)))
     # The abstract state lowers to the same program as `setup.init()`'s, without running init.
     return step.lower(setup.abstract_state, batch).compile().cost_analysis()['flops']
 

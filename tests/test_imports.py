@@ -139,8 +139,7 @@ compare(before, snapshot(), 'importing mintrain')
 
 def run_writers():  # What a run constructs of its metrics and console, and closes.
   from mintrain import metrics
-  from mintrain.data import tokenizer
-  with tempfile.TemporaryDirectory() as workdir, metrics.console_logging(print), tokenizer.loaded_once():
+  with tempfile.TemporaryDirectory() as workdir, metrics.console_logging(print):
     metrics.make_writer(workdir, is_main=True, total_steps=1).close()
 
 run_writers()  # Once for the libraries it imports on first use.

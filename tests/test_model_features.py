@@ -22,6 +22,7 @@ from mintrain import errors, report, train_state
 from mintrain import loop as train_loop
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.checkpoint.relayout import Relayout
+from mintrain.data import tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
@@ -88,7 +89,7 @@ def loss_and_grads(host_params, name, *overrides):
     return jax.value_and_grad(loss_fn, has_aux=True)(params, setup.graphdef, micro, None)
 
   with jax.set_mesh(mesh):
-    (loss, _), grads = step(params, next(make_batches(config, mesh, rules)))
+    (loss, _), grads = step(params, next(make_batches(config, mesh, rules, tokenizer.BYTES)))
   return float(loss), host(grads)
 
 
@@ -245,7 +246,7 @@ def _saved_residuals(*overrides) -> list[tuple[int, str]]:
   mesh, rules, setup = build(config)
   listing = io.StringIO()
   with jax.set_mesh(mesh), contextlib.redirect_stdout(listing):
-    micro = jax.tree.map(lambda x: x[0], next(make_batches(config, mesh, rules)))
+    micro = jax.tree.map(lambda x: x[0], next(make_batches(config, mesh, rules, tokenizer.BYTES)))
     jax.ad_checkpoint.print_saved_residuals(lambda p: loss_fn(p, setup.graphdef, micro, None)[0],
                                             setup.abstract_state.params)
   residuals = []

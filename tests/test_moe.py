@@ -12,6 +12,7 @@ from helpers import build, load_config, mesh_devices, quiet
 
 from mintrain import loop as train_loop
 from mintrain import report, train_state
+from mintrain.data import tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
@@ -48,7 +49,8 @@ def step_metrics(mesh, *overrides):
   setup = build(config)
   with jax.set_mesh(mesh_):
     step = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, 4), use_dropout=False)
-    batch = next(make_batches(config, mesh_, AxisRules.from_config(config.partitioning)))
+    rules = AxisRules.from_config(config.partitioning)
+    batch = next(make_batches(config, mesh_, rules, tokenizer.load(config.data.tokenizer)))
     compiled = step.lower(setup.abstract_state, batch).compile()
     _, metrics = compiled(setup.init(), batch)
   return {k: float(v) for k, v in metrics.items()}, compiled.as_text()

@@ -16,6 +16,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 from mintrain import errors, metrics, report
 from mintrain import loop as train_loop
+from mintrain.data import tokenizer
 
 SMALL = (*helpers.SMALL, 'checkpoint.keep=0')
 
@@ -103,7 +104,7 @@ def test_the_reported_step_time_includes_the_device_time_of_the_steps():
   reported = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet).summary['step_time']
   setup = build(config)
   with jax.set_mesh(setup.mesh):
-    state, batches = setup.init(), setup.batches()
+    state, batches = setup.init(), setup.batches(tokenizer.BYTES)
     batch = next(batches)
     step = setup.train_step.lower(state, batch).compile()
     state, _ = jax.block_until_ready(step(state, batch))

@@ -90,13 +90,13 @@ def test_streamed_rows_carry_the_segment_layout_packed_and_padded(tmp_path):
   config = load_config('single', 'data.source=jsonl', f'data.path={tmp_path}/*.jsonl', 'data.eval_fraction=0',
                        'data.shuffle_window=1', 'data.prefetch=0')
   layout = dict(split='train', seq_len=8, global_batch_size=1, micro_batch_size=1, rows=np.arange(1), seed=0)
-  packed = next(pipeline.make_iterator(config.data, **layout))
+  packed = next(pipeline.make_iterator(config.data, tokenizer.BYTES, **layout))
   assert set(np.unique(packed['segment_ids'])) >= {1, 2, 3}
   assert (packed['positions'][packed['inputs'] == BOS] == 0).all()
   padded_data = load_config('single', 'data.source=jsonl', f'data.path={tmp_path}/*.jsonl',
                             'data.eval_fraction=0', 'data.shuffle_window=1', 'data.prefetch=0',
                             'data.packing=pad').data
-  rows = pipeline.make_iterator(padded_data, **layout)
+  rows = pipeline.make_iterator(padded_data, tokenizer.BYTES, **layout)
   seen = []
   for _ in range(len(docs)):
     row = next(rows)
@@ -108,11 +108,11 @@ def test_streamed_rows_carry_the_segment_layout_packed_and_padded(tmp_path):
 
 def test_pad_mode_gives_each_document_of_the_split_its_own_row_in_order(short_docs):
   data = load_config('single', *text(short_docs, 'pad')).data
-  stream = sources.load_split(data, 'eval')[0]
+  stream = sources.load_split(data, tokenizer.BYTES, 'eval')[0]
   starts = np.flatnonzero(stream == BOS)
   assert len(starts) > 4
-  batch = next(pipeline.make_iterator(data, split='eval', seq_len=32, global_batch_size=4, micro_batch_size=4,
-                                      rows=np.arange(4), seed=0, separators=BYTES))
+  batch = next(pipeline.make_iterator(data, tokenizer.BYTES, split='eval', seq_len=32, global_batch_size=4,
+                                      micro_batch_size=4, rows=np.arange(4), seed=0, separators=BYTES))
   for row in range(4):
     tokens = stream[starts[row]:starts[row + 1] + 1]  # Short documents: none is truncated.
     n = len(tokens) - 1  # Targets: every token after the BOS, and the next document's BOS.
@@ -244,8 +244,9 @@ def grads_of(host_params, config_name, batch, *overrides):
 def padded(host_params, short_docs):
   """A batch of padded rows, and its loss and gradients from the plain model on one device."""
   config = load_config('single', *TINY, *text(short_docs, 'pad'))
-  batch = next(pipeline.make_iterator(config.data, split='train', seq_len=32, global_batch_size=8,
-                                      micro_batch_size=8, rows=np.arange(8), seed=0, separators=BYTES))
+  batch = next(pipeline.make_iterator(config.data, tokenizer.BYTES, split='train', seq_len=32,
+                                      global_batch_size=8, micro_batch_size=8, rows=np.arange(8), seed=0,
+                                      separators=BYTES))
   assert 0 < batch['target_weights'].mean() < 1
   return batch, grads_of(host_params, 'single', batch, 'model.loss_chunks=0')
 
@@ -294,5 +295,5 @@ def test_a_split_without_a_document_to_learn_from_is_a_one_line_error(tmp_path):
                      'data.eval_fraction=0.0').data
   with pytest.raises(errors.DataError, match=r"no document of two or more tokens; add data or use "
                                               r"data.packing='pack'"):
-    pipeline.make_iterator(data, split='train', seq_len=8, global_batch_size=1, micro_batch_size=1,
-                           rows=np.arange(1), seed=0, separators=BYTES)
+    pipeline.make_iterator(data, tokenizer.BYTES, split='train', seq_len=8, global_batch_size=1,
+                           micro_batch_size=1, rows=np.arange(1), seed=0, separators=BYTES)

@@ -80,8 +80,9 @@ FORMATS = {
 
 
 def rows_iter(cfg, *, rows=range(8), batch=8, seq_len=16, seed=0, split='train', micro=None):
-  return pipeline.make_iterator(cfg, split=split, seq_len=seq_len, global_batch_size=batch,
-                                micro_batch_size=micro or batch, rows=np.asarray(list(rows)), seed=seed)
+  return pipeline.make_iterator(cfg, tokenizer.load(cfg.tokenizer), split=split, seq_len=seq_len,
+                                global_batch_size=batch, micro_batch_size=micro or batch,
+                                rows=np.asarray(list(rows)), seed=seed)
 
 
 def take(it, n):
@@ -117,7 +118,7 @@ def test_formats_hold_the_same_documents_block_by_block(tmp_path):
   docs = documents(50)
   for fmt, make in FORMATS.items():
     cfg = make(tmp_path / fmt.replace('.', '_'), docs)
-    reader = records.Reader(cfg)
+    reader = records.Reader(cfg, tokenizer.BYTES)
     blocks = reader.all_blocks()
     read = [d for i in range(len(blocks)) for d in reader.read(blocks, i)]
     assert sorted(read) == sorted(docs), fmt
@@ -128,7 +129,7 @@ def test_jsonl_blocks_split_at_line_starts_whatever_the_block_size(tmp_path):
   docs = documents(40)
   path = write_jsonl(tmp_path, docs, files=1)
   for block_bytes in (1, 7, 100, 1 << 20):
-    reader = records.Reader(data_cfg(source='jsonl', path=path, block_bytes=block_bytes))
+    reader = records.Reader(data_cfg(source='jsonl', path=path, block_bytes=block_bytes), tokenizer.BYTES)
     blocks = reader.all_blocks()
     assert [d for i in range(len(blocks)) for d in reader.read(blocks, i)] == docs
 
@@ -168,7 +169,7 @@ def test_a_process_reads_only_the_blocks_of_its_rows(tmp_path, monkeypatch):
     take(rows_iter(cfg, rows=rows), 4)
   assert read['low'] and read['high'] and not read['low'] & read['high']
   assert read['low'] | read['high'] == read['all']
-  assert len(read['all']) < len(records.Reader(cfg).all_blocks())
+  assert len(read['all']) < len(records.Reader(cfg, tokenizer.BYTES).all_blocks())
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
@@ -206,7 +207,7 @@ def test_order_is_a_function_of_the_seed_and_eval_is_in_file_order(tmp_path):
   e0, e1 = (take(rows_iter(cfg, seed=s, split='eval', rows=[0], batch=1), 10) for s in (0, 1))
   assert all(np.array_equal(x['inputs'], y['inputs']) for x, y in zip(e0, e1))
   evaluated = docs_of(stream_text(e0))
-  split = streaming.Split(cfg, 'eval', seed=0)
+  split = streaming.Split(cfg, tokenizer.BYTES, 'eval', seed=0)
   blocks = split.split_blocks
   in_file_order = [d for i in range(len(blocks)) for d in split.reader.read(blocks, i)]
   assert evaluated[:-1] == in_file_order[:len(evaluated) - 1]
@@ -261,7 +262,7 @@ def test_unigram_baseline_of_a_streamed_source_counts_its_eval_split(tmp_path):
                  block_bytes=200)
   # Documents of 'a' and 'b' in equal numbers and one BOS per 100: entropy just above 1 bit.
   p = np.array([50, 50, 1]) / 101
-  assert statistics.unigram_bits_per_token(cfg) == pytest.approx(float(-(p * np.log2(p)).sum()))
+  assert statistics.unigram_bits_per_token(cfg, tokenizer.BYTES) == pytest.approx(-(p * np.log2(p)).sum())
 
 
 # Bad input.
@@ -289,7 +290,7 @@ def test_a_bad_jsonl_line_names_file_and_line(tmp_path, line, says):
 
 def test_skip_bad_records_leaves_out_only_the_bad_line_and_counts_it(tmp_path, capsys):
   cfg = dataclasses.replace(bad_jsonl(tmp_path, '{"text": "cut'), skip_bad_records=True)
-  reader = records.Reader(cfg)
+  reader = records.Reader(cfg, tokenizer.BYTES)
   blocks = reader.all_blocks()
   with metrics.console_logging(print):
     assert [d for i in range(len(blocks)) for d in reader.read(blocks, i)] == ['fine'] * 3 + ['fine too']
@@ -301,7 +302,8 @@ def test_skip_bad_records_leaves_out_bad_files_with_a_warning_each(tmp_path, cap
   write_parquet(tmp_path, docs)
   (tmp_path / 'broken.parquet').write_bytes(b'PAR1 not really')
   (tmp_path / 'empty.parquet').write_bytes(b'')
-  reader = records.Reader(data_cfg(source='parquet', path=str(tmp_path / '*.parquet'), skip_bad_records=True))
+  cfg = data_cfg(source='parquet', path=str(tmp_path / '*.parquet'), skip_bad_records=True)
+  reader = records.Reader(cfg, tokenizer.BYTES)
   with metrics.console_logging(print):
     blocks = reader.all_blocks()
     assert sorted(d for i in range(len(blocks)) for d in reader.read(blocks, i)) == sorted(docs)
@@ -374,7 +376,7 @@ def test_a_streamed_source_reads_with_the_runs_tokenizer_and_measures_its_bytes_
   whole = np.concatenate([tok.document(d) for d in docs])
   window = np.concatenate([first['inputs'][0], first['targets'][0][-1:]])
   assert any(np.array_equal(whole[i:i + 33], window) for i in range(len(whole) - 32))  # BPE ids, in order.
-  measured = statistics.bytes_per_token(dataclasses.replace(cfg, eval_fraction=0.5))
+  measured = statistics.bytes_per_token(dataclasses.replace(cfg, eval_fraction=0.5), tok)
   assert 1.1 < measured < 6  # A BPE token is often several bytes; a byte token (with BOS) is under 1.
 
 

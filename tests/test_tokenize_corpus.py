@@ -23,7 +23,7 @@ def test_arrayrecord_output_holds_each_document_as_bos_and_its_ids_and_trains(tm
   assert 'data.source=arrayrecord --config.data.record_format=tokens' in proc.stdout
   tokens = data_cfg(source='arrayrecord', record_format='tokens',
                     path=str(tmp_path / 'out' / '*.arrayrecord'))
-  reader = records.Reader(tokens)
+  reader = records.Reader(tokens, tokenizer.load(tokens.tokenizer))
   blocks = reader.all_blocks()
   read = [d for i in range(len(blocks)) for d in reader.read(blocks, i)]
   assert sorted(tuple(ids) for ids in read) == sorted(tuple(tokenizer.BYTES.document(d)) for d in docs)

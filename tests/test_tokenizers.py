@@ -86,7 +86,7 @@ def test_hugging_face_bos_and_eos_follow_the_post_processor_and_tokenizer_config
     (tmp_path / 'corpus.txt').write_text('x = 1\n')
     cfg = data_cfg(source='text', path=str(tmp_path / '*.txt'), tokenizer=str(tmp_path), eval_fraction=1e-9)
     with pytest.raises(DataError, match='has neither a BOS nor an EOS token to separate documents; name one'):
-      sources.load_split(cfg, 'train')
+      sources.load_split(cfg, tokenizer.load(cfg.tokenizer), 'train')
 
 
 def test_model_vocab_size_0_follows_the_tokenizer_and_a_set_one_stays(spec):
@@ -129,10 +129,10 @@ def test_text_sources_are_their_split_documents_tokenized_in_order(spec, tmp_pat
   cfg = data_cfg(source='text', path=str(tmp_path / 'corpus' / '*.txt'), tokenizer=spec, eval_fraction=0.3)
   for split in ('train', 'eval'):
     mine = [t for i, t in enumerate(texts) if sources.in_eval(f'doc_{i:02d}.txt', 0.3) == (split == 'eval')]
-    [stream] = sources.load_split(cfg, split)
+    [stream] = sources.load_split(cfg, tok, split)
     assert stream.tolist() == np.concatenate([tok.document(t) for t in mine]).tolist()
     measured = sum(len(t.encode('utf-8')) for t in mine) / len(stream)
-    assert statistics.bytes_per_token(cfg, split=split) == pytest.approx(measured) and 1.5 < measured < 4
+    assert statistics.bytes_per_token(cfg, tok, split=split) == pytest.approx(measured) and 1.5 < measured < 4
 
 
 def test_token_files_measure_bytes_per_token_by_decoding(spec, tmp_path):
@@ -141,7 +141,8 @@ def test_token_files_measure_bytes_per_token_by_decoding(spec, tmp_path):
   ids.astype(np.uint16).tofile(tmp_path / 'ids.bin')
   cfg = data_cfg(source='tokens', path=str(tmp_path / '*.bin'), tokenizer=spec, eval_fraction=0.5)
   tail = ids[len(ids) - int(len(ids) * 0.5):]
-  assert statistics.bytes_per_token(cfg) == pytest.approx(len(tok.decode(tail).encode('utf-8')) / len(tail))
+  decoded = len(tok.decode(tail).encode('utf-8'))
+  assert statistics.bytes_per_token(cfg, tok) == pytest.approx(decoded / len(tail))
 
 
 def test_batches_resume_exactly_and_two_processes_read_the_single_process_batch(bpe_tokenizer, tmp_path):
@@ -149,8 +150,9 @@ def test_batches_resume_exactly_and_two_processes_read_the_single_process_batch(
   cfg = data_cfg(source='text', path=str(tmp_path / 'corpus' / '*.txt'), tokenizer=str(bpe_tokenizer))
 
   def iterator(rows):
-    return pipeline.make_iterator(cfg, split='train', seq_len=16, global_batch_size=8, micro_batch_size=8,
-                                  rows=np.asarray(rows), seed=3, vocab_size=TOKENIZER_VOCAB)
+    return pipeline.make_iterator(cfg, tokenizer.load(cfg.tokenizer), split='train', seq_len=16,
+                                  global_batch_size=8, micro_batch_size=8, rows=np.asarray(rows), seed=3,
+                                  vocab_size=TOKENIZER_VOCAB)
 
   whole = iterator(range(8))
   first = [next(whole) for _ in range(3)]
@@ -171,7 +173,7 @@ def test_a_tokenizer_with_more_ids_than_the_model_names_both(bpe_tokenizer, tmp_
                  eval_fraction=0.01)
   with pytest.raises(DataError, match=r"has 512 ids, more than the model's vocabulary \(384\); set "
                                       r'model.vocab_size=0 \(from the tokenizer\) or at least 512'):
-    sources.load_split(cfg, 'train', vocab_size=384)
+    sources.load_split(cfg, tokenizer.load(cfg.tokenizer), 'train', vocab_size=384)
 
 
 def test_eval_bits_per_byte_divide_bits_per_token_by_the_measured_bytes_per_token(bpe_tokenizer, tmp_path):
@@ -185,9 +187,9 @@ def test_eval_bits_per_byte_divide_bits_per_token_by_the_measured_bytes_per_toke
                        f'data.tokenizer={bpe_tokenizer}', 'data.eval_fraction=0.3', 'eval.steps=1',
                        *TINY)
   run = build(config)
-  bytes_per_token = statistics.bytes_per_token(config.data)
+  bytes_per_token = statistics.bytes_per_token(config.data, tokenizer.load(config.data.tokenizer))
   with jax.set_mesh(run.mesh):
-    batches = run.batches('eval')
+    batches = run.batches(tokenizer.load(config.data.tokenizer), 'eval')
     metrics = actions.evaluate(run, run.init().params, batches, batches.get_state(), bytes_per_token)
   assert metrics['eval_bits_per_token'] == pytest.approx(metrics['eval_loss'] / math.log(2))
   assert metrics['eval_bits_per_byte'] == pytest.approx(metrics['eval_bits_per_token'] / bytes_per_token)
@@ -211,7 +213,13 @@ def test_a_path_that_is_not_a_tokenizer_is_a_one_line_config_error(tmp_path, mak
   assert '\n' not in str(raised.value)
 
 
-def test_a_run_reads_each_tokenizer_once_and_the_process_keeps_none_after_it(spec):
-  with tokenizer.loaded_once():
-    assert tokenizer.load(spec) is tokenizer.load(spec)
-  assert tokenizer.load(spec) is not tokenizer.load(spec)
+def test_the_data_layer_reads_with_the_tokenizer_it_is_given_and_loads_none_itself(spec, tmp_path,
+                                                                                     monkeypatch):
+  write_texts(tmp_path / 'corpus', n=6)
+  cfg = data_cfg(source='text', path=str(tmp_path / 'corpus' / '*.txt'), tokenizer=spec, eval_fraction=0.3)
+  tok = tokenizer.load(spec)
+  monkeypatch.setattr(tokenizer, 'load', lambda spec: pytest.fail(f'the data layer loaded {spec!r}'))
+  batch = next(pipeline.make_iterator(cfg, tok, split='train', seq_len=16, global_batch_size=2,
+                                      micro_batch_size=2, rows=np.arange(2), seed=0))
+  assert batch['inputs'].max() < tok.vocab_size
+  assert statistics.bytes_per_token(cfg, tok) > 1 and statistics.unigram_bits_per_token(cfg, tok) > 1

@@ -10,6 +10,7 @@ from helpers import MESH_CONFIGS, build, load_config, mesh_devices, quiet, spec_
 
 from mintrain import loop as train_loop
 from mintrain import train_state
+from mintrain.data import tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import NonFiniteLossError
 from mintrain.mesh import make_mesh
@@ -45,7 +46,8 @@ def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time
 
   with jax.set_mesh(mesh):
     state = setup.init()
-    jax.jit(check).trace(state, next(make_batches(config, mesh, rules)))
+    batch = next(make_batches(config, mesh, rules, tokenizer.load(config.data.tokenizer)))
+    jax.jit(check).trace(state, batch)
   assert len(seen) == 4 * len(expected)
   for (kind, path), spec in seen.items():
     assert spec == expected[path], (kind, path, spec)
@@ -100,7 +102,7 @@ def test_four_micro_batches_equal_one_four_times_larger_batch(short_docs, packin
     with jax.set_mesh(mesh):
       state = setup.init()
       step = make_train_step(setup.graphdef, setup.tx, schedule(config.optimizer, 10), use_dropout=False)
-      batches = make_batches(config, mesh, rules)
+      batches = make_batches(config, mesh, rules, tokenizer.load(config.data.tokenizer))
       batch = next(batches)
       assert batch['inputs'].shape[:2] == (accum, 32 // accum)
       counts = np.asarray(batch['target_weights']).sum(axis=(1, 2))

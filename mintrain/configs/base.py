@@ -124,6 +124,17 @@ def get_config() -> ml_collections.ConfigDict:
   # order anew at the checkpoint's step.
   c.data.on_corpus_change = 'continue'
   c.data.skip_bad_records = False  # Skip bad lines, records and files with a counted warning, not an error.
+  # What a 'jsonl' or 'parquet' record holds: 'text' (data.text_field) or 'chat': a conversation, a list of
+  # {'role', 'content'} in data.messages_field (and the record's 'tools', if any), rendered by the
+  # tokenizer's own chat template (a Hugging Face tokenizer's chat_template.jinja or tokenizer_config.json).
+  # Packed conversations are document-masked and one runs on into the next row when longer than
+  # train.seq_len; with data.packing='pad' one longer than train.seq_len + 1 tokens is truncated.
+  c.data.format = 'text'
+  c.data.messages_field = 'messages'  # The JSONL field or Parquet column holding a chat record's messages.
+  # Which chat tokens the loss counts: 'assistant' the spans the template marks with {% generation %}, or
+  # without such markers each assistant message's content and the token ending its turn; 'all' every token.
+  c.data.loss_on = 'assistant'
+  c.data.chat_template = ''  # A chat template file to render chats with instead of the tokenizer's own.
   # Sources to mix, with data.source='mixture': [({'source': 'jsonl', 'path': 'a/*.jsonl'}, 0.7), (..., 0.3)];
   # each row draws its source per step in proportion to the weights. A source sets only its own keys.
   c.data.mixture = []

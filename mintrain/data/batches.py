@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from mintrain.data import pipeline, streaming
+from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.partitioning import AxisRules
 
 LocalBatch = dict[str, np.ndarray]
@@ -118,10 +118,11 @@ class GlobalBatches:
     self.local.set_state(state['iterator'])
 
 
-def make_batches(config: Any, mesh: Mesh, rules: AxisRules, *, split: str = 'train') -> GlobalBatches:
+def make_batches(config: Any, mesh: Mesh, rules: AxisRules, tok: tokenizer.Tokenizer, *,
+                 split: str = 'train') -> GlobalBatches:
   """Global batches of `split` of a run's `config` (`mintrain.config.Config`, whose sections the data
-  layer reads but never imports): train batches run on forever (`data.device_prefetch` of them on their
-  devices ahead of the step), eval batches restart per evaluation."""
+  layer reads but never imports) and its tokenizer `tok` (`config.resolve`'s): train batches run on forever
+  (`data.device_prefetch` of them on their devices ahead of the step), eval batches restart per evaluation."""
   data, train = config.data, config.train
   shape = (train.grad_accum_steps, train.micro_batch_size)
   rows = process_rows(batch_sharding(mesh, rules, len(shape)), shape)
@@ -131,7 +132,7 @@ def make_batches(config: Any, mesh: Mesh, rules: AxisRules, *, split: str = 'tra
     local = SyntheticRows(make_rows, train.grad_accum_steps, train.micro_batch_size, rows,
                           first_step=EVAL_STEP_OFFSET if split == 'eval' else 0)
   else:
-    local = pipeline.make_iterator(data, split=split, seq_len=train.seq_len,
+    local = pipeline.make_iterator(data, tok, split=split, seq_len=train.seq_len,
                                    global_batch_size=train.global_batch_size,
                                    micro_batch_size=train.micro_batch_size, rows=rows, seed=config.seed,
                                    vocab_size=config.model.vocab_size)

@@ -30,7 +30,7 @@ import jinja2.sandbox
 import numpy as np
 
 from mintrain.data.tokenizer import HFTokenizer, Tokenizer
-from mintrain.errors import DataError
+from mintrain.errors import ConfigError, DataError
 
 TEMPLATE_FILE = 'chat_template.jinja'  # Takes priority over tokenizer_config.json's `chat_template`.
 LOSS_ON = ('assistant', 'all')
@@ -185,6 +185,28 @@ def _template(tok: Tokenizer, template: str | os.PathLike | None, tools: list | 
     raise DataError(f'tokenizer {where!r} has chat templates {sorted(named)} and none is "default"; pass '
                     'template= one of those names.')
   return named['default']
+
+
+def run_template(tok: Tokenizer, template_file: str) -> str | None:
+  """The template a run renders its chats with (`data.format='chat'`): `data.chat_template`'s file, read once,
+  or None for the tokenizer's own (chosen per chat, as transformers does); a one-line ConfigError where the
+  tokenizer cannot render chats."""
+  name = getattr(tok, 'name', 'byte')
+  if not isinstance(tok, HFTokenizer):
+    raise ConfigError(f"data.format='chat' needs a Hugging Face tokenizer (a tokenizer.json directory) to "
+                      f'render chats; data.tokenizer={name!r} is not one.')
+  if template_file:
+    try:
+      with open(os.path.expanduser(template_file), encoding='utf-8') as f:
+        return f.read()
+    except OSError as e:
+      raise ConfigError(f'data.chat_template={template_file!r} cannot be read ({e.strerror}).') from None
+  try:
+    _template(tok, None, None)
+  except DataError as e:
+    raise ConfigError(f"data.format='chat': {str(e).split('; pass template=')[0]}; set data.chat_template to "
+                      'a template file.') from None
+  return None
 
 
 def _content(token: Any) -> str | None:

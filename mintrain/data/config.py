@@ -11,9 +11,10 @@ from mintrain.errors import ConfigError
 from mintrain.fields import option
 
 STREAMED_SOURCES = ('jsonl', 'parquet', 'arrayrecord')  # Read a block at a time (mintrain.data.records).
+CHAT_SOURCES = ('jsonl', 'parquet')  # Sources whose records may hold a conversation (data.format='chat').
 # What each source of a mixture may set; the rest (threads, prefetch) belongs to the whole mixture.
 MIXTURE_KEYS = ('source', 'path', 'eval_fraction', 'token_dtype', 'text_field', 'record_format',
-                'block_bytes', 'shuffle_window', 'skip_bad_records')
+                'block_bytes', 'shuffle_window', 'skip_bad_records', 'format', 'messages_field', 'loss_on')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,10 @@ class DataConfig:
   shuffle_window: int = option(at_least=1)
   skip_bad_records: bool = option()
   on_corpus_change: str = option(choices=('continue', 'restart'))
+  format: str = option(choices=('text', 'chat'))
+  messages_field: str = option()
+  loss_on: str = option(choices=('assistant', 'all'))
+  chat_template: str = option()  # A template file; '' the tokenizer's.
   mixture: tuple = option()  # ((settings as sorted (key, value) pairs, weight), ...), from (dict, weight)s.
 
   def __post_init__(self):
@@ -42,6 +47,22 @@ class DataConfig:
     if (self.source == 'mixture') != bool(entries):
       raise ConfigError("data.source='mixture' and a non-empty data.mixture go together: set both (a list of "
                         "({'source': 'jsonl', 'path': ...}, weight)) or neither.")
+    for where, source, fmt in self._formats():
+      if fmt == 'chat' and source not in CHAT_SOURCES:
+        raise ConfigError(f"{where}data.format='chat' reads conversations from records of {CHAT_SOURCES}, "
+                          f'not data.source={source!r}; use one of those or data.format=text.')
+
+  def _formats(self) -> list[tuple[str, str, str]]:
+    """(where, source, format) of each source: the mixture's (a source's own format, else data.format)."""
+    if not self.mixture:
+      return [('', self.source, self.format)]
+    return [(f'data.mixture[{i}]: ', dict(s)['source'], dict(s).get('format', self.format))
+            for i, (s, _) in enumerate(self.mixture)]
+
+  @property
+  def chat(self) -> bool:
+    """Whether any source holds conversations (data.format='chat'), which need a chat template."""
+    return any(fmt == 'chat' for _, _, fmt in self._formats())
 
 
 def _mixture_entry(i: int, entry: Any) -> tuple[tuple[tuple[str, Any], ...], float]:

@@ -79,21 +79,22 @@ class ProcessRows:
     return self.windows[step * self.global_batch + micro * self.micro + int(self.rows[j])]
 
 
-def make_dataset(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
-                 micro_batch_size: int, rows: np.ndarray, seed: int,
+def make_dataset(data_cfg: DataConfig, tok: tokenizer.Tokenizer, *, split: str, seq_len: int,
+                 global_batch_size: int, micro_batch_size: int, rows: np.ndarray, seed: int,
                  separators: segments.Separators | None = None,
                  vocab_size: int | None = None) -> grain.IterDataset:
   """This process's endless local batches of `split`; `iter()` it afresh to restart (e.g. per eval).
 
   Elements are {'inputs', 'targets', 'segment_ids', 'positions', 'target_weights'}, each
   (global_batch_size // micro_batch_size * len(rows), seq_len), micro-batch by micro-batch, each holding
-  `rows` of its micro-batch; `separators` (default: the tokenizer's) tell documents apart. Every id is below
-  `vocab_size` (the model's; default: the tokenizer's), or it is a DataError.
+  `rows` of its micro-batch; text becomes ids by the run's tokenizer `tok`, and `separators` (default:
+  `tok`'s) tell documents apart. Every id is below `vocab_size` (the model's; default: `tok`'s), or it is a
+  DataError.
   """
   if not len(rows) or min(rows) < 0 or max(rows) >= micro_batch_size:
     raise DataError(f'rows {list(rows)} must be some of the micro-batch\'s {micro_batch_size} rows.')
-  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer))
-  streams = sources.load_split(data_cfg, split, vocab_size=vocab_size)
+  separators = separators or segments.Separators.of(tok)
+  streams = sources.load_split(data_cfg, tok, split, vocab_size=vocab_size)
   if data_cfg.packing == 'pad':
     windows = PaddedDocuments(streams, seq_len, separators)
     if not len(windows):
@@ -121,9 +122,9 @@ def streamed(data_cfg: DataConfig) -> bool:
   return data_cfg.source in (*records.FORMATS, 'mixture')
 
 
-def make_iterator(data_cfg: DataConfig, **layout) -> grain.DatasetIterator:
-  """An iterator over `make_dataset(data_cfg, **layout)`, or over a streamed source's or mixture's rows
-  (`streaming`); `get_state()` is a JSON-able dict, `set_state` resumes it."""
+def make_iterator(data_cfg: DataConfig, tok: tokenizer.Tokenizer, **layout) -> grain.DatasetIterator:
+  """An iterator over `make_dataset(data_cfg, tok, **layout)`, or over a streamed source's or mixture's
+  rows (`streaming`); `get_state()` is a JSON-able dict, `set_state` resumes it."""
   if streamed(data_cfg):
-    return streaming.make_iterator(data_cfg, **layout)
-  return iter(make_dataset(data_cfg, **layout))
+    return streaming.make_iterator(data_cfg, tok, **layout)
+  return iter(make_dataset(data_cfg, tok, **layout))

@@ -8,7 +8,9 @@ almost nothing and its list is a few numbers per block; a block's documents are 
 
 A document is a str (JSONL's `data.text_field`, Parquet's column of that name, an ArrayRecord record of
 UTF-8 text) or, for ArrayRecord files written by scripts/tokenize_corpus.py (`data.record_format='tokens'`),
-an array of `data.token_dtype` ids that already starts with BOS.
+an array of `data.token_dtype` ids that already starts with BOS. With `data.format='chat'` a JSONL or
+Parquet record holds a conversation (`data.messages_field`, and `tools` if it has them), read as a
+`Conversation`: the ids of its render by the chat template and the loss weight of each (`mintrain.data.chat`).
 
 Bad input is a DataError naming the file and the line, row or record; with `data.skip_bad_records` it is a
 counted warning (on stderr in a run) instead, and the record (or unreadable file) is left out.
@@ -17,6 +19,7 @@ counted warning (on stderr in a run) instead, and the record (or unreadable file
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import json
 import logging
@@ -36,7 +39,18 @@ if TYPE_CHECKING:
   from mintrain.data.config import DataConfig
 
 FORMATS = ('jsonl', 'parquet', 'arrayrecord')
-Document = str | np.ndarray
+TOOLS_FIELD = 'tools'  # A chat record's tool schemas, passed to the template.
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+  """A chat record rendered by the chat template: its ids and the loss weight of predicting each
+  (`data.loss_on`)."""
+  ids: np.ndarray  # int32 (n,)
+  weights: np.ndarray  # float32 (n,)
+
+
+Document = str | np.ndarray | Conversation
 _log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 _OPEN_ARRAY_RECORDS = 16  # ArrayRecord files kept open per process.
 
@@ -90,15 +104,21 @@ class Blocks:
 class Reader:
   """Lists a corpus's blocks and reads a block's documents, with the data settings' field and checks."""
 
-  def __init__(self, data_cfg: DataConfig, vocab_size: int | None = None):
+  def __init__(self, data_cfg: DataConfig, tok: tokenizer.Tokenizer, vocab_size: int | None = None):
     if data_cfg.source not in FORMATS:
       raise DataError(f'data.source={data_cfg.source!r} is not a streamed format; choose one of {FORMATS}.')
-    self.kind, self.field = data_cfg.source, data_cfg.text_field
+    self.kind, self.chat = data_cfg.source, data_cfg.format == 'chat'
+    self.field = data_cfg.messages_field if self.chat else data_cfg.text_field
+    self.option = 'data.messages_field' if self.chat else 'data.text_field'
+    if self.chat:
+      from mintrain.data import chat  # jinja2 only for chat data.
+      template = chat.run_template(tok, data_cfg.chat_template)
+      self._render = functools.partial(chat.encode, tok, template=template, loss_on=data_cfg.loss_on)
     self.block_bytes = data_cfg.block_bytes
     self.tokens = self.kind == 'arrayrecord' and data_cfg.record_format == 'tokens'
     self.dtype = np.dtype(data_cfg.token_dtype)
     # Token records' ids stay below the model's vocabulary (default: the tokenizer's).
-    self.vocab_size = vocab_size or tokenizer.load(data_cfg.tokenizer).vocab_size
+    self.vocab_size = vocab_size or tok.vocab_size
     self.bad = BadRecords(data_cfg.skip_bad_records)
     self.pattern, self.max_bytes = data_cfg.path, data_cfg.max_bytes
     self._open: dict[pathlib.Path, Any] = {}
@@ -143,7 +163,7 @@ class Reader:
         return None
       names = meta.schema_arrow.names
       if self.field not in names:
-        self.bad(f'data.path: {path} has no column {self.field!r} (data.text_field; its columns: '
+        self.bad(f'data.path: {path} has no column {self.field!r} ({self.option}; its columns: '
                  f'{", ".join(names)})')
         return None
       return [(g, g + 1) for g in range(meta.metadata.num_row_groups)]
@@ -215,20 +235,43 @@ class Reader:
     except ValueError as e:
       return f'not valid JSON ({_first_line(e)})'
     if not isinstance(record, dict) or self.field not in record:
-      return f'no field {self.field!r} (data.text_field)'
+      return f'no field {self.field!r} ({self.option})'
+    if self.chat:
+      return self._conversation(record[self.field], record.get(TOOLS_FIELD), docs)
     if not isinstance(record[self.field], str):
       return f'field {self.field!r} (data.text_field) is {type(record[self.field]).__name__}, not a string'
     docs.append(record[self.field])
     return None
 
+  def _conversation(self, messages: Any, tools: Any, docs: list[Document]) -> str | None:
+    """Appends the chat rendered by the template, or says what is wrong with it (a message without a
+    role, content that is no string, a role the template refuses, ...)."""
+    try:
+      ids, weights = self._render(messages, tools=tools)
+    except DataError as e:
+      return str(e).rstrip('.')
+    if not len(ids):
+      return 'the chat template renders the chat as no tokens'
+    docs.append(Conversation(ids, weights))
+    return None
+
   def _read_parquet(self, path: pathlib.Path, group: int) -> list[Document]:
     try:
-      column = _parquet_file(path).read_row_group(group, columns=[self.field]).column(0)
+      file = _parquet_file(path)
+      tools = self.chat and TOOLS_FIELD in file.schema_arrow.names
+      table = file.read_row_group(group, columns=[self.field, *([TOOLS_FIELD] if tools else [])])
     except Exception as e:  # Corrupt pages, a column that changed type, I/O errors.
       self.bad(f'{path} row group {group}: cannot be read ({_first_line(e)})')
       return []
-    docs = column.to_pylist()
-    kept = []
+    docs = table.column(0).to_pylist()
+    kept: list[Document] = []
+    if self.chat:
+      all_tools = table.column(1).to_pylist() if tools else [None] * len(docs)
+      for row, (messages, row_tools) in enumerate(zip(docs, all_tools, strict=True)):
+        problem = self._conversation(messages, row_tools, kept)
+        if problem:
+          self.bad(f'{path} row group {group} row {row}: {problem}')
+      return kept
     for row, doc in enumerate(docs):
       if isinstance(doc, str):
         kept.append(doc)

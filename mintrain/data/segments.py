@@ -64,12 +64,17 @@ def padded_window(ids: np.ndarray, seq_len: int) -> np.ndarray:
   return window
 
 
-def split_inputs_targets(windows_BL: np.ndarray, separators: Separators) -> dict[str, np.ndarray]:
+def split_inputs_targets(windows_BL: np.ndarray, separators: Separators, weights_BL: np.ndarray | None = None,
+                         starts_BL: np.ndarray | None = None) -> dict[str, np.ndarray]:
   """(B, seq_len + 1) windows (PAD past a padded document's end) -> the batch's (B, seq_len) arrays:
-  inputs and targets (int32, 0 on padding), segment_ids, positions and target_weights (module doc)."""
+  inputs and targets (int32, 0 on padding), segment_ids, positions and target_weights (module doc).
+
+  `weights_BL` (B, seq_len + 1), where given, is the loss weight of each token as a target (chat data's
+  `data.loss_on`), and `starts_BL` (B, seq_len + 1) where documents start, instead of the separators (a
+  conversation may hold its tokenizer's EOS in every turn)."""
   inputs_BL, targets_BL = windows_BL[:, :-1], windows_BL[:, 1:]
   counted_BL = targets_BL != PAD  # An input without a target (a padded row's last BOS) is padding too.
-  starts_BL = separators.starts(inputs_BL)
+  starts_BL = separators.starts(inputs_BL) if starts_BL is None else starts_BL[:, :-1]
   segments_BL = np.cumsum(starts_BL, axis=1, dtype=np.int32) + (~starts_BL[:, :1]).astype(np.int32)
   index_L = np.arange(inputs_BL.shape[1], dtype=np.int32)
   positions_BL = index_L - np.maximum.accumulate(np.where(starts_BL, index_L, 0), axis=1)
@@ -77,7 +82,8 @@ def split_inputs_targets(windows_BL: np.ndarray, separators: Separators) -> dict
           'targets': np.where(counted_BL, targets_BL, 0).astype(np.int32),
           'segment_ids': np.where(counted_BL, segments_BL, 0).astype(np.int32),
           'positions': np.where(counted_BL, positions_BL, 0).astype(np.int32),
-          'target_weights': counted_BL.astype(np.float32)}
+          'target_weights': (counted_BL if weights_BL is None else counted_BL * weights_BL[:, 1:]
+                             ).astype(np.float32)}
 
 
 def documents_with_targets(streams: Sequence[np.ndarray], seq_len: int,

@@ -118,10 +118,10 @@ def _split_files(data_cfg: DataConfig, split: str) -> list[pathlib.Path]:
   return mine
 
 
-def documents(data_cfg: DataConfig, split: str) -> grain.MapDataset:
+def documents(data_cfg: DataConfig, tok: tokenizer.Tokenizer, split: str) -> grain.MapDataset:
   """The split's documents as lists of token arrays, DOCS_PER_MAP at a time: a Grain map that reads and
   tokenizes files when asked (together, so the tokenizer's threads encode them in parallel)."""
-  where, tok = describe(data_cfg), tokenizer.load(data_cfg.tokenizer)
+  where = describe(data_cfg)
   return (grain.MapDataset.source(_split_files(data_cfg, split))
           .map(lambda path: read_text(path, where).decode('utf-8'))
           .batch(DOCS_PER_MAP, batch_fn=list)
@@ -133,9 +133,9 @@ def text_bytes(data_cfg: DataConfig, split: str) -> int:
   return sum(path.stat().st_size for path in _split_files(data_cfg, split))
 
 
-def _text_streams(data_cfg: DataConfig, split: str, vocab_size: int) -> list[np.ndarray]:
-  docs = documents(data_cfg, split)
-  tok = tokenizer.load(data_cfg.tokenizer)
+def _text_streams(data_cfg: DataConfig, tok: tokenizer.Tokenizer, split: str,
+                  vocab_size: int) -> list[np.ndarray]:
+  docs = documents(data_cfg, tok, split)
   if tok.vocab_size > vocab_size:
     raise DataError(f'data.tokenizer={tok.name!r} has {tok.vocab_size} ids, more than the model\'s '
                     f'vocabulary ({vocab_size}); set model.vocab_size=0 (from the tokenizer) or at least '
@@ -188,9 +188,10 @@ def _token_streams(data_cfg: DataConfig, split: str, vocab_size: int) -> list[np
   return streams
 
 
-def load_split(data_cfg: DataConfig, split: str, *, vocab_size: int | None = None) -> list[np.ndarray]:
-  """The token streams of `split` ('train' or 'eval'), every id below `vocab_size` (the model's; default:
-  the tokenizer's), validated; DataError names what to change."""
+def load_split(data_cfg: DataConfig, tok: tokenizer.Tokenizer, split: str, *,
+               vocab_size: int | None = None) -> list[np.ndarray]:
+  """The token streams of `split` ('train' or 'eval') by the run's tokenizer `tok`, every id below
+  `vocab_size` (the model's; default: the tokenizer's), validated; DataError names what to change."""
   source = data_cfg.source
   if source not in SOURCES:
     raise DataError(f'data.source={source!r} is not a file source; choose one of {SOURCES}.')
@@ -199,7 +200,7 @@ def load_split(data_cfg: DataConfig, split: str, *, vocab_size: int | None = Non
   if split == 'eval' and data_cfg.eval_fraction == 0.0:
     raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
   if vocab_size is None:
-    vocab_size = tokenizer.load(data_cfg.tokenizer).vocab_size
+    vocab_size = tok.vocab_size
   if source == 'tokens':
     return _token_streams(data_cfg, split, vocab_size)
-  return _text_streams(data_cfg, split, vocab_size)
+  return _text_streams(data_cfg, tok, split, vocab_size)

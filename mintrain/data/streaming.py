@@ -9,8 +9,9 @@ A row's stream: the corpus's blocks (`records.Blocks`) in an order drawn from th
 permutation of all blocks, new each epoch); row g takes every G-th slot of that endless order (slots g,
 g + G, ...). Its slots are grouped in windows of `data.shuffle_window` blocks whose documents it reads
 together and shuffles with the seed, so memory is a few blocks per row, whatever the size of the corpus.
-Each document is BOS + its ids; the stream packs them as the in-memory pipeline does (windows of
-seq_len + 1 tokens at stride seq_len, documents running on across windows). The eval split keeps its
+Each document is BOS + its ids (a conversation, its chat template's render, with a loss weight per token);
+the stream packs them as the in-memory pipeline does (windows of seq_len + 1 tokens at stride seq_len,
+documents running on across windows). The eval split keeps its
 blocks in file order, unshuffled.
 
 A mixture (`data.mixture`: (settings, weight) pairs) gives each row one stream per source and draws the
@@ -34,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -52,21 +53,15 @@ _log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging
 _SAY_EVERY_S = 10.0  # At most one "ran out" line per source this often (a small corpus repeats quickly).
 
 
-Encoder = Callable[[str], np.ndarray]  # Text -> int (n,) ids, BOS first: the run's tokenizer.
+def encode_document(doc: records.Document, tok: tokenizer.Tokenizer) -> np.ndarray:
+  """A document's ids, with the BOS and EOS the tokenizer's conventions add; token records and
+  conversations (rendered by the chat template) already hold theirs."""
+  if isinstance(doc, records.Conversation):
+    return doc.ids
+  return doc if isinstance(doc, np.ndarray) else tok.document(doc)
 
 
-byte_encoder: Encoder = tokenizer.BYTES.document
-
-
-def encoder_for(data_cfg: DataConfig) -> Encoder:
-  """The run's tokenizer (`data.tokenizer`) as an encoder, the one place that picks it: a document's ids
-  with the BOS and EOS its conventions add."""
-  return tokenizer.load(data_cfg.tokenizer).document
-
-
-def encode_document(doc: records.Document, encode: Encoder = byte_encoder) -> np.ndarray:
-  """A document's ids, BOS first; token records already hold theirs."""
-  return doc if isinstance(doc, np.ndarray) else encode(doc)
+Window = tuple[np.ndarray, np.ndarray, np.ndarray]  # (ids int32, weights float32, document starts bool).
 
 
 def source_settings(data_cfg: DataConfig) -> list[tuple[DataConfig, float]]:
@@ -107,11 +102,11 @@ def _names(keys: list[str]) -> str:
 class Split:
   """One source's blocks of one split, and which block fills each slot of the endless block order."""
 
-  def __init__(self, data_cfg: DataConfig, split: str, seed: int, encode: Encoder = byte_encoder,
+  def __init__(self, data_cfg: DataConfig, tok: tokenizer.Tokenizer, split: str, seed: int,
                vocab_size: int | None = None):
     if split == 'eval' and data_cfg.eval_fraction == 0.0:
       raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
-    self.reader, self.encode = records.Reader(data_cfg, vocab_size), encode
+    self.reader, self.tok = records.Reader(data_cfg, tok, vocab_size), tok
     every = self.reader.all_blocks()
     in_eval = np.array([sources.in_eval(every.key(i), data_cfg.eval_fraction) for i in range(len(every))])
     self.split_blocks = every.select(in_eval if split == 'eval' else ~in_eval)
@@ -212,7 +207,8 @@ class RowStream:
     self.split, self.row, self.num_rows, self.seq_len = split, row, num_rows, seq_len
     self.position = (0, 0, 0)
     self._windows: collections.OrderedDict[int, list] = collections.OrderedDict()
-    self._tokens: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
+    self._tokens: collections.OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = (
+        collections.OrderedDict())
 
   def forget(self) -> None:
     """Drops the windows and documents read so far."""
@@ -226,10 +222,13 @@ class RowStream:
         self._windows.popitem(last=False)
     return self._windows[window]
 
-  def _doc_tokens(self, window: int, doc: int) -> np.ndarray:
+  def _doc_tokens(self, window: int, doc: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """A document's ids and, for a conversation, the loss weight of each (None: all count)."""
     key = (window, doc)
     if key not in self._tokens:
-      self._tokens[key] = encode_document(self._docs(window)[doc], self.split.encode)
+      document = self._docs(window)[doc]
+      weights = document.weights if isinstance(document, records.Conversation) else None
+      self._tokens[key] = encode_document(document, self.split.tok), weights
       if len(self._tokens) > 4:
         self._tokens.popitem(last=False)
     return self._tokens[key]
@@ -245,44 +244,55 @@ class RowStream:
       window, doc = window + 1, 0
     return window, doc
 
-  def _take(self, position: tuple[int, int, int], out: np.ndarray) -> tuple[int, int, int]:
-    """Fills `out` with the tokens from `position` on; the position after them."""
+  def _take(self, position: tuple[int, int, int], out: Window) -> tuple[int, int, int]:
+    """Fills `out` (ids, weights, starts) with the tokens from `position` on; the position after them."""
     window, doc, token = position
+    out_ids, out_weights, out_starts = out
     filled = 0
-    while filled < len(out):
+    while filled < len(out_ids):
       window, doc = self._find(window, doc)  # Mid-document (token > 0), it is where it was.
-      ids = self._doc_tokens(window, doc)
+      ids, weights = self._doc_tokens(window, doc)
       if token >= len(ids):  # A position in a document that changed since the checkpoint: the next one.
         doc, token = doc + 1, 0
         continue
-      take = min(len(out) - filled, len(ids) - token)
-      out[filled:filled + take] = ids[token:token + take]
+      take = min(len(out_ids) - filled, len(ids) - token)
+      out_ids[filled:filled + take] = ids[token:token + take]
+      out_weights[filled:filled + take] = 1.0 if weights is None else weights[token:token + take]
+      out_starts[filled] = token == 0
       filled, token = filled + take, token + take
       if token == len(ids):
         doc, token = doc + 1, 0
     return window, doc, token
 
-  def next_sequence(self) -> np.ndarray:
-    """int32 (seq_len + 1,): the next window; the one after starts at its last token."""
-    out = np.empty(self.seq_len + 1, np.int32)
-    self.position = self._take(self.position, out[:-1])
-    self._take(self.position, out[-1:])
+  def next_sequence(self) -> Window:
+    """(seq_len + 1,) ids, weights and document starts of the next window; the one after starts at its
+    last token."""
+    size = self.seq_len + 1
+    out = np.empty(size, np.int32), np.empty(size, np.float32), np.zeros(size, bool)
+    self.position = self._take(self.position, tuple(x[:-1] for x in out))
+    self._take(self.position, tuple(x[-1:] for x in out))
     return out
 
-  def next_document(self, separators: segments.Separators) -> np.ndarray:
-    """int32 (seq_len + 1,): the next document with a target, alone in its window (`data.packing='pad'`):
-    truncated, PAD past its end; the next document's BOS, where documents start with one, is its last
-    target, as in a packed row."""
+  def next_document(self, separators: segments.Separators) -> Window:
+    """(seq_len + 1,) ids, weights and document starts of the next document with a target, alone in its
+    window (`data.packing='pad'`): truncated, PAD (weight 0) past its end; the next document's BOS, where
+    documents start with one, is a text document's last target, as in a packed row."""
     window, doc, _ = self.position
     while True:
       window, doc = self._find(window, doc)
-      ids = self._doc_tokens(window, doc)
+      ids, weights = self._doc_tokens(window, doc)
       doc += 1
-      if separators.bos is not None:
-        ids = np.append(ids, separators.bos)
+      if weights is None:
+        if separators.bos is not None:
+          ids = np.append(ids, separators.bos)
+        weights = np.ones(len(ids), np.float32)
       if len(ids) >= 2:
         self.position = (window, doc, 0)
-        return segments.padded_window(ids, self.seq_len)
+        padded = np.zeros(self.seq_len + 1, np.float32)
+        padded[:min(len(weights), self.seq_len + 1)] = weights[:self.seq_len + 1]
+        starts = np.zeros(self.seq_len + 1, bool)
+        starts[0] = True
+        return segments.padded_window(ids, self.seq_len), padded, starts
 
 
 def mixture_choices(weights: Sequence[float], seed: int, step: int, num_rows: int) -> np.ndarray:
@@ -312,6 +322,7 @@ class RowsIterator:
     self.splits, self.on_corpus_change = splits, on_corpus_change
     self.weights, self.rows, self.num_rows, self.seed = weights, rows, num_rows, seed
     self.separators, self.padded = separators, padded
+    self.chat = any(split.reader.chat for split in splits)  # Conversations mark where documents start.
     self.streams = {int(g): [RowStream(s, int(g), num_rows, seq_len) for s in splits] for g in rows}
     self.step = 0
 
@@ -321,10 +332,11 @@ class RowsIterator:
   def __next__(self) -> dict[str, np.ndarray]:
     choice = mixture_choices(self.weights, self.seed, self.step, self.num_rows)
     streams = [self.streams[int(g)][choice[g]] for g in self.rows]
-    windows = np.stack([s.next_document(self.separators) if self.padded else s.next_sequence()
-                        for s in streams])
+    parts = [s.next_document(self.separators) if self.padded else s.next_sequence() for s in streams]
+    windows_BL, weights_BL, starts_BL = (np.stack(x) for x in zip(*parts))
     self.step += 1
-    return segments.split_inputs_targets(windows, self.separators)
+    return segments.split_inputs_targets(windows_BL, self.separators, weights_BL,
+                                         starts_BL if self.chat else None)
 
   def get_state(self) -> dict[str, Any]:
     return {'step': self.step,
@@ -413,20 +425,20 @@ class Prefetch:
     self._start()
 
 
-def make_iterator(data_cfg: DataConfig, *, split: str, seq_len: int, global_batch_size: int,
-                  micro_batch_size: int, rows: np.ndarray, seed: int, encode: Encoder | None = None,
+def make_iterator(data_cfg: DataConfig, tok: tokenizer.Tokenizer, *, split: str, seq_len: int,
+                  global_batch_size: int, micro_batch_size: int, rows: np.ndarray, seed: int,
                   separators: segments.Separators | None = None,
                   vocab_size: int | None = None) -> RowsIterator | Prefetch:
   """This process's endless local batches of a streamed source or mixture (the layout of
   `pipeline.make_dataset`, packed or padded as `data.packing` says), read `data.prefetch` batches ahead
-  on a thread; text becomes ids by `encode` and documents are told apart by `separators` (default: the
-  tokenizer's, `encoder_for`); token records' ids must be below `vocab_size` (default: the tokenizer's)."""
+  on a thread; text becomes ids by the run's tokenizer `tok` and documents are told apart by `separators`
+  (default: `tok`'s; conversations by where each starts); token records' ids must be below `vocab_size`
+  (default: `tok`'s)."""
   settings = source_settings(data_cfg)
-  encode = encode or encoder_for(data_cfg)
-  splits = [Split(cfg, split, seed, encode, vocab_size) for cfg, _ in settings]
+  splits = [Split(cfg, tok, split, seed, vocab_size) for cfg, _ in settings]
   accum = global_batch_size // micro_batch_size
   mine = (np.arange(accum)[:, None] * micro_batch_size + np.asarray(rows)[None, :]).reshape(-1)
-  separators = separators or segments.Separators.of(tokenizer.load(data_cfg.tokenizer))
+  separators = separators or segments.Separators.of(tok)
   local = RowsIterator(splits, [w for _, w in settings], mine, global_batch_size, seq_len, seed, separators,
                        padded=data_cfg.packing == 'pad', on_corpus_change=data_cfg.on_corpus_change)
   return Prefetch(local, data_cfg.prefetch) if data_cfg.prefetch else local

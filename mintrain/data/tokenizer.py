@@ -20,11 +20,9 @@ and target weights (`mintrain.data.segments`).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -254,35 +252,11 @@ def describe(tok: Tokenizer, spec: str, hf_checkpoint: str) -> str:
   return f'tokenizer: {kind}, {tok.vocab_size} ids, from {where}'
 
 
-_RUN_TOKENIZERS: contextvars.ContextVar[dict[str, Tokenizer] | None] = contextvars.ContextVar(
-    'mintrain_run_tokenizers', default=None)
-
-
-@contextlib.contextmanager
-def loaded_once() -> Iterator[None]:
-  """Within it (a run), `load` reads each tokenizer's files once; the run drops them at its end, so a
-  process keeps no tokenizer, and a file changed between runs is read again."""
-  token = _RUN_TOKENIZERS.set({})
-  try:
-    yield
-  finally:
-    _RUN_TOKENIZERS.reset(token)
-
-
 def load(spec: str) -> Tokenizer:
   """The tokenizer `data.tokenizer=spec` names (after `resolve`; '' unresolved, with no checkpoint to take
   one from, is 'byte'); a one-line ConfigError for a path that is missing or holds no tokenizer."""
   if spec in ('byte', ''):
     return BYTES
-  loaded = _RUN_TOKENIZERS.get()
-  if loaded is None:
-    return _read(spec)
-  if spec not in loaded:
-    loaded[spec] = _read(spec)
-  return loaded[spec]
-
-
-def _read(spec: str) -> Tokenizer:
   where = f'data.tokenizer={spec!r}'
   path = epath.Path(os.path.expanduser(spec))
   if path.is_dir():

@@ -22,7 +22,14 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
   losses = log_z - jnp.sum(logits * one_hot, axis=-1)
   if weights is None:
     return jnp.mean(losses)
-  return jnp.sum(losses * weights) / jnp.sum(weights)
+  return jnp.sum(losses * weights) / counted(weights)
+
+
+def counted(weights: jax.Array) -> jax.Array:
+  """The sum of the weights, or 1 where none count (a micro-batch of chat prompts alone): the mean of
+  nothing is then 0, with zero gradients, rather than NaN."""
+  total = jnp.sum(weights)
+  return jnp.where(total > 0, total, jnp.ones_like(total))
 
 
 def _target_logits(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array) -> jax.Array:
@@ -59,7 +66,7 @@ def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, weights_B
   a length split over devices (`mesh.context`) stays split within each chunk (while its C tokens divide),
   each device scanning its own tokens."""
   b, length, d = x_BLD.shape
-  scale = 1.0 / jnp.sum(weights_BL)
+  scale = 1.0 / counted(weights_BL)
   if chunks == 1:
     loss, dx, dw = _loss_chunk(x_BLD, w_DV, targets_BL, weights_BL, rules, grads, scale)
     return loss * scale, dx, dw
