@@ -127,8 +127,8 @@ def _machine() -> str:
 
 def calibrated_tflops(dtype: jnp.dtype | str, device: jax.Device) -> float:
   """The matmul calibration of this machine: measured once and cached (a second of every start-up
-  saved, and one stable figure where a loaded machine's measurements vary severalfold), raised by what
-  runs achieve (`observed`)."""
+  saved, and one stable figure where a loaded machine's measurements vary severalfold), measured again
+  when a run beats it (`observed`)."""
   cached = _read_cache().get(_key(device, dtype))
   if cached is not None:
     return float(cached)
@@ -140,11 +140,13 @@ def _key(device: jax.Device, dtype: jnp.dtype | str) -> str:
 
 
 def observed(device: jax.Device, dtype: jnp.dtype | str, tflops_per_device: float) -> None:
-  """A run's achieved model TFLOP/s per device: where it beats a measured peak (a calibration taken on a
-  loaded machine), the machine evidently reaches it, and later runs divide by it."""
-  if lookup(device.device_kind) is None:
-    shared = jax.local_device_count() if device.platform == 'cpu' else 1
-    keep_best(_key(device, dtype), tflops_per_device * shared)
+  """A run's achieved model TFLOP/s per device: where it beats the cached calibration (one taken on a
+  loaded machine), the matmul is measured again and the better figure kept for later runs."""
+  if lookup(device.device_kind) is not None:
+    return
+  shared = jax.local_device_count() if device.platform == 'cpu' else 1
+  if tflops_per_device * shared > _read_cache().get(_key(device, dtype), 0.0):
+    keep_best(_key(device, dtype), measure_matmul_tflops(dtype, device=device))
 
 
 def keep_best(key: str, tflops: float) -> float:
