@@ -111,14 +111,14 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
     say(f'note: {note}')
   report.check(r.plan)
   metrics.check_wandb(config.metrics)
-  text = config.data.source != 'synthetic'
+  measured = config.data.source != 'synthetic' and config.eval.steps > 0  # Without evaluation, no eval split.
   say(tokenizer.describe(tok, config.data.tokenizer, config.init.hf_checkpoint))
   with jax.set_mesh(r.mesh):  # Data first: a bad file or tokenizer stops the run before it writes.
     batches = r.batches(tok)
     eval_batches = r.batches(tok, 'eval') if config.eval.steps else None
-  bytes_per_token = statistics.bytes_per_token(config.data, tok) if text else None
+  bytes_per_token = statistics.bytes_per_token(config.data, tok) if measured else None
   baseline = {}
-  if text and is_main:  # A full pass over the eval split: once.
+  if measured and is_main:  # A full pass over the eval split: once.
     bits = statistics.unigram_bits_per_token(config.data, tok)
     baseline = {'unigram_bits_per_token': bits, 'unigram_bits_per_byte': bits / bytes_per_token}
   if config.init.hf_checkpoint and restore_from is None and not _has_saves(workdir):

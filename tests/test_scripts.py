@@ -128,3 +128,20 @@ def test_show_sharding_plans_a_mixtral_8x7b_sized_model_on_256_devices_in_4_slic
   assert re.search(expert_row, proc.stdout)
   assert 'per device: parameters 3.4 GiB, optimizer state 6.7 GiB' in proc.stdout
   assert not re.search(r'^\[[123]\] ', proc.stdout, re.M)  # Process 0 prints the plan.
+
+
+def test_a_one_file_corpus_trains_without_eval_and_evaluates_on_an_eval_path(tmp_path):
+  (tmp_path / 'train.txt').write_text('the quick brown fox jumps over the lazy dog. ' * 200)
+  (tmp_path / 'held.txt').write_text('a held out sentence about a lazy dog. ' * 50)
+  run = ['scripts/train.py', '--config', 'single', *script_flags(*TINY, 'train.steps=2', 'data.source=text',
+                                                                   f'data.path={tmp_path / "train.txt"}')]
+  refused = run_script(*run, '--workdir', str(tmp_path / 'a'), '--config.eval.steps=1')
+  assert refused.returncode == 2 and refused.stderr.count('\n') == 1, refused.stderr
+  assert 'holds one file: no eval split can be held out of it; give a held-out corpus as data.eval_path' \
+      in refused.stderr and not list((tmp_path / 'a').iterdir())  # Nothing written.
+  assert run_script(*run, '--workdir', str(tmp_path / 'b')).returncode == 0  # eval.steps=0: no eval split.
+  held = run_script(*run, '--workdir', str(tmp_path / 'c'), '--config.eval.steps=1',
+                    f'--config.data.eval_path={tmp_path / "held.txt"}')
+  assert held.returncode == 0, held.stderr
+  records = [json.loads(line) for line in (tmp_path / 'c' / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in records if 'eval_loss' in r] == [2]

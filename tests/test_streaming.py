@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import gzip
 import json
+import logging
 import pathlib
 import re
 from typing import Any
@@ -236,8 +237,8 @@ def test_mixture_rows_come_from_the_drawn_source_and_resume_exactly(tmp_path):
     choice = streaming.mixture_choices([1.0, 1.0], 0, step, 8)
     for row in range(8):
       text = ''.join(chr(i) for i in batch['inputs'][row] if i < 256)
-      if '<' in text:  # A document's start names its source.
-        assert ('<jsonl' in text) == (choice[row] == 0) and ('<parquet' in text) == (choice[row] == 1)
+      starts = set(re.findall(r'<([jp])', text))  # A document's start names its source (maybe cut short).
+      assert starts <= {'jp'[choice[row]]}, (text, choice[row])
   state = json.loads(json.dumps(it.get_state()))
   assert len(state['rows']['0']) == 6  # A (window, document, token) position per source.
   expected = take(it, 4)
@@ -457,3 +458,32 @@ def test_a_state_without_its_corpus_resumes_a_changed_corpus_without_breaking(tm
   resumed = rows_iter(cfg)
   resumed.set_state(state)
   assert len(take(resumed, 100)) == 100  # Positions into other documents move on to the next one.
+
+
+def test_a_one_block_corpus_is_split_by_document_and_says_once_that_it_is_small(tmp_path, caplog):
+  path = write_jsonl(tmp_path / 'one', documents(40), files=1)
+  cfg = data_cfg(source='jsonl', path=path, eval_fraction=0.05)
+  train, held = (streaming.Split(cfg, tokenizer.BYTES, split, seed=0) for split in ('train', 'eval'))
+  assert len(train.split_blocks) == len(held.split_blocks) == 1
+  train_docs, eval_docs = (part.read(part.split_blocks, 0) for part in (train, held))
+  assert len(train_docs) + len(eval_docs) == 40 and 1 <= len(eval_docs) <= 4
+  assert not set(train_docs) & set(eval_docs)
+  with caplog.at_level(logging.INFO, logger='mintrain'):
+    batches = take(rows_iter(cfg), 30)  # 8 rows of 4 blocks each on one block: it repeats at once.
+  said = [r.getMessage() for r in caplog.records]
+  assert [m for m in said if 'is small' in m] and not [m for m in said if 'repeating it' in m], said
+  seen = set(docs_of(stream_text(batches)))
+  assert seen and not seen & set(eval_docs)
+  one_doc = write_jsonl(tmp_path / 'single', documents(1), files=1)
+  with pytest.raises(DataError, match='holds one document: no eval split can be held out'):
+    streaming.Split(data_cfg(source='jsonl', path=one_doc), tokenizer.BYTES, 'eval', seed=0)
+
+
+def test_a_streamed_eval_path_is_read_whole_for_eval(tmp_path):
+  train_path = write_jsonl(tmp_path / 'train', documents(30))
+  held_path = write_jsonl(tmp_path / 'held', documents(6, seed=3, tag='held'), files=1)
+  cfg = data_cfg(source='jsonl', path=train_path, eval_path=held_path, eval_fraction=0.0)
+  held = streaming.Split(cfg, tokenizer.BYTES, 'eval', seed=0)
+  assert [d.split('>')[0] for d in held.read(held.split_blocks, 0)] == [f'<held {i}' for i in range(6)]
+  train = streaming.Split(cfg, tokenizer.BYTES, 'train', seed=0)
+  assert sum(len(train.read(train.split_blocks, i)) for i in range(len(train.split_blocks))) == 30

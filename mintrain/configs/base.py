@@ -106,7 +106,12 @@ def get_config() -> ml_collections.ConfigDict:
   # 'byte' (UTF-8 bytes + BOS), a Hugging Face tokenizer.json, a SentencePiece .model, or a directory
   # holding one; '': init.hf_checkpoint's tokenizer (an error if it has none), else 'byte'.
   c.data.tokenizer = ''
-  c.data.eval_fraction = 0.05  # Held-out share: files by a stable hash of their path; a token file's tail.
+  # Held-out share: files (streamed sources: blocks) by a stable hash of their path; a token file's tail. A
+  # corpus too small for the hash to hold one out gives eval the round(fraction * n) of smallest hash (at
+  # least one, never all); a streamed source of one block is split by document instead.
+  c.data.eval_fraction = 0.05
+  # A held-out corpus (a glob read by the same source) for evaluation; then nothing is held out of `path`.
+  c.data.eval_path = ''
   c.data.token_dtype = 'uint16'  # Element type of 'tokens' files: 'uint16' or 'uint32'.
   c.data.max_bytes = 0  # Read only the first files (in sorted order) up to about this many bytes; 0: all.
   # Rows of file sources: 'pack' documents back to back (attention and RoPE positions restart at each),

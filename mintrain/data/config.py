@@ -13,7 +13,7 @@ from mintrain.fields import option
 STREAMED_SOURCES = ('jsonl', 'parquet', 'arrayrecord')  # Read a block at a time (mintrain.data.records).
 CHAT_SOURCES = ('jsonl', 'parquet')  # Sources whose records may hold a conversation (data.format='chat').
 # What each source of a mixture may set; the rest (threads, prefetch) belongs to the whole mixture.
-MIXTURE_KEYS = ('source', 'path', 'eval_fraction', 'token_dtype', 'text_field', 'record_format',
+MIXTURE_KEYS = ('source', 'path', 'eval_path', 'eval_fraction', 'token_dtype', 'text_field', 'record_format',
                 'block_bytes', 'shuffle_window', 'skip_bad_records', 'format', 'messages_field', 'loss_on')
 
 
@@ -22,6 +22,7 @@ class DataConfig:
   source: str = option(choices=('stdlib', 'text', 'tokens', 'synthetic', *STREAMED_SOURCES, 'mixture'))
   path: str = option()
   tokenizer: str = option()  # 'byte', a tokenizer file or dir; '' the HF checkpoint's (which must hold one).
+  eval_path: str = option()  # A held-out corpus (a glob of the same source) for eval; '': held out of path.
   eval_fraction: float = option(at_least=0, below=1)
   token_dtype: str = option(choices=('uint16', 'uint32'))
   max_bytes: int = option(at_least=0)

@@ -9,6 +9,7 @@ import hashlib
 import os
 import pathlib
 import sysconfig
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,10 +37,32 @@ def describe(data_cfg: DataConfig) -> str:
   return f'data.source={source!r}' if source == 'stdlib' else f'data.path={data_cfg.path!r}'
 
 
+def key_hash(key: str) -> float:
+  """A key's place in [0, 1): SHA-256, never Python's salted `hash()`."""
+  return int.from_bytes(hashlib.sha256(key.encode('utf-8')).digest()[:8], 'big') / 2**64
+
+
 def in_eval(key: str, eval_fraction: float) -> bool:
-  """Whether a document goes to eval; SHA-256 of its key, never Python's salted `hash()`."""
-  h = int.from_bytes(hashlib.sha256(key.encode('utf-8')).digest()[:8], 'big')
-  return h / 2**64 < eval_fraction
+  """Whether a document goes to eval by its key alone."""
+  return key_hash(key) < eval_fraction
+
+
+def eval_members(keys: Sequence[str], eval_fraction: float) -> np.ndarray:
+  """Which units (files, blocks or documents) are held out for eval: those whose key hashes below the
+  fraction; where that leaves a split empty (a small corpus), the round(fraction * n) of smallest hash, at
+  least one and never all, so both splits hold something whenever there are two units."""
+  places = np.array([key_hash(k) for k in keys])
+  chosen = places < eval_fraction
+  n = len(keys)
+  if n >= 2 and eval_fraction > 0 and (not chosen.any() or chosen.all()):
+    chosen = np.zeros(n, bool)
+    chosen[np.argsort(places)[:min(max(1, round(eval_fraction * n)), n - 1)]] = True
+  return chosen
+
+
+def too_small(where: str, units: str) -> DataError:
+  return DataError(f'{where} holds one {units}: no eval split can be held out of it; give a held-out corpus '
+                   f'as data.eval_path=GLOB, or turn evaluation off with eval.steps=0.')
 
 
 def stdlib_files() -> list[tuple[str, pathlib.Path]]:
@@ -106,9 +129,17 @@ def read_text(path: pathlib.Path, where: str) -> bytes:
 def _split_files(data_cfg: DataConfig, split: str) -> list[pathlib.Path]:
   """The text files of `split`, in sorted order; a DataError when there are none."""
   where, fraction = describe(data_cfg), data_cfg.eval_fraction
+  if data_cfg.eval_path and data_cfg.source != 'stdlib':  # A held-out corpus: nothing held out of path.
+    return [path for _, path in first_bytes(glob_files(data_cfg.eval_path if split == 'eval' else
+                                                       data_cfg.path), data_cfg.max_bytes)]
   files = stdlib_files() if data_cfg.source == 'stdlib' else glob_files(data_cfg.path)
   files = first_bytes(files, data_cfg.max_bytes)
-  mine = [path for key, path in files if in_eval(key, fraction) == (split == 'eval')]
+  if len(files) == 1:  # Its one document trains; there is none to hold out.
+    if split == 'eval':
+      raise too_small(where, 'file')
+    return [files[0][1]]
+  chosen = eval_members([key for key, _ in files], fraction)
+  mine = [path for (_, path), held in zip(files, chosen) if held == (split == 'eval')]
   if not mine:
     owner = 'eval' if split == 'train' else 'train'
     change = 'lower' if split == 'train' else 'raise'
@@ -162,8 +193,10 @@ def _token_streams(data_cfg: DataConfig, split: str, vocab_size: int) -> list[np
   dtype = np.dtype(dtype_name)
   max_bytes = data_cfg.max_bytes
   budget = max_bytes // dtype.itemsize if max_bytes else None
-  streams = []
-  for _, path in glob_files(data_cfg.path):
+  streams, held_out = [], bool(data_cfg.eval_path)  # A held-out corpus: each file whole in its split.
+  if held_out:
+    fraction = 0.0 if split == 'train' else 1.0
+  for _, path in glob_files(data_cfg.eval_path if held_out and split == 'eval' else data_cfg.path):
     size = path.stat().st_size
     if size == 0 or size % dtype.itemsize:
       raise DataError(f'data.path: {path} is {size} bytes, not a positive multiple of {dtype.itemsize} '
@@ -175,7 +208,7 @@ def _token_streams(data_cfg: DataConfig, split: str, vocab_size: int) -> list[np
     if budget is not None:
       tokens = tokens[:budget]
       budget -= len(tokens)
-    cut = len(tokens) - int(len(tokens) * fraction)
+    cut = 0 if fraction == 1.0 else len(tokens) - int(len(tokens) * fraction)
     part, offset = (tokens[:cut], 0) if split == 'train' else (tokens[cut:], cut)
     if len(part):
       _check_ids(part, path, offset, vocab_size)
@@ -197,7 +230,7 @@ def load_split(data_cfg: DataConfig, tok: tokenizer.Tokenizer, split: str, *,
     raise DataError(f'data.source={source!r} is not a file source; choose one of {SOURCES}.')
   if split not in SPLITS:
     raise DataError(f'split={split!r}; choose one of {SPLITS}.')
-  if split == 'eval' and data_cfg.eval_fraction == 0.0:
+  if split == 'eval' and data_cfg.eval_fraction == 0.0 and not data_cfg.eval_path:
     raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
   if vocab_size is None:
     vocab_size = tok.vocab_size

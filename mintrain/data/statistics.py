@@ -61,7 +61,7 @@ def _eval_documents(data_cfg: DataConfig, tok: tokenizer.Tokenizer,
   for source, (cfg, _) in enumerate(streaming.source_settings(data_cfg)):
     part, seen = streaming.Split(cfg, tok, split, seed=0), 0
     for i in range(len(part.split_blocks)):
-      for doc in part.reader.read(part.split_blocks, i):
+      for doc in part.read(part.split_blocks, i):
         ids = streaming.encode_document(doc, tok)
         seen += len(ids)
         yield source, doc, ids

@@ -104,28 +104,60 @@ class Split:
 
   def __init__(self, data_cfg: DataConfig, tok: tokenizer.Tokenizer, split: str, seed: int,
                vocab_size: int | None = None):
-    if split == 'eval' and data_cfg.eval_fraction == 0.0:
+    if split == 'eval' and data_cfg.eval_fraction == 0.0 and not data_cfg.eval_path:
       raise DataError('data.eval_fraction=0 leaves the eval split empty; set it to e.g. 0.05.')
+    if data_cfg.eval_path and split == 'eval':  # A held-out corpus, read whole.
+      data_cfg = dataclasses.replace(data_cfg, path=data_cfg.eval_path)
     self.reader, self.tok = records.Reader(data_cfg, tok, vocab_size), tok
     every = self.reader.all_blocks()
-    in_eval = np.array([sources.in_eval(every.key(i), data_cfg.eval_fraction) for i in range(len(every))])
-    self.split_blocks = every.select(in_eval if split == 'eval' else ~in_eval)
-    if not len(self.split_blocks):
-      raise DataError(f'The {split} split of {describe(data_cfg)} is empty: all {len(every)} block(s) hash '
-                      f'into the other split at data.eval_fraction={data_cfg.eval_fraction}; change it, '
-                      f'lower data.block_bytes or add files.')
+    self.held_docs: dict[str, np.ndarray] | None = None  # By block key, its documents in this split.
+    self.split = split
+    if data_cfg.eval_path:
+      self.split_blocks = every
+    else:
+      chosen = sources.eval_members([every.key(i) for i in range(len(every))], data_cfg.eval_fraction)
+      if len(every) == 1 and data_cfg.eval_fraction > 0:  # A small corpus: split by document instead.
+        self.held_docs = self._documents_of(every, data_cfg.eval_fraction, split, describe(data_cfg))
+        self.fraction = data_cfg.eval_fraction
+        chosen = np.array([split == 'eval'])
+      self.split_blocks = every.select(chosen if split == 'eval' else ~chosen)
     self.shuffle, self.seed, self.window = split == 'train', seed, data_cfg.shuffle_window
+    self.small = False  # Fewer blocks than a batch's rows read at once (`make_iterator`): no epoch lines.
     self.name, self.epochs_said, self.said_at = describe(data_cfg), 0, -float('inf')
     self._orders: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # Recent epochs'.
     self.files = _files(self.split_blocks)
     self.eras = [_Era(0, 0, self.split_blocks, self.files)]
+
+  def _documents_of(self, every: records.Blocks, fraction: float, split: str,
+                    where: str) -> dict[str, np.ndarray]:
+    """For a one-block corpus, which of its documents are this split's (`sources.eval_members` of their
+    keys, so both splits hold one whenever there are two)."""
+    count = len(self.reader.read(every, 0))
+    if count < 2:
+      raise sources.too_small(where, 'document')
+    chosen = sources.eval_members([f'{every.key(0)}#{j}' for j in range(count)], fraction)
+    return {every.key(0): chosen if split == 'eval' else ~chosen}
+
+  def read(self, blocks: records.Blocks, i: int) -> list[records.Document]:
+    """Block `i`'s documents of this split: all of them, or, split by document, this split's share (a
+    block added to the corpus since, by each document's own key)."""
+    docs = self.reader.read(blocks, i)
+    if self.held_docs is None:
+      return docs
+    key = blocks.key(i)
+    mine = self.held_docs.get(key)
+    if mine is None:
+      held = self.split == 'eval'
+      mine = [sources.in_eval(f'{key}#{j}', self.fraction) == held for j in range(len(docs))]
+    return [doc for doc, keep in zip(docs, mine) if keep]
 
   def block(self, slot: int) -> tuple[records.Blocks, int]:
     """(the blocks of the era holding `slot`, the index of the block that fills it)."""
     era = next(e for e in reversed(self.eras) if e.first_slot <= slot)
     local_epoch, k = divmod(slot - era.first_slot, len(era.listed))
     epoch = era.first_epoch + local_epoch
-    if epoch > self.epochs_said and self.shuffle and time.monotonic() - self.said_at > _SAY_EVERY_S:
+    if (epoch > self.epochs_said and self.shuffle and not self.small
+        and time.monotonic() - self.said_at > _SAY_EVERY_S):
       self.epochs_said, self.said_at = epoch, time.monotonic()
       _log.info(f'data: {self.name} ran out; repeating it (epoch {epoch + 1}).')
     if not self.shuffle:
@@ -193,7 +225,7 @@ class Split:
     """The documents of `row`'s window `window` (its slots window * W ... + W - 1), shuffled in training."""
     docs = []
     for k in range(window * self.window, (window + 1) * self.window):
-      docs += self.reader.read(*self.block(k * num_rows + row))
+      docs += self.read(*self.block(k * num_rows + row))
     if self.shuffle:
       order = np.random.default_rng([self.seed, _DOCUMENT_ORDER, row, window]).permutation(len(docs))
       docs = [docs[i] for i in order]
@@ -436,6 +468,12 @@ def make_iterator(data_cfg: DataConfig, tok: tokenizer.Tokenizer, *, split: str,
   (default: `tok`'s)."""
   settings = source_settings(data_cfg)
   splits = [Split(cfg, tok, split, seed, vocab_size) for cfg, _ in settings]
+  for part in splits if split == 'train' else ():
+    if len(part.split_blocks) < global_batch_size * part.window:
+      part.small = True
+      _log.info(f'data: {part.name} is small ({len(part.split_blocks)} block(s) of data.block_bytes for '
+                f'{global_batch_size} rows of {part.window} blocks each): the rows share its blocks, and it '
+                f'repeats from the first batch on.')
   accum = global_batch_size // micro_batch_size
   mine = (np.arange(accum)[:, None] * micro_batch_size + np.asarray(rows)[None, :]).reshape(-1)
   separators = separators or segments.Separators.of(tok)
