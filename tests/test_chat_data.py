@@ -204,19 +204,23 @@ def test_bad_chat_records_name_file_and_line_or_are_counted_when_skipped(marked,
 
 
 def test_parquet_chats_read_as_the_jsonl_ones(marked, tmp_path):
+  import datasets
   import pyarrow as pa
   import pyarrow.parquet as pq
 
   tok = tokenizer.load(marked[1])
   chats = conversations(6)
   pq.write_table(pa.table({'messages': chats}), tmp_path / 'chats.parquet')
+  datasets.Dataset.from_dict({'messages': chats}).save_to_disk(str(tmp_path / 'saved'))
   read = {}
-  for source, path in [('parquet', tmp_path / 'chats.parquet'), ('jsonl', tmp_path / 'chats.jsonl')]:
+  for source, path in [('parquet', tmp_path / 'chats.parquet'), ('jsonl', tmp_path / 'chats.jsonl'),
+                       ('hf_datasets', tmp_path / 'saved')]:
     reader = records.Reader(chat_data(tmp_path, marked[1], source=source, path=path), tok)
     read[source] = reader.read(reader.all_blocks(), 0)
-  assert len(read['parquet']) == 6 and [d.ids.tolist() for d in read['parquet']] == [
-      d.ids.tolist() for d in read['jsonl'][:6]]
-  assert [d.weights.tolist() for d in read['parquet']] == [d.weights.tolist() for d in read['jsonl'][:6]]
+  for source in ('parquet', 'hf_datasets'):  # Hugging Face datasets' save_to_disk too.
+    assert len(read[source]) == 6 and [d.ids.tolist() for d in read[source]] == [
+        d.ids.tolist() for d in read['jsonl'][:6]]
+    assert [d.weights.tolist() for d in read[source]] == [d.weights.tolist() for d in read['jsonl'][:6]]
 
 
 def test_a_chat_config_needs_a_tokenizer_with_a_chat_template(bpe, tmp_path):

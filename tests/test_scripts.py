@@ -145,3 +145,16 @@ def test_a_one_file_corpus_trains_without_eval_and_evaluates_on_an_eval_path(tmp
   assert held.returncode == 0, held.stderr
   records = [json.loads(line) for line in (tmp_path / 'c' / 'metrics.jsonl').read_text().splitlines()]
   assert [r['step'] for r in records if 'eval_loss' in r] == [2]
+
+
+def test_training_reads_a_hugging_face_dataset_saved_to_disk(tmp_path):
+  import datasets
+  texts = [f'document {i}: ' + 'the lazy dog sleeps in the sun. ' * (5 + i % 7) for i in range(200)]
+  saved = datasets.DatasetDict({'train': datasets.Dataset.from_dict({'text': texts})})
+  saved.save_to_disk(str(tmp_path / 'ds'))
+  proc = run_script('scripts/train.py', '--config', 'single', '--workdir', str(tmp_path / 'run'),
+                    *script_flags(*TINY, 'train.steps=3', 'train.log_every=1', 'data.source=hf_datasets',
+                                  f'data.path={tmp_path / "ds"}', 'data.block_bytes=2000'))
+  assert proc.returncode == 0, proc.stderr
+  records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in records if 'loss' in r] == [1, 2, 3]

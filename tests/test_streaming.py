@@ -71,12 +71,25 @@ def write_array_records(root: pathlib.Path, docs: list[str], files: int = 2) -> 
   return str(root / '*.arrayrecord')
 
 
+def write_saved_dataset(root: pathlib.Path, docs: list[str]) -> str:
+  """A dataset written by `datasets`' save_to_disk, a DatasetDict with the docs as its 'train' split."""
+  import datasets
+  datasets.DatasetDict({'train': datasets.Dataset.from_dict({'text': docs, 'id': list(range(len(docs)))}),
+                        'test': datasets.Dataset.from_dict({'text': docs[:2], 'id': [0, 1]})}
+                       ).save_to_disk(str(root))
+  return str(root)
+
+
 FORMATS = {
     'jsonl': lambda root, docs: data_cfg(source='jsonl', path=write_jsonl(root, docs), block_bytes=1500),
     'jsonl.gz': lambda root, docs: data_cfg(source='jsonl', path=write_jsonl(root, docs, files=12, gz=True)),
     'parquet': lambda root, docs: data_cfg(source='parquet', path=write_parquet(root, docs)),
     'arrayrecord': lambda root, docs: data_cfg(source='arrayrecord', path=write_array_records(root, docs),
                                                block_bytes=1500),
+    'hf_saved': lambda root, docs: data_cfg(source='hf_datasets', path=write_saved_dataset(root, docs),
+                                            block_bytes=1500),
+    'hf_parquet': lambda root, docs: data_cfg(source='hf_datasets', path=write_parquet(root, docs),
+                                              block_bytes=1500),
 }
 
 
@@ -487,3 +500,18 @@ def test_a_streamed_eval_path_is_read_whole_for_eval(tmp_path):
   assert [d.split('>')[0] for d in held.read(held.split_blocks, 0)] == [f'<held {i}' for i in range(6)]
   train = streaming.Split(cfg, tokenizer.BYTES, 'train', seed=0)
   assert sum(len(train.read(train.split_blocks, i)) for i in range(len(train.split_blocks))) == 30
+
+
+def test_hf_datasets_reads_a_split_by_name_and_says_what_is_wrong_in_one_line(tmp_path):
+  path = write_saved_dataset(tmp_path / 'saved', documents(20))
+  held = records.Reader(data_cfg(source='hf_datasets', path=path, hf_split='test'), tokenizer.BYTES)
+  blocks = held.all_blocks()
+  assert [d for i in range(len(blocks)) for d in held.read(blocks, i)] == documents(20)[:2]
+  for cfg, says in ((data_cfg(source='hf_datasets', path=path, hf_split='validation'),
+                     "no split 'validation' (data.hf_split); it has train, test"),
+                    (data_cfg(source='hf_datasets', path=path, text_field='body'),
+                     "no column 'body' (data.text_field; its columns: text, id)"),
+                    (data_cfg(source='hf_datasets', path=str(tmp_path / 'absent')),
+                     'matches no files and is no save_to_disk directory')):
+    with pytest.raises(DataError, match=re.escape(says)):
+      records.Reader(cfg, tokenizer.BYTES).all_blocks()

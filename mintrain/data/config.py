@@ -10,11 +10,14 @@ from mintrain import fields
 from mintrain.errors import ConfigError
 from mintrain.fields import option
 
-STREAMED_SOURCES = ('jsonl', 'parquet', 'arrayrecord')  # Read a block at a time (mintrain.data.records).
-CHAT_SOURCES = ('jsonl', 'parquet')  # Sources whose records may hold a conversation (data.format='chat').
+# Read a block at a time (mintrain.data.records).
+STREAMED_SOURCES = ('jsonl', 'parquet', 'arrayrecord', 'hf_datasets')
+# Sources whose records may hold a conversation (data.format='chat').
+CHAT_SOURCES = ('jsonl', 'parquet', 'hf_datasets')
 # What each source of a mixture may set; the rest (threads, prefetch) belongs to the whole mixture.
 MIXTURE_KEYS = ('source', 'path', 'eval_path', 'eval_fraction', 'token_dtype', 'text_field', 'record_format',
-                'block_bytes', 'shuffle_window', 'skip_bad_records', 'format', 'messages_field', 'loss_on')
+                'block_bytes', 'shuffle_window', 'skip_bad_records', 'format', 'messages_field', 'loss_on',
+                'hf_split', 'hf_config')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,8 @@ class DataConfig:
   shuffle_window: int = option(at_least=1)
   skip_bad_records: bool = option()
   on_corpus_change: str = option(choices=('continue', 'restart'))
+  hf_split: str = option()
+  hf_config: str = option()
   format: str = option(choices=('text', 'chat'))
   messages_field: str = option()
   loss_on: str = option(choices=('assistant', 'all'))

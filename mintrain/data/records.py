@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import gzip
 import json
 import logging
+import os
 import pathlib
 import zlib
 from typing import TYPE_CHECKING, Any
@@ -38,7 +40,10 @@ grain = lazy_import('grain')
 if TYPE_CHECKING:
   from mintrain.data.config import DataConfig
 
-FORMATS = ('jsonl', 'parquet', 'arrayrecord')
+FORMATS = ('jsonl', 'parquet', 'arrayrecord', 'hf_datasets')
+# What `datasets.load_dataset` reads a glob of local files as, by suffix.
+HF_BUILDERS = {'.parquet': 'parquet', '.json': 'json', '.jsonl': 'json', '.gz': 'json', '.arrow': 'arrow',
+               '.csv': 'csv', '.txt': 'text'}
 TOOLS_FIELD = 'tools'  # A chat record's tool schemas, passed to the template.
 
 
@@ -121,10 +126,14 @@ class Reader:
     self.vocab_size = vocab_size or tok.vocab_size
     self.bad = BadRecords(data_cfg.skip_bad_records)
     self.pattern, self.max_bytes = data_cfg.path, data_cfg.max_bytes
+    self.hf_split, self.hf_config = data_cfg.hf_split, data_cfg.hf_config
     self._open: dict[pathlib.Path, Any] = {}
+    self._hf: Any = None
 
   def all_blocks(self) -> Blocks:
     """Every block of the files of `data.path`, in sorted file order."""
+    if self.kind == 'hf_datasets':
+      return self._dataset_blocks()
     files, keys, file_of, start, end = [], [], [], [], []
     for key, path in sources.first_bytes(sources.glob_files(self.pattern), self.max_bytes):
       spans = self._spans(path)
@@ -184,11 +193,84 @@ class Reader:
     self._open[path] = source  # Most recently used last.
     return source
 
+  def _dataset(self) -> Any:
+    """`data.path` as a Hugging Face dataset: a directory written by `save_to_disk`, a glob of local files
+    (`load_dataset` of their format), or a name on the Hub (needs a connection); its `data.hf_split`."""
+    if self._hf is not None:
+      return self._hf
+    try:
+      import datasets
+    except ImportError:
+      raise DataError("data.source='hf_datasets' needs Hugging Face datasets: "
+                      "pip install -e '.[datasets]'.") from None
+    where, path = f'data.path={self.pattern!r}', pathlib.Path(self.pattern).expanduser()
+    files = [] if path.is_dir() else [pathlib.Path(p) for p in sorted(glob.glob(str(path), recursive=True))
+                                       if os.path.isfile(p)]
+    datasets.disable_progress_bars()
+    try:
+      if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+          if self.hf_split not in loaded:
+            raise DataError(f'{where}: no split {self.hf_split!r} (data.hf_split); it has '
+                            f'{", ".join(loaded)}.')
+          loaded = loaded[self.hf_split]
+      elif files:
+        builder = HF_BUILDERS.get(files[0].suffix)
+        if builder is None:
+          raise DataError(f'{where}: Hugging Face datasets reads no {files[0].suffix!r} files; give '
+                          f'{", ".join(sorted(HF_BUILDERS))} files or a save_to_disk directory.')
+        loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split='train')
+      elif path.is_absolute() or self.pattern.startswith(('.', '~')):
+        raise DataError(f'{where} matches no files and is no save_to_disk directory; check the path.')
+      else:  # A name on the Hub.
+        loaded = datasets.load_dataset(self.pattern, self.hf_config or None, split=self.hf_split)
+    except DataError:
+      raise
+    except Exception as e:  # datasets raises many kinds: FileNotFoundError, DatasetNotFoundError, ...
+      raise DataError(f'{where}: Hugging Face datasets cannot load it ({_first_line(e)}).') from None
+    if self.field not in loaded.column_names:
+      raise DataError(f'{where}: no column {self.field!r} ({self.option}; its columns: '
+                      f'{", ".join(loaded.column_names)}).')
+    self._hf = loaded
+    return loaded
+
+  def _dataset_blocks(self) -> Blocks:
+    """A dataset's rows in runs of about `data.block_bytes` (from its Arrow size per row)."""
+    data = self._dataset()
+    rows = len(data)
+    if not rows:
+      raise DataError(f'data.path={self.pattern!r}: the dataset has no rows.')
+    per_block = max(1, rows * self.block_bytes // max(data.data.nbytes, 1))
+    spans = [(a, min(a + per_block, rows)) for a in range(0, rows, per_block)]
+    return Blocks([pathlib.Path(self.pattern)], [self.pattern], np.zeros(len(spans), np.int32),
+                  np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64))
+
+  def _read_dataset(self, start: int, end: int) -> list[Document]:
+    columns = [self.field, *([TOOLS_FIELD] if self.chat and TOOLS_FIELD in self._dataset().column_names
+                             else [])]
+    table = self._dataset().select_columns(columns)[start:end]
+    docs: list[Document] = []
+    for k, value in enumerate(table[self.field]):
+      if self.chat:
+        problem = self._conversation(value, table[TOOLS_FIELD][k] if len(columns) > 1 else None, docs)
+      elif isinstance(value, str):
+        docs.append(value)
+        problem = None
+      else:
+        kind = 'null' if value is None else type(value).__name__
+        problem = f'column {self.field!r} is {kind}, not a string'
+      if problem:
+        self.bad(f'data.path={self.pattern!r} row {start + k}: {problem}')
+    return docs
+
   def read(self, blocks: Blocks, i: int) -> list[Document]:
     """The documents of block `i`, in file order."""
     path, start, end = blocks.paths[blocks.file[i]], int(blocks.start[i]), int(blocks.end[i])
     if path is None:
       return []
+    if self.kind == 'hf_datasets':
+      return self._read_dataset(start, end)
     if self.kind == 'jsonl':
       return self._read_jsonl(path, start, end)
     if self.kind == 'parquet':

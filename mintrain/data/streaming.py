@@ -81,6 +81,9 @@ def _files(blocks: records.Blocks) -> list[list]:
   counts = np.bincount(blocks.file, minlength=len(blocks.paths))
   out = []
   for key, path, count in zip(blocks.keys, blocks.paths, counts):
+    if not path.exists():  # A Hub dataset's name (data.source='hf_datasets').
+      out.append([key, 0, 0, int(count)])
+      continue
     stat = path.stat()
     out.append([key, stat.st_size, stat.st_mtime_ns, int(count)])
   return out
