@@ -50,9 +50,10 @@ def main() -> int:
   if output.is_dir():
     startup.fail(f'--output_path {output} is a directory; give the JSON file to write.')
   try:
-    from mintrain.evaluation import harness, restore
+    from mintrain.checkpoint import model as saved_model
+    from mintrain.evaluation import harness
 
-    layout = restore.layout_config(args.config, overrides)
+    layout = saved_model.layout_config(args.config, overrides)
     mesh_config = config_lib.validate(config_lib.upgrade({'mesh': layout.mesh.to_dict()})).mesh
     manager = harness.task_manager(args.include_path)  # Unknown tasks are refused before any device.
     harness.check_tasks(tasks, manager)
@@ -65,7 +66,7 @@ def main() -> int:
   from mintrain import mesh as mesh_lib
 
   try:
-    restored = restore.restore_model(args.workdir, step=args.step, layout=layout, overrides=overrides,
+    restored = saved_model.restore_model(args.workdir, step=args.step, layout=layout, overrides=overrides,
                                      devices=devices)
     lm = harness.HarnessLM(restored.model, restored.config, restored.tokenizer, restored.mesh,
                            batch_size=args.batch_size, max_length=args.max_length or None)

@@ -16,9 +16,9 @@ import pytest
 from helpers import TINY, load_config, mesh_devices, quiet, run_script, short_documents
 
 from mintrain import loop
+from mintrain.checkpoint.model import layout_config, restore_model
 from mintrain.errors import ConfigError
 from mintrain.evaluation import harness
-from mintrain.evaluation.restore import layout_config, restore_model
 
 TASKS = ('mt_choice', 'mt_rolling', 'mt_until')
 MAX_LENGTH = 24  # Short enough that the rolling task's texts span several windows.

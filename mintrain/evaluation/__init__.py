@@ -1,2 +1,2 @@
-"""Evaluation of a run's model on lm-evaluation-harness tasks (the `eval` extra): `restore` builds the model
-of a checkpoint on a chosen mesh, `harness` serves it to lm-eval."""
+"""Evaluation of a run's model on lm-evaluation-harness tasks (the `eval` extra): `harness` serves a model
+(`mintrain.checkpoint.model.restore_model` builds a checkpoint's) to lm-eval."""
