@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import jax
 from etils import epath
+from flax import nnx
 
 from mintrain import actions as actions_lib
 from mintrain import config as config_lib
@@ -63,13 +64,13 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
     changed = config_lib.differences(restored.metadata.get('config', {}), run.config.to_dict())
     if changed:
       print_fn(f"The config differs from the checkpoint's: {', '.join(changed)}.")
-    return TrainState(**restored.state), restored.data
+    return TrainState(**restored.state, frozen=frozen_base(run)), restored.data
   if restore_from is None and run.config.init.hf_checkpoint:
     from mintrain import hf  # safetensors only when asked for.
 
     path = run.config.init.hf_checkpoint
     print_fn(f'Initialising the parameters from the Hugging Face checkpoint {path}.')
-    return run.from_params(hf.load_params(path, run)), {}
+    return run.from_base(hf.load_params(path, run)), {}
   if restore_from is None:
     return run.init(), {}
   directory, step = ckpt_lib.find_run_checkpoints(restore_from)
@@ -88,8 +89,19 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
   print_fn(f'Restored {what} of step {restored.step} from {directory / str(restored.step)} '
            f'(saved on mesh {restored.mesh}).')
   if params_only:
-    return run.from_params(restored.state['params']), {}
-  return TrainState(**restored.state), restored.data
+    return run.from_params(restored.state['params'], frozen_base(run)), {}
+  return TrainState(**restored.state, frozen=frozen_base(run)), restored.data
+
+
+def frozen_base(run: Run) -> nnx.State:
+  """The frozen parameters a checkpoint does not hold (LoRA's base; none without LoRA): init.hf_checkpoint's
+  weights, or the seed's."""
+  path = run.config.init.hf_checkpoint
+  if not run.config.lora.enabled or not path:
+    return run.frozen_from_seed()
+  from mintrain import hf  # safetensors only when asked for.
+
+  return run.from_base(hf.load_params(path, run)).frozen
 
 
 def _has_saves(workdir: epath.Path | None) -> bool:

@@ -164,7 +164,7 @@ def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | Non
   """The checkpoint's weights as `run`'s parameters on `mesh` (default `run.mesh`): each process reads
   the slices its devices hold, each tensor once (`_load`)."""
   mesh = mesh or run.mesh
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(run.base_params, is_leaf=_is_variable)
   loaded = []
   with _Tensors(path) as tensors:
     for var, source, files in _checked(tensors, run, leaves):
@@ -178,7 +178,7 @@ def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | Non
 def check(path: str | os.PathLike, run: Run) -> None:
   """Raises the ConfigError that `load_params` would for a missing tensor or a shape that disagrees with
   config.json, from the files' headers alone: a run checks before it writes anything."""
-  leaves, _ = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(run.base_params, is_leaf=_is_variable)
   with _Tensors(path) as tensors:
     _checked(tensors, run, leaves, warn=False)  # The load that follows warns.
 

@@ -36,8 +36,15 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
   return nnx.Param(value, out_sharding=axes, eager_sharding=False, weight_decay=decay)
 
 
-def gather(p: nnx.Param, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
-  """The parameter in its compute layout and dtype."""
+class Frozen(nnx.Variable):
+  """A weight that does not train (LoRA's base): no gradient, no optimizer state, not checkpointed."""
+
+
+def gather(p: nnx.Variable | nnx.Module, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
+  """The parameter in its compute layout and dtype; a weight module (a LoRA-adapted or quantized base,
+  `mintrain.lora`) computes its own, so every call site gets it alike."""
+  if isinstance(p, nnx.Module):
+    return p.gather(rules, dtype)
   return rules.reshard(p[...].astype(dtype), p.get_metadata()['out_sharding'])
 
 
@@ -189,7 +196,7 @@ def on_params_mesh(function: Callable) -> Callable:
   @functools.wraps(function)
   def wrapped(module: nnx.Module, *args, **kwargs):
     if jax.sharding.get_abstract_mesh().empty:
-      leaf = jax.tree.leaves(nnx.state(module, nnx.Param))[0]
+      leaf = jax.tree.leaves(nnx.state(module, (nnx.Param, Frozen)))[0]
       mesh = getattr(getattr(leaf, 'sharding', None), 'mesh', None)
       if isinstance(mesh, jax.sharding.Mesh):
         with jax.set_mesh(mesh):

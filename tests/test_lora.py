@@ -1,0 +1,119 @@
+"""LoRA and QLoRA: adapters on a frozen (optionally quantized) base train alone, the same on every mesh, and
+resume bit-exactly; the quantizers match the QLoRA paper's NF4 table and stay within their error bounds."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TINY, build, load_config, mesh_devices, quiet
+
+from mintrain import loop as train_loop
+from mintrain.errors import ConfigError
+from mintrain.lora import quantize
+
+# bitsandbytes' NF4 table (functional.py, `get_4bit_type('nf4')`), as the QLoRA paper's appendix prints it.
+BITSANDBYTES_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+LORA = ('lora.rank=4', 'lora.alpha=8.0', 'train.steps=6', 'checkpoint.keep=0', 'optimizer.warmup_steps=0')
+
+
+def lora_config(mesh, *overrides):
+  return load_config(mesh, *TINY, *LORA, *overrides)
+
+
+def run(config, workdir=None):
+  return train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=quiet)
+
+
+def test_an_unknown_target_is_a_one_line_config_error():
+  with pytest.raises(ConfigError, match=r"lora.targets='q,qkv': 'qkv' is not a target of model family "
+                                        r"'transformer'; choose from q,k,v,o,gate,up,down"):
+    lora_config('single', 'lora.targets=q,qkv')
+
+
+def test_only_the_adapters_are_parameters_and_only_they_have_optimizer_state():
+  r = build(lora_config('single', 'lora.targets=q,down'))
+  trainable = {p.path for p in r.layout if p.trainable}
+  assert trainable == {'blocks.0.attn.wq_DHK.a', 'blocks.0.attn.wq_DHK.b', 'blocks.0.mlp.wo_FD.a',
+                       'blocks.0.mlp.wo_FD.b'}
+  shapes = {p.path: p.shape for p in r.layout}
+  assert shapes['blocks.0.attn.wq_DHK.a'] == (32, 4) and shapes['blocks.0.attn.wq_DHK.b'] == (4, 4, 8)
+  assert shapes['blocks.0.mlp.wo_FD.a'] == (64, 4) and shapes['blocks.0.mlp.wo_FD.b'] == (4, 32)
+  adam_leaves = jax.tree.leaves(r.abstract_state.opt_state)
+  moments = sum(x.size for x in adam_leaves if x.ndim)  # Adam's mu and nu; its counts are scalars.
+  assert moments == 2 * sum(np.prod(shapes[p]) for p in trainable)
+
+
+@pytest.mark.slow
+def test_adapters_start_as_the_base_and_only_they_train():
+  plain = run(load_config('single', *TINY, *LORA[2:]))
+  lora = run(lora_config('single'))
+  assert lora.losses[0] == pytest.approx(plain.losses[0], rel=1e-6)  # B starts at zero.
+  assert lora.losses[1:] != plain.losses[1:]
+  assert all(np.any(np.asarray(b) != 0) for b in jax.tree.leaves(lora.state.params))
+  r = build(lora_config('single'))
+  with jax.set_mesh(r.mesh):
+    base = r.frozen_from_seed()
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(lora.state.frozen), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('base_dtype', ['nf4', pytest.param('float32', marks=pytest.mark.slow)])
+def test_lora_losses_are_the_same_on_dp4_tp2_as_on_one_device(base_dtype):
+  options = (f'lora.base_dtype={base_dtype}', 'lora.nf4_block_size=8')
+  single = run(lora_config('single', *options))
+  np.testing.assert_allclose(run(lora_config('dp4_tp2', *options)).losses, single.losses, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_bit_exactly_and_saves_only_the_adapters(tmp_path):
+  config = lora_config('dp4_tp2', 'checkpoint.keep=2', 'checkpoint.every_steps=3', 'lora.base_dtype=int8')
+  straight = run(config, tmp_path)
+  from mintrain.checkpoint import checkpoints as ckpt_lib
+  saved = ckpt_lib.Checkpoints(tmp_path / 'checkpoints', read_only=True)
+  arrays = saved.array_metadata(3)
+  saved.close()
+  assert {p for p in arrays if p.startswith('params.')} == {
+      f'params.blocks.0.{w}.{ab}.value' for w in ('attn.wq_DHK', 'attn.wk_DHK', 'attn.wv_DHK', 'attn.wo_HKD',
+                                                  'mlp.wi_gate_DF', 'mlp.wi_up_DF', 'mlp.wo_FD')
+      for ab in 'ab'} or all('.a' in p or '.b' in p for p in arrays if p.startswith('params.'))
+  assert not any('frozen' in p or 'base' in p for p in arrays)
+  shutil.rmtree(tmp_path / 'checkpoints' / '6')
+  resumed = run(config, tmp_path)
+  assert resumed.first_step == 3
+  np.testing.assert_array_equal(resumed.losses, straight.losses[3:])
+  for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_nf4_table_is_bitsandbytes():
+  assert quantize.NF4 == tuple(BITSANDBYTES_NF4)
+
+
+def test_nf4_maps_each_value_to_the_nearest_table_entry_of_its_block():
+  w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+  codes, absmax = quantize.quantize_nf4(jnp.asarray(w), 16)
+  blocks = w.reshape(4, 4, 16)
+  np.testing.assert_array_equal(np.asarray(absmax), np.abs(blocks).max(-1))
+  normed = blocks / np.abs(blocks).max(-1, keepdims=True)
+  expected = np.abs(normed[..., None] - np.array(BITSANDBYTES_NF4)).argmin(-1)
+  np.testing.assert_array_equal(np.asarray(codes).reshape(4, 4, 16), expected)
+  back = np.asarray(quantize.dequantize_nf4(codes, absmax, 16, jnp.float32)).reshape(4, 4, 16)
+  # Each block's absmax is exact; no value is further from its own than half the widest gap (0.304 / 2).
+  np.testing.assert_array_equal(np.abs(back).max(-1), np.abs(blocks).max(-1))
+  assert np.all(np.abs(back - blocks) <= 0.5 * np.diff(BITSANDBYTES_NF4).max() * np.abs(blocks).max(-1,
+                                                                                                     keepdims=True))
+
+
+def test_int8_keeps_each_output_channel_within_half_a_step():
+  w = np.random.default_rng(1).standard_normal((32, 4, 8)).astype(np.float32)
+  codes, scale = quantize.quantize_int8(jnp.asarray(w), (0,))
+  assert codes.dtype == jnp.int8 and scale.shape == (4, 8)
+  np.testing.assert_allclose(np.asarray(scale), np.abs(w).max(0) / 127, rtol=1e-7)
+  assert np.abs(np.asarray(codes)).max() == 127
+  back = np.asarray(quantize.dequantize_int8(codes, scale, (0,), jnp.float32))
+  assert np.all(np.abs(back - w) <= np.asarray(scale)[None] / 2 * (1 + 1e-6))
