@@ -17,7 +17,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from mintrain import metrics, report
+from mintrain import lora, metrics, report
 from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.data import streaming
@@ -211,10 +211,14 @@ def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
 
 
 def checkpoint_metadata(run: Run, step: int) -> dict:
-  """What a checkpoint records beside the arrays: the config, the mesh and the versions that saved it."""
-  return {'step': step, 'config': run.config.to_dict(),
-          'mesh': {k: int(v) for k, v in run.mesh.shape.items()},
-          'process_count': jax.process_count(), 'versions': ckpt_lib.versions()}
+  """What a checkpoint records beside the arrays: the config, the mesh and the versions that saved it, and
+  for LoRA on a Hugging Face base, where that base is and its fingerprint (a resume reads it from there)."""
+  out = {'step': step, 'config': run.config.to_dict(),
+         'mesh': {k: int(v) for k, v in run.mesh.shape.items()},
+         'process_count': jax.process_count(), 'versions': ckpt_lib.versions()}
+  if run.config.lora.enabled and run.config.init.hf_checkpoint:
+    out['lora_base'] = lora.base_fingerprint(run.config.init.hf_checkpoint)
+  return out
 
 
 class Save:

@@ -117,3 +117,61 @@ def test_int8_keeps_each_output_channel_within_half_a_step():
   assert np.abs(np.asarray(codes)).max() == 127
   back = np.asarray(quantize.dequantize_int8(codes, scale, (0,), jnp.float32))
   assert np.all(np.abs(back - w) <= np.asarray(scale)[None] / 2 * (1 + 1e-6))
+
+
+def tiny_llama(directory):
+  """A tiny random Llama saved by transformers, and the model."""
+  import torch
+  import transformers
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                                    tie_word_embeddings=False)
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+  model.save_pretrained(directory)
+  return model
+
+
+TOKENS = np.random.RandomState(1).randint(0, 256, (2, 12)).astype(np.int32)
+PROJECTIONS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']
+
+
+def torch_logits(model):
+  import torch
+  with torch.no_grad():
+    return model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.slow
+def test_peft_adapters_import_and_export_with_peft_s_logits_and_merge_for_transformers(tmp_path):
+  import peft
+  import torch
+  import transformers
+
+  from mintrain import hf
+  from mintrain.lora import peft as lora_peft
+  tiny_llama(tmp_path / 'base')
+  model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'base'),
+                              peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS))
+  with torch.no_grad():  # B starts at zero; random B makes the adapters matter.
+    for name, p in model.named_parameters():
+      if 'lora_B' in name:
+        p.normal_(0, 0.1)
+  model.save_pretrained(tmp_path / 'adapter')
+  expected = torch_logits(model)
+  config = load_config('single', f'init.hf_checkpoint={tmp_path / "base"}', 'data.tokenizer=byte',
+                       'lora.rank=4', 'lora.alpha=8.0', f'init.lora_adapter={tmp_path / "adapter"}',
+                       'train.global_batch_size=8', 'train.seq_len=12')
+  r = build(config)
+  with jax.set_mesh(r.mesh):
+    state, _ = train_loop.initial_state(r, None, restore_from=None, params_only=False, print_fn=quiet)
+    ours = r.model(state.params, state.frozen)
+    np.testing.assert_allclose(np.asarray(ours(TOKENS)), expected, atol=1e-4)
+    (tmp_path / 'ours').mkdir()
+    lora_peft.save_adapter(state.params, r.config, r.layout, tmp_path / 'ours')
+    hf.save_pretrained(lora_peft.merged(ours, r.rules), tmp_path / 'merged')
+  base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'base')
+  reloaded = peft.PeftModel.from_pretrained(base, tmp_path / 'ours')
+  np.testing.assert_allclose(torch_logits(reloaded), expected, atol=1e-5)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'merged')
+  np.testing.assert_allclose(torch_logits(merged), expected, atol=1e-4)

@@ -52,7 +52,8 @@ SINGLE = 'model.safetensors'
 # What an export writes: a directory holding only these (or nothing) may be replaced by a new export whole.
 EXPORTED = re.compile(r'config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|'
                       r'model\.safetensors\.index\.json|tokenizer(_config)?\.json|tokenizer\.model|'
-                      r'special_tokens_map\.json|chat_template\.jinja')
+                      r'special_tokens_map\.json|chat_template\.jinja|adapter_config\.json|'
+                      r'adapter_model\.safetensors')
 
 
 def make_config(path: str | os.PathLike, base: ml_collections.ConfigDict | None = None,

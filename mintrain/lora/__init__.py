@@ -12,7 +12,9 @@ inputs (`layers.linear_lora`), as PEFT does.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import os
 import string
 import zlib
 from collections.abc import Mapping
@@ -140,6 +142,21 @@ class LoRA(nnx.Module):
     """The merged weight, base + (alpha / rank) * A @ B, as `layers.gather` gives a plain one."""
     w = self.gather_base(rules, dtype)
     return w + self.delta(rules, dtype) if self.rank else w
+
+
+def base_fingerprint(path: str | os.PathLike) -> dict[str, str]:
+  """Where a LoRA run's base comes from: the Hugging Face directory's absolute path and a hash of its
+  safetensors files' names, sizes and headers (cheap: no tensor is read)."""
+  digest = hashlib.sha256()
+  root = os.path.abspath(os.fspath(path))
+  for name in sorted(os.listdir(root)):
+    if name.endswith('.safetensors') or name == 'config.json':
+      file = os.path.join(root, name)
+      with open(file, 'rb') as f:
+        head = f.read(8)
+        header = f.read(int.from_bytes(head, 'little')) if name.endswith('.safetensors') else f.read()
+      digest.update(f'{name}:{os.path.getsize(file)}:'.encode() + header)
+  return {'path': root, 'fingerprint': digest.hexdigest()}
 
 
 def _letters(lead: int, inputs: int, outputs: int) -> tuple[str, str, str]:
