@@ -171,6 +171,8 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
   say(f'model: {report.param_count(config):,} parameters, {flops_per_step / 1e9:.3f} GFLOP per step '
       f'({flops_per_step / tokens_per_step / 1e6:.3f} MFLOP per token); peak {peak:.3f} TFLOP/s per '
       f'device ({peak_source})')
+  if config.lora.enabled:
+    say(f'LoRA {report.trainable_summary(r.layout)}')
   return batches, eval_batches, bytes_per_token, baseline, peak
 
 
@@ -253,6 +255,9 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     run_log.open()  # Every check has passed: the run writes from here on.
     actions.start_writing()
     first_step = int(to_host(state.step))
+    if config.lora.enabled:
+      trainable, total = report.trainable_counts(r.layout)
+      baseline = {**baseline, 'trainable_parameters': trainable, 'trainable_fraction': trainable / total}
     if baseline:
       actions.log(first_step, baseline)
     state, losses, compile_time, stopped = train(r, state, batches, actions, stop, timer, say)

@@ -35,6 +35,11 @@ def test_an_unknown_target_is_a_one_line_config_error():
     lora_config('single', 'lora.targets=q,qkv')
 
 
+def test_lora_dropout_is_refused_until_it_is_real():
+  with pytest.raises(ConfigError, match=r'lora.dropout=0.1: dropout .* is not implemented'):
+    lora_config('single', 'lora.dropout=0.1')
+
+
 def test_only_the_adapters_are_parameters_and_only_they_have_optimizer_state():
   r = build(lora_config('single', 'lora.targets=q,down'))
   trainable = {p.path for p in r.layout if p.trainable}
@@ -175,3 +180,14 @@ def test_peft_adapters_import_and_export_with_peft_s_logits_and_merge_for_transf
   np.testing.assert_allclose(torch_logits(reloaded), expected, atol=1e-5)
   merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'merged')
   np.testing.assert_allclose(torch_logits(merged), expected, atol=1e-4)
+
+
+def test_the_report_and_memory_plan_count_the_frozen_base_quantized_and_without_gradients():
+  from mintrain import report
+  r = build(lora_config('dp4_tp2', 'lora.base_dtype=nf4', 'lora.nf4_block_size=8'))
+  text = report.format_report(r.layout, r.abstract_state, r.mesh, r.plan, r.rules)
+  trainable, total = report.trainable_counts(r.layout)
+  assert f'trainable: {trainable:,} of {total:,} parameters' in text and 'uint8' in text
+  assert r.plan.grads == sum(p.bytes_per_device for p in r.layout if p.trainable)
+  codes = {p.path: p for p in r.layout}['blocks.0.mlp.wi_gate_DF.base']
+  assert codes.dtype == np.uint8 and codes.shard_shape == (32, 32) and not codes.trainable  # mlp over model.

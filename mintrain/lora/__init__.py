@@ -5,8 +5,8 @@
 returns `base + (alpha / rank) * A @ B` in the compute layout, so stacked q/k/v, gate/up and experts get
 adapters alike; every other parameter becomes `layers.Frozen`. A (input axes + `lora_rank`) and B
 (`lora_rank` + output axes) are the only `nnx.Param`s left, so gradients, optimizer state and checkpoints
-hold the adapters alone. With `lora.dropout` > 0, a call site adds the low-rank term itself on dropped-out
-inputs (`layers.linear_lora`), as PEFT does.
+hold the adapters alone. The merged form cannot drop out the adapter's input (PEFT's lora_dropout), so
+`lora.dropout` must be 0 for now.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ class LoraConfig:
   targets: str = option()
   base_dtype: str = option(choices=BASE_DTYPES)
   nf4_block_size: int = option(at_least=1)
+
+  def __post_init__(self):
+    if self.dropout:
+      raise ConfigError(f'lora.dropout={self.dropout}: dropout on the adapters\' input is not implemented '
+                        '(the adapter is merged into the weight each layer gathers); use 0.')
 
   @property
   def enabled(self) -> bool:
