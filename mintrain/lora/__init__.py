@@ -171,7 +171,7 @@ def _letters(lead: int, inputs: int, outputs: int) -> tuple[str, str, str]:
 
 
 def unstacked_path(path: str) -> tuple[str, int | None]:
-  """('blocks.attn.wq_DHK', 3) for 'blocks.3.attn.wq_DHK': a layer's key, the same in either layout."""
+  """(the path without its layer index, the index or None): a layer's key, the same in either layout."""
   parts = path.split('.')
   digits = [i for i, p in enumerate(parts) if p.isdigit()]
   if not digits:
