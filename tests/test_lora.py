@@ -35,9 +35,9 @@ def test_an_unknown_target_is_a_one_line_config_error():
     lora_config('single', 'lora.targets=q,qkv')
 
 
-def test_lora_dropout_is_refused_until_it_is_real():
-  with pytest.raises(ConfigError, match=r'lora.dropout=0.1: dropout .* is not implemented'):
-    lora_config('single', 'lora.dropout=0.1')
+def test_lora_dropout_on_experts_is_refused():
+  with pytest.raises(ConfigError, match=r"lora.dropout=0.1 with the adapters of a mixture's experts is not"):
+    build(lora_config('single', 'lora.dropout=0.1', 'model.num_experts=4'))
 
 
 def test_only_the_adapters_are_parameters_and_only_they_have_optimizer_state():
@@ -191,3 +191,19 @@ def test_the_report_and_memory_plan_count_the_frozen_base_quantized_and_without_
   assert r.plan.grads == sum(p.bytes_per_device for p in r.layout if p.trainable)
   codes = {p.path: p for p in r.layout}['blocks.0.mlp.wi_gate_DF.base']
   assert codes.dtype == np.uint8 and codes.shard_shape == (32, 32) and not codes.trainable  # mlp over model.
+
+
+def test_lora_dropout_trains_the_same_on_dp4_tp2_and_drops_only_in_training():
+  options = ('lora.dropout=0.5', 'lora.targets=q,v,o,down', 'model.num_kv_heads=2', 'eval.steps=1')
+  single = run(lora_config('single', *options))
+  np.testing.assert_allclose(run(lora_config('dp4_tp2', *options)).losses, single.losses, rtol=1e-5)
+  undropped = run(lora_config('single', *options[1:]))
+  assert single.losses[0] == pytest.approx(undropped.losses[0], rel=1e-6)  # B = 0: no adapter term yet.
+  assert not np.allclose(single.losses[1:], undropped.losses[1:], rtol=1e-6)
+  r = build(lora_config('single', *options))
+  with jax.set_mesh(r.mesh):  # Without a dropout key (evaluation), the split form equals the merged one.
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 256, (2, 16)), jnp.int32)
+    split = r.model(single.state.params, single.state.frozen)(tokens)
+    merged_run = build(lora_config('single', *options[1:]))
+    merged = merged_run.model(single.state.params, single.state.frozen)(tokens)
+    np.testing.assert_allclose(np.asarray(split), np.asarray(merged), atol=1e-5)

@@ -166,8 +166,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.lora = ml_collections.ConfigDict()
   c.lora.rank = 0  # Adapter rank r; 0: LoRA off, every parameter trains.
   c.lora.alpha = 16.0  # The adapters' output is scaled by alpha / rank, as PEFT's lora_alpha.
-  # Dropout on the adapters' inputs (PEFT's lora_dropout). Each layer gathers the adapter merged into its
-  # weight (base + alpha/rank * A @ B), which cannot drop out the adapter's input alone: only 0 for now.
+  # Dropout on the adapters' inputs (PEFT's lora_dropout), training only. At 0 each layer gathers the
+  # adapter merged into its weight (base + alpha/rank * A @ B); above 0, in training, the base matmul and the
+  # adapter's on the dropped-out input are separate at each call site (not for a mixture's experts: refused).
   c.lora.dropout = 0.0
   # The model family's projections to adapt, comma-separated; the transformer's: q,k,v,o,gate,up,down
   # (gate/up/down include a mixture's experts and Qwen2-MoE's shared expert).

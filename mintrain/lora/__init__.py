@@ -5,8 +5,9 @@
 returns `base + (alpha / rank) * A @ B` in the compute layout, so stacked q/k/v, gate/up and experts get
 adapters alike; every other parameter becomes `layers.Frozen`. A (input axes + `lora_rank`) and B
 (`lora_rank` + output axes) are the only `nnx.Param`s left, so gradients, optimizer state and checkpoints
-hold the adapters alone. The merged form cannot drop out the adapter's input (PEFT's lora_dropout), so
-`lora.dropout` must be 0 for now.
+hold the adapters alone. The merged form cannot drop out the adapter's input (PEFT's lora_dropout): with
+`lora.dropout` > 0, in training, a call site takes the base alone and adds the adapter's term on the
+dropped-out input itself (`layers.gather_split`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from flax import nnx
 from mintrain.errors import ConfigError
 from mintrain.fields import option
 from mintrain.lora import quantize
-from mintrain.models.layers import LAYERS, Frozen
+from mintrain.models.layers import LAYERS, Frozen, dropout
 from mintrain.partitioning import AxisRules
 
 RANK = 'lora_rank'  # Logical name of the adapters' rank dimension.
@@ -41,11 +42,6 @@ class LoraConfig:
   targets: str = option()
   base_dtype: str = option(choices=BASE_DTYPES)
   nf4_block_size: int = option(at_least=1)
-
-  def __post_init__(self):
-    if self.dropout:
-      raise ConfigError(f'lora.dropout={self.dropout}: dropout on the adapters\' input is not implemented '
-                        '(the adapter is merged into the weight each layer gathers); use 0.')
 
   @property
   def enabled(self) -> bool:
@@ -83,8 +79,14 @@ class LoRA(nnx.Module):
   def __init__(self, base: nnx.Variable, *, lead: int, inputs: int, cfg: LoraConfig, rank: int,
                key: jax.Array, layer_keys: int, rules: AxisRules):
     value, axes = base[...], tuple(base.get_metadata()['out_sharding'])
-    self.axes, self.lead, self.inputs, self.rank = axes, lead, inputs, rank
+    # Counts of axes, not the axes: a scan over stacked layers gives each layer's slice its own.
+    self.inputs, self.outputs, self.rank = inputs, len(axes) - lead - inputs, rank
     self.scaling = cfg.scaling if rank else 0.0
+    self.dropout = cfg.dropout if rank else 0.0
+    if self.dropout and lead - (axes[:1] == (LAYERS,)) > 0:
+      raise ConfigError(f'lora.dropout={cfg.dropout} with the adapters of a mixture\'s experts is not '
+                        'supported (they run inside the expert all-to-all); use 0 or leave those targets '
+                        'out.')
     self.base_dtype, self.block = cfg.base_dtype, cfg.nf4_block_size
     self.param_dtype = str(value.dtype)
     in_axes = tuple(range(lead, lead + inputs))
@@ -123,25 +125,46 @@ class LoRA(nnx.Module):
     self.a = nnx.Param(a, out_sharding=a_axes, eager_sharding=False, weight_decay=True)
     self.b = nnx.Param(b, out_sharding=b_axes, eager_sharding=False, weight_decay=True)
 
+  @property
+  def axes(self) -> tuple[str | None, ...]:
+    return tuple(self.base.get_metadata()['out_sharding'])
+
   def gather_base(self, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
     """The base weight in its compute layout and `dtype`, dequantized after the (smaller) codes move."""
-    codes = rules.reshard(self.base[...], self.axes)
+    axes = self.axes
+    codes = rules.reshard(self.base[...], axes)
     if self.base_dtype == 'int8':
       scale = rules.reshard(self.absmax[...], self.absmax.get_metadata()['out_sharding'])
-      return quantize.dequantize_int8(codes, scale, tuple(range(self.lead, self.lead + self.inputs)), dtype)
+      lead = len(axes) - self.inputs - self.outputs
+      return quantize.dequantize_int8(codes, scale, tuple(range(lead, lead + self.inputs)), dtype)
     if self.base_dtype == 'nf4':
-      scale = rules.reshard(self.absmax[...], self.axes)
+      scale = rules.reshard(self.absmax[...], axes)
       return quantize.dequantize_nf4(codes, scale, self.block, dtype)
     return codes.astype(dtype)
 
   def delta(self, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
     """(alpha / rank) * A @ B in the base's compute layout."""
-    lead, ins, outs = _letters(self.lead, self.inputs, len(self.axes) - self.lead - self.inputs)
+    axes = self.axes
+    lead, ins, outs = _letters(len(axes) - self.inputs - self.outputs, self.inputs, self.outputs)
     a = rules.reshard(self.a[...].astype(dtype), self.a.get_metadata()['out_sharding'])
     b = rules.reshard(self.b[...].astype(dtype), self.b.get_metadata()['out_sharding'])
     ab = jnp.einsum(f'{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}', a, b,
-                    out_sharding=rules.activation_spec(self.axes))
+                    out_sharding=rules.activation_spec(axes))
     return (ab * jnp.asarray(self.scaling, dtype)).astype(dtype)
+
+  def term(self, x: jax.Array, *, rules: AxisRules, key: jax.Array) -> jax.Array:
+    """(alpha / rank) * dropout(x) @ A @ B for activations x (batch, length, *inputs), in the layout of the
+    matmul's output (batch, length, *outputs): PEFT's adapter path with lora_dropout."""
+    _, ins, outs = _letters(0, self.inputs, self.outputs)
+    dtype = x.dtype
+    a = rules.reshard(self.a[...].astype(dtype), self.a.get_metadata()['out_sharding'])
+    b = rules.reshard(self.b[...].astype(dtype), self.b.get_metadata()['out_sharding'])
+    x = dropout(x, self.dropout, key)
+    xa = jnp.einsum(f'BL{ins},{ins}r->BLr', x, a,
+                    out_sharding=rules.activation_spec(('batch', 'length', RANK), x.shape[:2]))
+    out_axes = ('batch', 'length', *self.axes[len(self.axes) - self.outputs:])
+    y = jnp.einsum(f'BLr,r{outs}->BL{outs}', xa, b, out_sharding=rules.activation_spec(out_axes, x.shape[:2]))
+    return y * jnp.asarray(self.scaling, dtype)
 
   def gather(self, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
     """The merged weight, base + (alpha / rank) * A @ B, as `layers.gather` gives a plain one."""

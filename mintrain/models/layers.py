@@ -48,6 +48,25 @@ def gather(p: nnx.Variable | nnx.Module, rules: AxisRules, dtype: jnp.dtype) -> 
   return rules.reshard(p[...].astype(dtype), p.get_metadata()['out_sharding'])
 
 
+def gather_split(p: nnx.Variable | nnx.Module, rules: AxisRules, dtype: jnp.dtype, key: jax.Array | None
+                 ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array] | None]:
+  """(weight, adapter): `gather(p, ...)` and None, except in training (`key` given) for a LoRA weight whose
+  adapter's input drops out (PEFT's lora_dropout): its base, and the function of the matmul's input (whose
+  trailing axes are the weight's inputs) that gives the adapter's term, for the call site to add."""
+  if key is not None and getattr(p, 'dropout', 0.0) > 0:
+    return p.gather_base(rules, dtype), functools.partial(p.term, rules=rules, key=key)
+  return gather(p, rules, dtype), None
+
+
+def plus(y: jax.Array, adapter: Callable[[jax.Array], jax.Array] | None, x: jax.Array) -> jax.Array:
+  """`y` plus `adapter(x)` where `gather_split` gave one."""
+  return y if adapter is None else y + adapter(x).astype(y.dtype)
+
+
+def fold(key: jax.Array | None, i: int) -> jax.Array | None:
+  return None if key is None else jax.random.fold_in(key, i)
+
+
 MATMUL = 'weight_matmul'  # Checkpoint name of `linear`'s outputs, for remat policies.
 
 
