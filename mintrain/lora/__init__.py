@@ -79,6 +79,7 @@ class LoRA(nnx.Module):
   def __init__(self, base: nnx.Variable, *, lead: int, inputs: int, cfg: LoraConfig, rank: int,
                key: jax.Array, layer_keys: int, rules: AxisRules):
     value, axes = base[...], tuple(base.get_metadata()['out_sharding'])
+    mesh_empty = jax.sharding.get_abstract_mesh().empty
     # Counts of axes, not the axes: a scan over stacked layers gives each layer's slice its own.
     self.inputs, self.outputs, self.rank = inputs, len(axes) - lead - inputs, rank
     self.scaling = cfg.scaling if rank else 0.0
@@ -98,8 +99,10 @@ class LoRA(nnx.Module):
         raise ConfigError(f'lora.nf4_block_size={self.block} does not divide the last dimension '
                           f'({value.shape[-1]}) of a base weight of shape {tuple(value.shape)}; use a '
                           'divisor of it.')
-      codes, scale = quantize.quantize_nf4(value, self.block)
-      scale_axes = axes
+      scale_axes = (*axes[:-1], None)  # Blocks along the last axis, which stays whole for them.
+      whole = value if mesh_empty else jax.sharding.reshard(value, rules.param_spec(scale_axes))
+      codes, scale = quantize.quantize_nf4(whole, self.block)
+      codes = codes if mesh_empty else jax.sharding.reshard(codes, rules.param_spec(axes))
     else:
       codes, scale, scale_axes = value.astype(cfg.base_dtype), None, ()
     self.base = Frozen(codes, out_sharding=axes, eager_sharding=False)
@@ -112,7 +115,6 @@ class LoRA(nnx.Module):
     b_shape = (*shape[:lead], rank, *shape[lead + inputs:])
     a_axes, b_axes = (*axes[:lead + inputs], RANK), (*axes[:lead], RANK, *axes[lead + inputs:])
     bound = 1 / math.sqrt(math.prod(shape[lead:lead + inputs]))  # PEFT: kaiming_uniform(a=sqrt(5)) of A.
-    mesh_empty = jax.sharding.get_abstract_mesh().empty
     a_spec = None if mesh_empty else rules.param_spec(a_axes)
     if layer_keys:  # Stacked layers: each layer's A drawn from its own key, as when unstacked.
       draws = [jax.random.uniform(jax.random.fold_in(key, i), a_shape[1:], value.dtype, -bound, bound)
@@ -138,7 +140,7 @@ class LoRA(nnx.Module):
       lead = len(axes) - self.inputs - self.outputs
       return quantize.dequantize_int8(codes, scale, tuple(range(lead, lead + self.inputs)), dtype)
     if self.base_dtype == 'nf4':
-      scale = rules.reshard(self.absmax[...], axes)
+      scale = rules.reshard(self.absmax[...], (*axes[:-1], None))
       return quantize.dequantize_nf4(codes, scale, self.block, dtype)
     return codes.astype(dtype)
 

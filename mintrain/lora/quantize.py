@@ -33,8 +33,8 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 
 
 def quantize_nf4(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-  """(uint8 codes 0..15, float32 absmax per block of `block` along the last axis): each value is the
-  nearest NF4 value of its block's normalised weights."""
+  """(uint8 codes 0..15, float32 absmax per block of `block` along the last axis, which must not be split):
+  each value is the nearest NF4 value of its block's normalised weights."""
   w_blocks = _blocks(w.astype(jnp.float32), block)
   scale = jnp.max(jnp.abs(w_blocks), axis=-1)
   normed = w_blocks / jnp.where(scale == 0, 1.0, scale)[..., None]
@@ -44,8 +44,10 @@ def quantize_nf4(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_nf4(codes: jax.Array, scale: jax.Array, block: int, dtype) -> jax.Array:
+  """The weights of `codes`; the block scales (whose last axis must not be split) are repeated rather than
+  the codes reshaped into blocks, so the codes' last axis may split any number of ways."""
   # A select per code rather than a gather, which keeps the codes' sharding (and fuses).
   values = jnp.zeros(codes.shape, jnp.float32, out_sharding=jax.typeof(codes).sharding)
   for i, value in enumerate(NF4):
     values = jnp.where(codes == i, jnp.float32(value), values)
-  return (_blocks(values, block) * scale[..., None]).reshape(codes.shape).astype(dtype)
+  return (values * jnp.repeat(scale, block, axis=-1)).astype(dtype)
