@@ -129,7 +129,7 @@ def tiny_llama(directory):
   import torch
   import transformers
   torch.manual_seed(0)
-  config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+  config = transformers.LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
                                     tie_word_embeddings=False)
   model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -207,3 +207,57 @@ def test_lora_dropout_trains_the_same_on_dp4_tp2_and_drops_only_in_training():
     merged_run = build(lora_config('single', *options[1:]))
     merged = merged_run.model(single.state.params, single.state.frozen)(tokens)
     np.testing.assert_allclose(np.asarray(split), np.asarray(merged), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_stacked_layers_draw_the_same_adapters_and_train_the_same():
+  unrolled = run(lora_config('single', 'model.num_layers=2'))
+  scanned = run(lora_config('single', 'model.num_layers=2', 'model.scan_layers=True'))
+  np.testing.assert_allclose(scanned.losses, unrolled.losses, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_experts_adapters_train_the_same_split_over_experts():
+  options = ('lora.targets=q,gate,up,down', 'lora.base_dtype=int8')
+  single = run(lora_config('moe_ep4_dp2', 'mesh.data=1', 'mesh.expert=1', *options))
+  split = run(lora_config('moe_ep4_dp2', *options))
+  np.testing.assert_allclose(split.losses, single.losses, rtol=1e-5)
+  assert {p.shape for p in build(lora_config('moe_ep4_dp2', *options)).layout
+          if p.path.endswith('wi_gate_EDF.a')} == {(8, 32, 4)}
+
+
+@pytest.mark.slow
+def test_export_script_writes_a_peft_adapter_and_a_merged_model_and_a_changed_base_stops_the_resume(tmp_path):
+  import peft
+  import transformers
+  from helpers import run_script, script_flags
+
+  from mintrain import errors
+  tiny_llama(tmp_path / 'base')
+  options = (f'init.hf_checkpoint={tmp_path / "base"}', 'data.tokenizer=byte', 'lora.rank=4',
+             'lora.alpha=8.0', 'lora.targets=q,v,down', 'train.global_batch_size=8', 'train.seq_len=12',
+             'train.steps=3', 'checkpoint.keep=1', 'optimizer.warmup_steps=0', 'optimizer.learning_rate=0.03')
+  config = load_config('single', *options)
+  trained = run(config, tmp_path / 'run')
+  r = build(config)
+  with jax.set_mesh(r.mesh):
+    expected = np.asarray(r.model(trained.state.params, trained.state.frozen)(TOKENS))
+  for out, flag in (('adapter', ['--adapter']), ('merged', [])):
+    result = run_script('scripts/export_hf.py', '--workdir', str(tmp_path / 'run'), '--out',
+                        str(tmp_path / out), *flag)
+    assert result.returncode == 0, result.stderr
+  base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'base')
+  adapter = peft.PeftModel.from_pretrained(base, tmp_path / 'adapter')
+  np.testing.assert_allclose(torch_logits(adapter), expected, atol=1e-4)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'merged')
+  np.testing.assert_allclose(torch_logits(merged), expected, atol=1e-4)
+  assert sorted(adapter.peft_config['default'].target_modules) == ['down_proj', 'q_proj', 'v_proj']
+  import torch
+  torch.manual_seed(1)  # Other weights in the same place: the resume must not take them.
+  hf_config = transformers.AutoConfig.from_pretrained(tmp_path / 'base')
+  transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / 'base')
+  with pytest.raises(errors.CheckpointError, match=r'LoRA base .* changed: init.hf_checkpoint=.* is not the'):
+    run(load_config('single', *options, 'train.steps=4'), tmp_path / 'run')
+  result = run_script('scripts/train.py', '--config', 'mintrain/configs/single.py', '--workdir',
+                      str(tmp_path / 'run'), *script_flags(*options, 'train.steps=4'))
+  assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
