@@ -64,6 +64,7 @@ def plus(y: jax.Array, adapter: Callable[[jax.Array], jax.Array] | None, x: jax.
 
 
 def fold(key: jax.Array | None, i: int) -> jax.Array | None:
+  """`key` folded with `i`, or None for no key (no dropout)."""
   return None if key is None else jax.random.fold_in(key, i)
 
 
