@@ -273,3 +273,37 @@ def test_export_script_writes_a_peft_adapter_and_a_merged_model_and_a_changed_ba
   result = run_script('scripts/train.py', '--config', 'mintrain/configs/single.py', '--workdir',
                       str(tmp_path / 'run'), *script_flags(*options, 'train.steps=4'))
   assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_an_adapter_of_another_rank_is_a_one_line_config_error(tmp_path):
+  import json
+
+  from safetensors.numpy import save_file
+
+  from mintrain.lora import peft as lora_peft
+  (tmp_path / 'adapter_config.json').write_text(json.dumps({'peft_type': 'LORA', 'r': 8, 'lora_alpha': 16}))
+  save_file({}, str(tmp_path / 'adapter_model.safetensors'))
+  config = lora_config('single')
+  r = build(config)
+  with pytest.raises(ConfigError, match=r'is a LORA adapter of r=8, lora_alpha=16; the run has lora.rank=4, '
+                                        r'lora.alpha=8.0: set those to match'):
+    lora_peft.load_adapter(tmp_path, config, r.layout, r.abstract_state.params)
+  with pytest.raises(ConfigError, match=r'is not a PEFT adapter directory: no adapter_config.json'):
+    lora_peft.load_adapter(tmp_path / 'missing', config, r.layout, r.abstract_state.params)
+
+
+def test_lora_dropout_drops_the_adapters_input_only_given_a_key():
+  from mintrain.train_state import key
+  options = ('lora.targets=q,o,down', 'model.num_kv_heads=2')
+  r = build(lora_config('single', 'lora.dropout=0.5', *options))
+  tokens = np.random.RandomState(0).randint(0, 256, (2, 16)).astype(np.int32)
+  batch = {'inputs': jnp.asarray(tokens), 'targets': jnp.asarray(np.roll(tokens, -1, axis=1))}
+  with jax.set_mesh(r.mesh):
+    state = r.init()
+    params = jax.tree.map(lambda x: x + 0.1, state.params)  # B != 0: the adapters matter.
+    model = r.model(params, state.frozen)
+    plain = float(model.loss(batch)[0])
+    dropped = [float(model.loss(batch, dropout_key=key(k))[0]) for k in (0, 0, 1)]
+    merged = float(build(lora_config('single', *options)).model(params, state.frozen).loss(batch)[0])
+  assert plain == pytest.approx(merged, rel=1e-6)
+  assert dropped[0] == dropped[1] != dropped[2] and plain not in dropped
