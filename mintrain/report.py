@@ -175,7 +175,7 @@ def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mes
   widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
   lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   lines.insert(1, '  '.join('-' * w for w in widths))
-  n_params = sum(math.prod(p.shape) for p in layout)
+  n_params = trainable_counts(layout)[1]
   param_bytes = sum(p.bytes_per_device for p in layout)
   opt_bytes = state_bytes_per_device(abstract_state.opt_state)
   frozen = [p for p in layout if not p.trainable]
