@@ -307,3 +307,10 @@ def test_lora_dropout_drops_the_adapters_input_only_given_a_key():
     merged = float(build(lora_config('single', *options)).model(params, state.frozen).loss(batch)[0])
   assert plain == pytest.approx(merged, rel=1e-6)
   assert dropped[0] == dropped[1] != dropped[2] and plain not in dropped
+
+
+def test_a_bfloat16_base_is_stored_in_bfloat16_and_the_adapters_in_the_parameter_dtype():
+  layout = {p.path: p for p in build(lora_config('single', 'lora.base_dtype=bfloat16')).layout}
+  base = layout['blocks.0.attn.wq_DHK.base']
+  assert base.dtype == jnp.bfloat16 and not base.trainable
+  assert layout['blocks.0.attn.wq_DHK.a'].dtype == np.float32 and layout['embedding_VD'].dtype == np.float32
