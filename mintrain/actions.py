@@ -17,7 +17,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from mintrain import metrics, report
+from mintrain import lora, metrics, report
 from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.data import streaming, tokenizer
@@ -224,17 +224,18 @@ class Evaluate:
     return info.last or bool(self.every and info.step % self.every == 0)
 
   def __call__(self, info: StepInfo) -> None:
-    self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token)
+    self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token,
+                         frozen=info.state.frozen)
     self.log(info.step, self.last)
 
 
 def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
-             bytes_per_token: float | None = None) -> dict[str, float]:
+             bytes_per_token: float | None = None, frozen=None) -> dict[str, float]:
   """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
   time), perplexity, the family's own figures, and bits per byte where bytes per token are known."""
   steps = run.config.eval.steps
   batches.set_state(start_state)
-  sums, counts = zip(*to_host([run.eval_step(params, next(batches)) for _ in range(steps)]))
+  sums, counts = zip(*to_host([run.eval_step(params, next(batches), frozen) for _ in range(steps)]))
   loss = float(sum(sums) / sum(counts))
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
   if bytes_per_token:
@@ -277,10 +278,14 @@ class HarnessEvaluate:
 
 
 def checkpoint_metadata(run: Run, step: int) -> dict:
-  """What a checkpoint records beside the arrays: the config, the mesh and the versions that saved it."""
-  return {'step': step, 'config': run.config.to_dict(),
-          'mesh': {k: int(v) for k, v in run.mesh.shape.items()},
-          'process_count': jax.process_count(), 'versions': ckpt_lib.versions()}
+  """What a checkpoint records beside the arrays: the config, the mesh and the versions that saved it, and
+  for LoRA on a Hugging Face base, where that base is and its fingerprint (a resume reads it from there)."""
+  out = {'step': step, 'config': run.config.to_dict(),
+         'mesh': {k: int(v) for k, v in run.mesh.shape.items()},
+         'process_count': jax.process_count(), 'versions': ckpt_lib.versions()}
+  if run.config.lora.enabled and run.config.init.hf_checkpoint:
+    out['lora_base'] = lora.base_fingerprint(run.config.init.hf_checkpoint)
+  return out
 
 
 class Save:

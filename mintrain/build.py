@@ -14,12 +14,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mintrain import lora, partitioning, report, train_state
 from mintrain import mesh as mesh_lib
-from mintrain import partitioning, report, train_state
 from mintrain.data.batches import GlobalBatches, make_batches
 from mintrain.data.tokenizer import Tokenizer
 from mintrain.errors import ConfigError
 from mintrain.models.family import Placement
+from mintrain.models.layers import Frozen
 from mintrain.optimizer import make_optimizer, schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState
@@ -47,15 +48,22 @@ class Run:
   train_step: Callable  # Jitted, state donated: (state, batch) -> (state, metrics).
   eval_step: Callable  # Jitted: (params, batch) -> (summed loss, count) over its counted targets.
   plan: report.MemoryPlan
+  # The parameters of the model without LoRA (ShapeDtypeStructs in Variables, with shardings of `mesh`): what
+  # a Hugging Face checkpoint fills. Without LoRA, `abstract_state.params`.
+  base_params: nnx.State
+  # Jitted: the state (fresh adapters, optimizer state, step 0) around such base parameters, donated: with
+  # LoRA its frozen part is them, quantized as `lora.base_dtype` says. Without LoRA, `from_params`.
+  from_base: Callable[[nnx.State], TrainState]
+  frozen_from_seed: Callable[[], nnx.State]  # Jitted: the frozen parameters the seed draws.
 
   def batches(self, tok: Tokenizer, split: str = 'train') -> GlobalBatches:
     """Global batches of `split` read with the run's tokenizer, each process reading only its devices' rows;
     call under the mesh."""
     return make_batches(self.config, self.mesh, self.rules, tok, split=split)
 
-  def model(self, params: nnx.State) -> nnx.Module:
-    """The model module with these parameters (e.g. restored ones), to call or sample from."""
-    return nnx.merge(self.graphdef, params)
+  def model(self, params: nnx.State, frozen: nnx.State | None = None) -> nnx.Module:
+    """The model module with these parameters (e.g. restored ones) and frozen ones, to call or sample from."""
+    return train_state.merge(self.graphdef, params, frozen)
 
 
 def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
@@ -69,22 +77,40 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   _check_batch_split(config, rules, mesh)
   _check_length_split(config, rules, mesh)
   notes = config.model.placement_notes(placement, config.train.seq_len)
-  make = functools.partial(family.make, config.model, rules, placement)
+  make_base = functools.partial(family.make, config.model, rules, placement)
+
+  def with_lora(model: nnx.Module) -> nnx.Module:
+    return lora.apply(model, config.lora, family.lora_targets, config.seed, rules)
+
+  make = (lambda rngs: with_lora(make_base(rngs))) if config.lora.enabled else make_base
   abstract = train_state.abstract_model(make, config.seed)
   layout = train_state.param_layout(abstract, rules, mesh)
-  graphdef, _ = nnx.split(abstract, nnx.Param)
+  graphdef, _, _ = nnx.split(abstract, nnx.Param, Frozen)
   tx = make_optimizer(config.optimizer, config.train.steps)
   init, from_params = train_state.make_init(make, tx, config.seed)
   init = jax.jit(init)
   with jax.set_mesh(mesh):
     abstract_state = _concrete(jax.eval_shape(init), mesh)
-  from_params = jax.jit(from_params, out_shardings=jax.tree.map(lambda x: x.sharding, abstract_state),
-                        donate_argnums=0)
+  shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+  frozen_from_seed = jax.jit(lambda: init().frozen, out_shardings=shardings.frozen)
+  from_base = from_params
+  base_params = abstract_state.params
+  if config.lora.enabled:
+    base_graphdef = nnx.split(train_state.abstract_model(make_base, config.seed), nnx.Param)[0]
+    with jax.set_mesh(mesh):
+      base_params = _concrete(jax.eval_shape(
+          lambda: nnx.split(make_base(nnx.Rngs(params=train_state.key(config.seed))), nnx.Param)[1]), mesh)
+
+    def from_base(params: nnx.State) -> TrainState:
+      return from_params(*nnx.split(with_lora(nnx.merge(base_graphdef, params)), nnx.Param, Frozen)[1:])
+
+  from_params = jax.jit(from_params, out_shardings=shardings, donate_argnums=0)
+  from_base = jax.jit(from_base, out_shardings=shardings, donate_argnums=0)
   # Every step gets dropout keys; a model without dropout never reads them, and XLA drops their math.
   train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True)
   plan = report.plan(config, rules, mesh, layout, abstract_state)
   return Run(config, mesh, rules, placement, notes, layout, graphdef, tx, abstract_state, init, from_params,
-             train_step, make_eval_step(graphdef), plan)
+             train_step, make_eval_step(graphdef), plan, base_params, from_base, frozen_from_seed)
 
 
 def _concrete(tree, mesh: Mesh):

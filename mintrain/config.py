@@ -31,6 +31,7 @@ from mintrain.data import tokenizer
 from mintrain.data.config import DataConfig
 from mintrain.errors import ConfigError
 from mintrain.fields import option
+from mintrain.lora import LoraConfig
 from mintrain.mesh import MeshConfig
 from mintrain.metrics import MetricsConfig
 from mintrain.optimizer import OptimizerConfig
@@ -44,11 +45,13 @@ BASE = configs.path('base')
 class InitConfig:
   hf_checkpoint: str = option()  # '' or a Hugging Face model directory.
   hf_strict: bool = option()  # A checkpoint tensor the model does not use is an error (else a warning).
+  lora_adapter: str = option()  # '' or a PEFT LoRA adapter directory: the adapters' initial values.
 
 
 SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,
             'train': TrainConfig, 'metrics': MetricsConfig, 'profile': ProfileConfig,
-            'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig, 'init': InitConfig}
+            'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig, 'init': InitConfig,
+            'lora': LoraConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,7 @@ class Config:
   metrics: MetricsConfig
   profile: ProfileConfig
   init: InitConfig
+  lora: LoraConfig
 
   @property
   def family(self) -> models.Family:
@@ -102,8 +106,9 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
   model = dict(values['model'])
   sections = {key: fields.build(cls, values[key], key) for key, cls in SECTIONS.items()}
   name = model.pop('name', None)
-  return Config(seed=seed, model_name=name, model=fields.build(models.family(name).config, model, 'model'),
-                **sections)
+  family = models.family(name)
+  sections['lora'].check(family.lora_targets, name)
+  return Config(seed=seed, model_name=name, model=fields.build(family.config, model, 'model'), **sections)
 
 
 def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:
@@ -122,6 +127,7 @@ def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:
     chat.run_template(tok, config.data.chat_template)
   model = model.for_tokenizer(lambda: tok.vocab_size)
   model.check(config.train.seq_len)
+  config.lora.check(models.family(name).lora_targets, name)
   data = dataclasses.replace(config.data, tokenizer=spec)
   return config.replace(model_name=name, model=model, data=data), tok
 

@@ -13,10 +13,11 @@ from collections.abc import Sequence
 
 import jax
 from etils import epath
+from flax import nnx
 
 from mintrain import actions as actions_lib
 from mintrain import config as config_lib
-from mintrain import errors, metrics, report
+from mintrain import errors, lora, metrics, report
 from mintrain.actions import Say, StepInfo, Timer, to_host
 from mintrain.build import Run, build
 from mintrain.checkpoint import checkpoints as ckpt_lib
@@ -65,15 +66,16 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
     changed = config_lib.differences(restored.metadata.get('config', {}), run.config.to_dict())
     if changed:
       print_fn(f"The config differs from the checkpoint's: {', '.join(changed)}.")
-    return TrainState(**restored.state), restored.data
+    check_lora_base(run, restored.metadata.get('lora_base'))
+    return TrainState(**restored.state, frozen=frozen_base(run)), restored.data
   if restore_from is None and run.config.init.hf_checkpoint:
     from mintrain import hf  # safetensors only when asked for.
 
     path = run.config.init.hf_checkpoint
     print_fn(f'Initialising the parameters from the Hugging Face checkpoint {path}.')
-    return run.from_params(hf.load_params(path, run)), {}
+    return with_adapter(run, run.from_base(hf.load_params(path, run)), print_fn), {}
   if restore_from is None:
-    return run.init(), {}
+    return with_adapter(run, run.init(), print_fn), {}
   directory, step = ckpt_lib.find_run_checkpoints(restore_from)
   source = ckpt_lib.Checkpoints(directory, read_only=True)
   try:
@@ -90,8 +92,49 @@ def initial_state(run: Run, checkpoints: ckpt_lib.Checkpoints | None, *, restore
   print_fn(f'Restored {what} of step {restored.step} from {directory / str(restored.step)} '
            f'(saved on mesh {restored.mesh}).')
   if params_only:
-    return run.from_params(restored.state['params']), {}
-  return TrainState(**restored.state), restored.data
+    return run.from_params(restored.state['params'], frozen_base(run)), {}
+  return TrainState(**restored.state, frozen=frozen_base(run)), restored.data
+
+
+def with_adapter(run: Run, state: TrainState, print_fn: Say) -> TrainState:
+  """`state` with init.lora_adapter's adapters, if it names one."""
+  path = run.config.init.lora_adapter
+  if not path:
+    return state
+  from mintrain.lora import peft  # safetensors only when asked for.
+
+  print_fn(f'Initialising the LoRA adapters from the PEFT adapter {path}.')
+  params = peft.load_adapter(path, run.config, run.layout, run.abstract_state.params)
+  return run.from_params(params, state.frozen)
+
+
+def check_lora_base(run: Run, saved: dict | None) -> None:
+  """Refuses a resume whose LoRA base (init.hf_checkpoint) moved or changed since the checkpoint was saved."""
+  path = run.config.init.hf_checkpoint
+  if not run.config.lora.enabled or not path or not saved:
+    return
+  try:
+    current = lora.base_fingerprint(path)
+  except OSError as e:
+    raise errors.CheckpointError(f"The checkpoint's LoRA base {saved['path']} cannot be read at "
+                                 f'init.hf_checkpoint={path!r} ({e.strerror}); point it at the base it was '
+                                 'trained on.') from None
+  if current != saved:
+    what = 'moved' if current['path'] != saved['path'] else 'changed'
+    raise errors.CheckpointError(f"The checkpoint's LoRA base {saved['path']} {what}: init.hf_checkpoint="
+                                 f"{path!r} is not the base the adapters were trained on (its files' "
+                                 'fingerprint differs); point it at that base.')
+
+
+def frozen_base(run: Run) -> nnx.State:
+  """The frozen parameters a checkpoint does not hold (LoRA's base; none without LoRA): init.hf_checkpoint's
+  weights, or the seed's."""
+  path = run.config.init.hf_checkpoint
+  if not run.config.lora.enabled or not path:
+    return run.frozen_from_seed()
+  from mintrain import hf  # safetensors only when asked for.
+
+  return run.from_base(hf.load_params(path, run)).frozen
 
 
 def _has_saves(workdir: epath.Path | None) -> bool:
@@ -131,6 +174,8 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
   say(f'model: {report.param_count(config):,} parameters, {flops_per_step / 1e9:.3f} GFLOP per step '
       f'({flops_per_step / tokens_per_step / 1e6:.3f} MFLOP per token); peak {peak:.3f} TFLOP/s per '
       f'device ({peak_source})')
+  if config.lora.enabled:
+    say(f'LoRA {report.trainable_summary(r.layout)}')
   return batches, eval_batches, bytes_per_token, baseline, peak
 
 
@@ -220,6 +265,9 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     run_log.open()  # Every check has passed: the run writes from here on.
     actions.start_writing()
     first_step = int(to_host(state.step))
+    if config.lora.enabled:
+      trainable, total = report.trainable_counts(r.layout)
+      baseline = {**baseline, 'trainable_parameters': trainable, 'trainable_fraction': trainable / total}
     if baseline:
       actions.log(first_step, baseline)
     timer.spend('startup', time.perf_counter() - run_start)

@@ -109,8 +109,9 @@ def check(p: MemoryPlan) -> None:
 
 def plan(config: Config, rules: AxisRules, mesh: Mesh, layout: list[ParamInfo],
          abstract_state: TrainState) -> MemoryPlan:
-  params = sum(p.bytes_per_device for p in layout)
-  grads = params * (2 if config.train.grad_accum_steps > 1 else 1)  # Plus the accumulation buffer.
+  params = sum(p.bytes_per_device for p in layout)  # Frozen ones (LoRA's base) at their stored size.
+  trainable = sum(p.bytes_per_device for p in layout if p.trainable)
+  grads = trainable * (2 if config.train.grad_accum_steps > 1 else 1)  # Plus the accumulation buffer.
   limit, source = device_memory_limit(mesh.devices.flat[0])
   return MemoryPlan(params=params, grads=grads,
                     opt_state=state_bytes_per_device(abstract_state.opt_state),
@@ -147,6 +148,22 @@ def format_activations(rules: partitioning.AxisRules, mesh: Mesh) -> str:
   return 'activations split: ' + '; '.join(parts) if parts else ''
 
 
+def trainable_counts(layout: list[ParamInfo]) -> tuple[int, int]:
+  """(trainable, all) parameter elements; a quantized base counts its codes, not its block scales."""
+  counted = [p for p in layout if not p.path.endswith('.absmax')]
+  return sum(math.prod(p.shape) for p in counted if p.trainable), sum(math.prod(p.shape) for p in counted)
+
+
+def trainable_summary(layout: list[ParamInfo]) -> str:
+  """`trainable: N of M parameters (x%); frozen: ... per device (no gradients, no optimizer state)`."""
+  trainable, total = trainable_counts(layout)
+  frozen_bytes = sum(p.bytes_per_device for p in layout if not p.trainable)
+  dtypes = ', '.join(sorted({str(p.dtype) for p in layout if not p.trainable}))
+  return (f'trainable: {trainable:,} of {total:,} parameters ({trainable / total:.3%}); frozen: '
+          f'{total - trainable:,}, {fmt_bytes(frozen_bytes)} per device as stored ({dtypes}), with no '
+          'gradients and no optimizer state')
+
+
 def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mesh,
                   plan: MemoryPlan | None = None, rules: partitioning.AxisRules | None = None, *,
                   table: bool = True) -> str:
@@ -163,10 +180,12 @@ def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mes
     lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines[1:1] = ['  '.join('-' * w for w in widths)]
     lines.append('')
-  n_params = sum(math.prod(p.shape) for p in layout)
+  n_params = trainable_counts(layout)[1]
   param_bytes = sum(p.bytes_per_device for p in layout)
   opt_bytes = state_bytes_per_device(abstract_state.opt_state)
+  frozen = [p for p in layout if not p.trainable]
   lines += [f'mesh {mesh_lib.describe(mesh.shape)} ({mesh.size} devices), {n_params:,} parameters',
+            *([trainable_summary(layout)] if frozen else []),
             *filter(None, [mesh_lib.describe_levels(mesh), rules and format_activations(rules, mesh)]),
             f'per device: parameters {fmt_bytes(param_bytes)}, optimizer state {fmt_bytes(opt_bytes)}, '
             f'total {fmt_bytes(param_bytes + opt_bytes)}']

@@ -16,6 +16,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
 from mintrain import partitioning
+from mintrain.models.layers import Frozen
 from mintrain.partitioning import AxisRules
 
 # Keys are drawn and wrapped with this implementation whatever `jax_default_prng_impl` says: a saved key's
@@ -33,6 +34,9 @@ class TrainState:
   params: nnx.State  # nnx.Param variables, in their storage sharding.
   opt_state: optax.OptState  # Same sharding as the params they track.
   rng: jax.Array  # uint32[2] base key; per-step keys are folded from it.
+  # `layers.Frozen` variables (LoRA's base): no gradients, no optimizer state, never checkpointed. None or
+  # empty without LoRA.
+  frozen: nnx.State | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,7 @@ class ParamInfo:
   spec: PartitionSpec  # Storage layout.
   compute_spec: PartitionSpec  # Layout inside the layer.
   shard_shape: tuple[int, ...]
+  trainable: bool = True  # False for `layers.Frozen` ones (LoRA's base).
 
   @property
   def bytes_per_device(self) -> int:
@@ -83,34 +88,42 @@ def abstract_model(make: Callable[[nnx.Rngs], nnx.Module], seed: int) -> nnx.Mod
 
 
 def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[ParamInfo]:
-  """Every parameter's shape, logical axes and layout; raises on any layout error (the rules' mesh axes
-  are checked first, by `build`)."""
+  """Every parameter's shape, logical axes and layout, the trainable ones first; raises on any layout error
+  (the rules' mesh axes are checked first, by `build`)."""
   rows = []
-  for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+  _, params, frozen = nnx.split(abstract, nnx.Param, Frozen)
+  for path, var in [*nnx.to_flat_state(params), *nnx.to_flat_state(frozen)]:
     name, axes = path_str(path), var.get_metadata()['out_sharding']
     spec = rules.param_spec(axes, what=name)
     partitioning.check_divisible(name, var.shape, axes, spec, mesh.shape)
     compute_spec = rules.activation_spec(axes, what=name)
     partitioning.check_divisible(name, var.shape, axes, compute_spec, mesh.shape)
     rows.append(ParamInfo(name, tuple(var.shape), np.dtype(var.dtype), tuple(axes), spec,
-                          compute_spec, partitioning.shard_shape(var.shape, spec, mesh.shape)))
+                          compute_spec, partitioning.shard_shape(var.shape, spec, mesh.shape),
+                          isinstance(var, nnx.Param)))
   return rows
 
 
 def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
               seed: int) -> tuple[Callable[[], TrainState], Callable[[nnx.State], TrainState]]:
-  """(init, from_params): the whole state drawn from the seed, or built around given parameters
-  (a fresh optimizer state, step 0). Call them under `jit` on the mesh."""
+  """(init, from_params): the whole state drawn from the seed, or built around given parameters (and
+  frozen ones; a fresh optimizer state, step 0). Call them under `jit` on the mesh."""
 
-  def from_params(params: nnx.State) -> TrainState:
+  def from_params(params: nnx.State, frozen: nnx.State | None = None) -> TrainState:
     rng = jax.random.key_data(key(seed + 1))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
+                      frozen=frozen if frozen is not None else nnx.State({}))
 
   def init() -> TrainState:
-    _, params = nnx.split(make(nnx.Rngs(params=key(seed))), nnx.Param)
-    return from_params(params)
+    _, params, frozen = nnx.split(make(nnx.Rngs(params=key(seed))), nnx.Param, Frozen)
+    return from_params(params, frozen)
 
   return init, from_params
+
+
+def merge(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None) -> nnx.Module:
+  """The model of `graphdef` with its trainable and (None: no) frozen variables."""
+  return nnx.merge(graphdef, params, *([] if frozen is None else [frozen]))
 
 
 def state_bytes_per_device(tree) -> int:

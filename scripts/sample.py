@@ -78,6 +78,7 @@ def main() -> int:
 
   import jax
 
+  from mintrain import loop
   from mintrain import mesh as mesh_lib
   from mintrain.build import build
   from mintrain.checkpoint import checkpoints as ckpt_lib
@@ -102,14 +103,18 @@ def main() -> int:
       rules = (('batch', None),) + config.partitioning.rules
       config = config.replace(partitioning=dataclasses.replace(config.partitioning, rules=rules))
     run = build(config, devices)
-    params = checkpoints.restore(step, run.abstract_state, params_only=True).state['params']
+    restored = checkpoints.restore(step, run.abstract_state, params_only=True)
+    params = restored.state['params']
     checkpoints.close()
+    with jax.set_mesh(run.mesh):  # A LoRA run's base, which its checkpoints do not hold.
+      loop.check_lora_base(run, restored.metadata.get('lora_base'))
+      frozen = loop.frozen_base(run)
     tok = tokenizer.for_run(directory.parent, config.data.tokenizer)  # The one it trained with.
   except (errors.CheckpointError, errors.ConfigError, errors.MeshError, PartitioningError) as e:
     startup.fail(str(e))
   mesh = run.mesh
   with jax.set_mesh(mesh):
-    model = run.model(params)
+    model = run.model(params, frozen)
   if not hasattr(model, 'decode'):
     startup.fail(f'The checkpoint holds a model.name={config.model_name!r} model, which cannot sample '
                     'text '

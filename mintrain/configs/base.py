@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
       ('expert', 'expert'),  # The experts of a mixture-of-experts layer (model.num_experts).
       ('classes', None),
       ('layers', None),
+      ('lora_rank', None),  # The rank dimension of LoRA's adapters (lora.rank): small, replicated.
   ]
   # Storage layout of parameters at rest, tried before `rules`: FSDP shards `embed` on `fsdp`.
   c.partitioning.param_rules = [('embed', 'fsdp')]
@@ -193,6 +194,29 @@ def get_config() -> ml_collections.ConfigDict:
   # Refuse a checkpoint holding tensors the model its config.json describes does not use (e.g. more layers
   # than num_hidden_layers); False drops them with a warning naming them.
   c.init.hf_strict = True
+  # A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, as peft's
+  # save_pretrained writes it): its A and B start the run's adapters; its r, lora_alpha and target_modules
+  # must match the lora section. '' draws A as PEFT does and B as zeros.
+  c.init.lora_adapter = ''
+
+  # LoRA / QLoRA (mintrain/lora/): low-rank adapters trained on a frozen base (init.hf_checkpoint's weights,
+  # or the seed's). Only the adapters get gradients, optimizer state and checkpoint space; a resume reads
+  # the base again from init.hf_checkpoint, refusing one that changed or moved since the first save.
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0  # Adapter rank r; 0: LoRA off, every parameter trains.
+  c.lora.alpha = 16.0  # The adapters' output is scaled by alpha / rank, as PEFT's lora_alpha.
+  # Dropout on the adapters' inputs (PEFT's lora_dropout), training only. At 0 each layer gathers the
+  # adapter merged into its weight (base + alpha/rank * A @ B); above 0, in training, the base matmul and the
+  # adapter's on the dropped-out input are separate at each call site (not for a mixture's experts: refused).
+  c.lora.dropout = 0.0
+  # The model family's projections to adapt, comma-separated; the transformer's: q,k,v,o,gate,up,down
+  # (gate/up/down include a mixture's experts and Qwen2-MoE's shared expert).
+  c.lora.targets = 'q,k,v,o,gate,up,down'
+  # How the frozen base projections are stored: 'float32', 'bfloat16', 'int8' (absmax per output channel)
+  # or 'nf4' (QLoRA's 4-bit NormalFloat, one code a byte, absmax per block); dequantized as each layer
+  # gathers its weight. Other frozen parameters (embeddings, norms) keep model.param_dtype.
+  c.lora.base_dtype = 'float32'
+  c.lora.nf4_block_size = 64  # NF4 block length along a weight's last axis; it must divide that axis.
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100  # Save every N steps (asynchronously), at the end, and on SIGTERM/SIGINT.

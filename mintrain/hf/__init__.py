@@ -52,7 +52,8 @@ SINGLE = 'model.safetensors'
 # What an export writes: a directory holding only these (or nothing) may be replaced by a new export whole.
 EXPORTED = re.compile(r'config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|'
                       r'model\.safetensors\.index\.json|tokenizer(_config)?\.json|tokenizer\.model|'
-                      r'special_tokens_map\.json|chat_template\.jinja')
+                      r'special_tokens_map\.json|chat_template\.jinja|adapter_config\.json|'
+                      r'adapter_model\.safetensors')
 
 
 def make_config(path: str | os.PathLike, base: ml_collections.ConfigDict | None = None,
@@ -164,7 +165,7 @@ def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | Non
   """The checkpoint's weights as `run`'s parameters on `mesh` (default `run.mesh`): each process reads
   the slices its devices hold, each tensor once (`_load`)."""
   mesh = mesh or run.mesh
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(run.base_params, is_leaf=_is_variable)
   loaded = []
   with _Tensors(path) as tensors:
     for var, source, files in _checked(tensors, run, leaves):
@@ -178,7 +179,7 @@ def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | Non
 def check(path: str | os.PathLike, run: Run) -> None:
   """Raises the ConfigError that `load_params` would for a missing tensor or a shape that disagrees with
   config.json, from the files' headers alone: a run checks before it writes anything."""
-  leaves, _ = jax.tree_util.tree_flatten_with_path(run.abstract_state.params, is_leaf=_is_variable)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(run.base_params, is_leaf=_is_variable)
   with _Tensors(path) as tensors:
     _checked(tensors, run, leaves, warn=False)  # The load that follows warns.
 

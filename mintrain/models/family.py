@@ -6,7 +6,7 @@ needs (as torchtitan's model args and Levanter's `LmConfig`), its constructor an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flax import nnx
@@ -80,4 +80,8 @@ class Family:
   # Its Hugging Face conversion (a module like `models.transformer.hf`: MODEL_TYPES, model_options,
   # config_json, weight_names, their_shape, read, write), or None.
   hf: Any = None
+  # Its projections by LoRA target name (`lora.targets`, e.g. 'q'): {weight path suffix, e.g. 'attn.wq_DHK':
+  # (leading axes that are neither input nor output, such as experts; input axes)}, after any stacked
+  # `layers` axis. None: LoRA does not apply.
+  lora_targets: Mapping[str, Mapping[str, tuple[int, int]]] | None = None
 

@@ -36,9 +36,36 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
   return nnx.Param(value, out_sharding=axes, eager_sharding=False, weight_decay=decay)
 
 
-def gather(p: nnx.Param, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
-  """The parameter in its compute layout and dtype."""
+class Frozen(nnx.Variable):
+  """A weight that does not train (LoRA's base): no gradient, no optimizer state, not checkpointed."""
+
+
+def gather(p: nnx.Variable | nnx.Module, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:
+  """The parameter in its compute layout and dtype; a weight module (a LoRA-adapted or quantized base,
+  `mintrain.lora`) computes its own, so every call site gets it alike."""
+  if isinstance(p, nnx.Module):
+    return p.gather(rules, dtype)
   return rules.reshard(p[...].astype(dtype), p.get_metadata()['out_sharding'])
+
+
+def gather_split(p: nnx.Variable | nnx.Module, rules: AxisRules, dtype: jnp.dtype, key: jax.Array | None
+                 ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array] | None]:
+  """(weight, adapter): `gather(p, ...)` and None, except in training (`key` given) for a LoRA weight whose
+  adapter's input drops out (PEFT's lora_dropout): its base, and the function of the matmul's input (whose
+  trailing axes are the weight's inputs) that gives the adapter's term, for the call site to add."""
+  if key is not None and getattr(p, 'dropout', 0.0) > 0:
+    return p.gather_base(rules, dtype), functools.partial(p.term, rules=rules, key=key)
+  return gather(p, rules, dtype), None
+
+
+def plus(y: jax.Array, adapter: Callable[[jax.Array], jax.Array] | None, x: jax.Array) -> jax.Array:
+  """`y` plus `adapter(x)` where `gather_split` gave one."""
+  return y if adapter is None else y + adapter(x).astype(y.dtype)
+
+
+def fold(key: jax.Array | None, i: int) -> jax.Array | None:
+  """`key` folded with `i`, or None for no key (no dropout)."""
+  return None if key is None else jax.random.fold_in(key, i)
 
 
 MATMUL = 'weight_matmul'  # Checkpoint name of `linear`'s outputs, for remat policies.
@@ -189,7 +216,7 @@ def on_params_mesh(function: Callable) -> Callable:
   @functools.wraps(function)
   def wrapped(module: nnx.Module, *args, **kwargs):
     if jax.sharding.get_abstract_mesh().empty:
-      leaf = jax.tree.leaves(nnx.state(module, nnx.Param))[0]
+      leaf = jax.tree.leaves(nnx.state(module, (nnx.Param, Frozen)))[0]
       mesh = getattr(getattr(leaf, 'sharding', None), 'mesh', None)
       if isinstance(mesh, jax.sharding.Mesh):
         with jax.set_mesh(mesh):

@@ -11,8 +11,20 @@ from mintrain.models.transformer import hf
 from mintrain.models.transformer.config import TransformerConfig
 from mintrain.models.transformer.model import Transformer
 
+# LoRA targets: a dense block's, a mixture's experts (a leading expert axis) and Qwen2-MoE's shared expert.
+LORA_TARGETS = {
+    'q': {'attn.wq_DHK': (0, 1)},
+    'k': {'attn.wk_DHK': (0, 1)},
+    'v': {'attn.wv_DHK': (0, 1)},
+    'o': {'attn.wo_HKD': (0, 2)},
+    'gate': {'mlp.wi_gate_DF': (0, 1), 'mlp.wi_gate_EDF': (1, 1), 'mlp.shared_wi_gate_DF': (0, 1)},
+    'up': {'mlp.wi_up_DF': (0, 1), 'mlp.wi_up_EDF': (1, 1), 'mlp.shared_wi_up_DF': (0, 1)},
+    'down': {'mlp.wo_FD': (0, 1), 'mlp.wo_EFD': (1, 1), 'mlp.shared_wo_FD': (0, 1)},
+}
+
 FAMILY = Family(
     config=TransformerConfig,
     make=lambda cfg, rules, placement, rngs: Transformer(cfg, placement, rules=rules, rngs=rngs),
     hf=hf,
+    lora_targets=LORA_TARGETS,
 )

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from mintrain.models.family import Placement
-from mintrain.models.layers import gather, linear, param
+from mintrain.models.layers import fold, gather, gather_split, linear, param, plus
 from mintrain.models.transformer.config import TransformerConfig
 from mintrain.models.transformer.context_attention import ring_attention, visible
 from mintrain.partitioning import AxisRules
@@ -157,16 +157,18 @@ class Attention(nnx.Module):
     self.kv_layout = kv_layout(kv_axes[1])
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array,
-               segment_ids_BL: jax.Array | None = None) -> jax.Array:
+               segment_ids_BL: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
     """Causal attention by the tokens' positions (`positions_BL`, (B or 1, L): where each stored token
-    sits, in order except for the ring's zigzag); with `segment_ids_BL`, only within each token's document."""
+    sits, in order except for the ring's zigzag); with `segment_ids_BL`, only within each token's document.
+    `key`: LoRA adapters' dropout (`layers.gather_split`), training only."""
     cfg = self.cfg
-    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, positions_BL)
+    q_BLHK, k_BMGK, v_BMGK = self._qkv(x_BLD, positions_BL, key)
+    out_key = fold(key, 3)
     k_BMHK, v_BMHK = self._repeat_kv(k_BMGK), self._repeat_kv(v_BMGK)
     if cfg.context_attention == 'ring' and self.placement.ways('length') > 1:
       return self._project(ring_attention(q_BLHK, k_BMHK, v_BMHK, positions_BL, segment_ids_BL,
                                          spec=self.rules.activation_spec(BLHK, q_BLHK.shape),
-                                         scale=cfg.head_dim ** -0.5))
+                                         scale=cfg.head_dim ** -0.5), out_key)
     # The keys' positions and segments, whole like the keys themselves (`_gather_length`).
     k_positions_BM = self._gather_length(q_BLHK, positions_BL)
     k_segment_ids_BM = None if segment_ids_BL is None else self._gather_length(q_BLHK, segment_ids_BL)
@@ -177,9 +179,9 @@ class Attention(nnx.Module):
       implementation = attention_kernel(self.placement.platform, q_BLHK.dtype, cfg.head_dim)
       out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, mask=same_B1LM, is_causal=True,
                                               scale=cfg.head_dim ** -0.5, implementation=implementation)
-      return self._project(out_BLHK)
+      return self._project(out_BLHK, out_key)
     visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM)
-    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None])
+    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None], out_key)
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -212,19 +214,25 @@ class Attention(nnx.Module):
       return x_BM
     return self.rules.reshard(x_BM, ('batch', None, 'heads', 'kv')[:x_BM.ndim])
 
-  def _qkv(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def _qkv(self, x_BLD: jax.Array, positions_BL: jax.Array,
+           key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries (BLHK) and keys (BLGK) rotated for their positions, and values (BLGK)."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
     custom_vjp = cfg.linear == 'custom_vjp'
+    weights = (self.wq_DHK, self.wk_DHK, self.wv_DHK)
+    (wq_DHK, q_adapter), (wk_DGK, k_adapter), (wv_DGK, v_adapter) = (
+        gather_split(w, rules, dtype, fold(key, i)) for i, w in enumerate(weights))
     if not cfg.grouped:  # C: query, key, value in one matmul.
-      w_DCHK = jnp.stack([gather(w, rules, dtype) for w in (self.wq_DHK, self.wk_DHK, self.wv_DHK)], axis=1)
+      w_DCHK = jnp.stack([wq_DHK, wk_DGK, wv_DGK], axis=1)
       qkv_BLCHK = linear('BLD,DCHK->BLCHK', x_BLD, w_DCHK, custom_vjp=custom_vjp)
       q_BLHK, k_BLGK, v_BLGK = qkv_BLCHK[:, :, 0], qkv_BLCHK[:, :, 1], qkv_BLCHK[:, :, 2]
     else:  # Queries, then C: key and value in one matmul.
-      q_BLHK = linear('BLD,DHK->BLHK', x_BLD, gather(self.wq_DHK, rules, dtype), custom_vjp=custom_vjp)
-      w_DCGK = jnp.stack([gather(w, rules, dtype) for w in (self.wk_DHK, self.wv_DHK)], axis=1)
+      q_BLHK = linear('BLD,DHK->BLHK', x_BLD, wq_DHK, custom_vjp=custom_vjp)
+      w_DCGK = jnp.stack([wk_DGK, wv_DGK], axis=1)
       kv_BLCGK = linear('BLD,DCGK->BLCGK', x_BLD, w_DCGK, custom_vjp=custom_vjp)
       k_BLGK, v_BLGK = kv_BLCGK[:, :, 0], kv_BLCGK[:, :, 1]
+    q_BLHK, k_BLGK, v_BLGK = (plus(y, adapter, x_BLD) for y, adapter in
+                              ((q_BLHK, q_adapter), (k_BLGK, k_adapter), (v_BLGK, v_adapter)))
     if cfg.qkv_bias:
       q_BLHK = q_BLHK + gather(self.bq_HK, rules, dtype)
       k_BLGK = k_BLGK + gather(self.bk_GK, rules, dtype)
@@ -254,7 +262,7 @@ class Attention(nnx.Module):
     return self.rules.reshard(x_BMGRK.reshape(b, m, g * r, k), BLHK)
 
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
-              visible_LM: jax.Array) -> jax.Array:
+              visible_LM: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """Softmax attention of each query over the keys it may see (`visible_LM`, (L, M) or per row
     (B or 1, 1, L, M)), then the output projection."""
     cfg, dtype = self.cfg, q_BLHK.dtype
@@ -265,13 +273,15 @@ class Attention(nnx.Module):
     probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(dtype)
     # Stated, as a decode step's keys may be split: then this contraction sums over `context`.
     out_spec = self.rules.activation_spec(BLHK, q_BLHK.shape)
-    return self._project(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK, out_sharding=out_spec))
+    return self._project(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK, out_sharding=out_spec), key)
 
-  def _project(self, out_BLHK: jax.Array) -> jax.Array:
+  def _project(self, out_BLHK: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """The output projection of the heads' outputs back to the residual stream."""
     rules, dtype = self.rules, out_BLHK.dtype
     out_BLHK = rules.reshard(out_BLHK, BLHK)
+    w_HKD, adapter = gather_split(self.wo_HKD, rules, dtype, key)
     # Contracting the sharded heads needs an explicit output layout (a reduce over `model`).
-    return linear('BLHK,HKD->BLD', out_BLHK, gather(self.wo_HKD, rules, dtype),
-                  rules.activation_spec(BLD, out_BLHK.shape[:2]), custom_vjp=self.cfg.linear == 'custom_vjp')
+    y_BLD = linear('BLHK,HKD->BLD', out_BLHK, w_HKD, rules.activation_spec(BLD, out_BLHK.shape[:2]),
+                   custom_vjp=self.cfg.linear == 'custom_vjp')
+    return plus(y_BLD, adapter, out_BLHK)
 

@@ -21,10 +21,13 @@ from mintrain.models.layers import (
   MATMUL,
   RMSNorm,
   dropout,
+  fold,
   gather,
+  gather_split,
   linear,
   on_params_mesh,
   param,
+  plus,
   run_layers,
   split_layers,
   stack_layers,
@@ -65,22 +68,26 @@ class GatedMLP(nnx.Module):
     self.rules, self.overlap, self.custom_vjp = rules, cfg.mlp_overlap, cfg.linear == 'custom_vjp'
     self.activation = ACTIVATIONS[cfg.mlp_activation]
 
-  def __call__(self, x_BLD: jax.Array, *, overlap: bool = True) -> jax.Array:
-    """`overlap=False` forces the plain path (decode steps are too short to split into chunks)."""
+  def __call__(self, x_BLD: jax.Array, *, overlap: bool = True, key: jax.Array | None = None) -> jax.Array:
+    """`overlap=False` forces the plain path (decode steps are too short to split into chunks). `key`: LoRA
+    adapters' dropout (`layers.gather_split`), training only; their terms take the plain path."""
     rules, dtype = self.rules, x_BLD.dtype
-    w_gate_DF = gather(self.wi_gate_DF, rules, dtype)
-    w_up_DF = gather(self.wi_up_DF, rules, dtype)
-    w_down_FD = gather(self.wo_FD, rules, dtype)
-    if overlap and self.overlap and collective_matmul.ring_axes(rules)[1] > 1:
+    w_gate_DF, gate_adapter = gather_split(self.wi_gate_DF, rules, dtype, fold(key, 0))
+    w_up_DF, up_adapter = gather_split(self.wi_up_DF, rules, dtype, fold(key, 1))
+    w_down_FD, down_adapter = gather_split(self.wo_FD, rules, dtype, fold(key, 2))
+    adapters = (gate_adapter, up_adapter, down_adapter)
+    if overlap and self.overlap and collective_matmul.ring_axes(rules)[1] > 1 and adapters == (None,) * 3:
       return rules.reshard(collective_matmul.gated_mlp(x_BLD, w_gate_DF, w_up_DF, w_down_FD, rules,
                                                        self.activation), BLD)
     # Gate and up as one matmul: one pass over x and a wider, faster product.
     w_DGF = jnp.stack([w_gate_DF, w_up_DF], axis=1)
     gate_up_BLGF = linear('BLD,DGF->BLGF', x_BLD, w_DGF, custom_vjp=self.custom_vjp)
-    gate_BLF, up_BLF = gate_up_BLGF[:, :, 0], gate_up_BLGF[:, :, 1]
+    gate_BLF = plus(gate_up_BLGF[:, :, 0], gate_adapter, x_BLD)
+    up_BLF = plus(gate_up_BLGF[:, :, 1], up_adapter, x_BLD)
     h_BLF = rules.reshard(self.activation(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    return linear('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD, h_BLF.shape[:2]),
-                  custom_vjp=self.custom_vjp)
+    y_BLD = linear('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD, h_BLF.shape[:2]),
+                   custom_vjp=self.custom_vjp)
+    return plus(y_BLD, down_adapter, h_BLF)
 
 
 def norm(cfg: TransformerConfig, rules: AxisRules, rngs: nnx.Rngs) -> RMSNorm:
@@ -104,13 +111,14 @@ class Block(nnx.Module):
   def __call__(self, x_BLD: jax.Array, key: jax.Array | None, positions_BL: jax.Array,
                segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     keys = jax.random.split(key) if key is not None else (None, None)
-    attn_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL)
+    attn_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, key=fold(key, 2))
     x_BLD = x_BLD + dropout(attn_BLD, self.dropout_rate, keys[0])
     h_BLD = self.mlp_norm(x_BLD)
     if self.moe_layer:  # Padding (segment 0) neither takes an expert's slot nor counts in the statistics.
-      mlp_BLD, stats = self.mlp(h_BLD, tokens_BL=None if segment_ids_BL is None else segment_ids_BL > 0)
+      mlp_BLD, stats = self.mlp(h_BLD, tokens_BL=None if segment_ids_BL is None else segment_ids_BL > 0,
+                                key=fold(key, 3))
     else:
-      mlp_BLD, stats = self.mlp(h_BLD), {}
+      mlp_BLD, stats = self.mlp(h_BLD, key=fold(key, 3)), {}
     x_BLD = x_BLD + dropout(mlp_BLD, self.dropout_rate, keys[1])
     return self.rules.reshard(x_BLD, BLD), stats
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mintrain.models.layers import gather, param
+from mintrain.models.layers import fold, gather, gather_split, param, plus
 from mintrain.partitioning import AxisRules, spec_axes
 
 BLD = ('batch', 'length', 'embed')
@@ -159,12 +159,13 @@ class MoE(nnx.Module):
       self.shared_wo_FD = param(rngs, dense, (s, d), ('mlp', 'embed'), dtype, rules)
     self.cfg, self.rules, self.activation = cfg, rules, activation
 
-  def __call__(self, x_BLD: jax.Array, *, tokens_BL: jax.Array | None = None,
-               dropless: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(self, x_BLD: jax.Array, *, tokens_BL: jax.Array | None = None, dropless: bool = False,
+               key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`tokens_BL` (bool; None: all) marks the tokens to route: the others (padding) take no slot, get
     zeros and count in no statistic. `dropless=True` gives every expert L slots whatever the capacity
     factor (sampling). Capacity is per sequence, so the layer routes whole sequences: a `length` split
-    over `context` is gathered at its entry and split again at its exit."""
+    over `context` is gathered at its entry and split again at its exit. `key`: the shared expert's LoRA
+    adapters' dropout (`layers.gather_split`), training only."""
     cfg, rules, dtype = self.cfg, self.rules, x_BLD.dtype
     x_BLD = rules.reshard(x_BLD, ('batch', None, 'embed'))
     if tokens_BL is not None:
@@ -186,15 +187,18 @@ class MoE(nnx.Module):
                  gather(self.wo_EFD, rules, dtype))
     y_BLD = rules.reshard(y_BLD, BLD)
     if cfg.shared_expert_dim:
-      y_BLD = y_BLD + self._shared(x_BLD)
+      y_BLD = y_BLD + self._shared(x_BLD, key)
     return y_BLD, statistics(logits_BLE, probs_BLE, experts_BLA, kept_BLA, tokens_BL)
 
-  def _shared(self, x_BLD: jax.Array) -> jax.Array:
+  def _shared(self, x_BLD: jax.Array, key: jax.Array | None = None) -> jax.Array:
     rules, dtype = self.rules, x_BLD.dtype
-    gate_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, gather(self.shared_wi_gate_DF, rules, dtype))
-    up_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, gather(self.shared_wi_up_DF, rules, dtype))
+    (w_gate_DF, gate), (w_up_DF, up), (w_down_FD, down) = (
+        gather_split(w, rules, dtype, fold(key, i))
+        for i, w in enumerate((self.shared_wi_gate_DF, self.shared_wi_up_DF, self.shared_wo_FD)))
+    gate_BLF = plus(jnp.einsum('BLD,DF->BLF', x_BLD, w_gate_DF), gate, x_BLD)
+    up_BLF = plus(jnp.einsum('BLD,DF->BLF', x_BLD, w_up_DF), up, x_BLD)
     h_BLF = rules.reshard(self.activation(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    y_BLD = jnp.einsum('BLF,FD->BLD', h_BLF, gather(self.shared_wo_FD, rules, dtype),
-                       out_sharding=rules.activation_spec(BLD))
+    y_BLD = plus(jnp.einsum('BLF,FD->BLD', h_BLF, w_down_FD, out_sharding=rules.activation_spec(BLD)), down,
+                 h_BLF)
     gate_BL1 = jax.nn.sigmoid(jnp.einsum('BLD,DO->BLO', x_BLD, gather(self.shared_gate_D1, rules, dtype)))
     return y_BLD * gate_BL1
