@@ -103,7 +103,7 @@ def _ring(q_BCHK: jax.Array, k_BCHK: jax.Array, v_BCHK: jax.Array, q_pos: jax.Ar
   segs = q_seg_BC is not None
   # The diagonal block: causal within the two chunks (the mask does it).
   acc = _update(acc, q_BCHK, k_BCHK, v_BCHK, _mask(q_pos, k_pos, q_seg_BC, k_seg_BC, b, window), scale,
-                softcap, window)
+                softcap, window=0)  # Never skipped: each query sees itself.
   me = jax.lax.axis_index(axes)
   ring = [(j, (j + 1) % n) for j in range(n)]  # After s hops, a device holds the keys of device me - s.
   kv = (k_BCHK, v_BCHK, k_pos, *((k_seg_BC,) if segs else ()))

@@ -326,7 +326,7 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
     out['hidden_activation'] = 'gelu_pytorch_tanh'
   if model_type in GEMMA_DEFAULTS:
     out |= {'sliding_window': cfg.sliding_window or None,
-            'query_pre_attn_scalar': cfg.query_scale or cfg.head_dim,
+            'query_pre_attn_scalar': _number(cfg.query_scale or cfg.head_dim),
             'attn_logit_softcapping': cfg.attn_softcap or None,
             'final_logit_softcapping': cfg.final_softcap or None,
             'layer_types': [_layer_type(i, cfg.global_every) if cfg.sliding_window else 'full_attention'
@@ -349,6 +349,11 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
     if model_type in (*QKV_BIAS, 'qwen3'):  # Qwen2, Qwen2-MoE and Qwen3: the window on every layer.
       out |= {'use_sliding_window': True, 'max_window_layers': 0}
   return out
+
+
+def _number(value: float) -> int | float:
+  """A whole number as an int (transformers' config classes check the type), others as they are."""
+  return int(value) if float(value).is_integer() else value
 
 
 def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
