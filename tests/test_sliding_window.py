@@ -16,11 +16,13 @@ from flax import nnx
 from helpers import load_config, mesh_devices, quiet
 from safetensors.numpy import load_file
 
-from mintrain import hf
+from mintrain import config as config_lib
+from mintrain import configs, hf
 from mintrain import loop as train_loop
 from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.models import hf_model_options
+from mintrain.models.transformer import hf as hf_llama
 from mintrain.models.transformer import sampling
 
 COMMON = {'vocab_size': 256, 'hidden_size': 64, 'intermediate_size': 96, 'num_hidden_layers': 2,
@@ -65,6 +67,11 @@ def torch_logits(model, tokens):
 def mintrain_logits(model, tokens):
   graphdef, params = nnx.split(model)
   return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
+
+
+def base(*overrides):
+  """mintrain/configs/base.py with `key=value` overrides, as `hf.from_pretrained(base=...)` takes it."""
+  return config_lib.load(configs.DIR / 'base.py', overrides)
 
 
 def on_mesh(name, *overrides):
@@ -126,11 +133,17 @@ def test_import_export_import_is_bitwise(reference, tmp_path):
   np.testing.assert_allclose(torch_logits(reloaded, TOKENS), reference[3], atol=1e-6)
 
 
-@pytest.mark.parametrize('mesh_name,prompt_len', [('single', 8), ('dp4_tp2', 3)])
-def test_greedy_generation_past_the_window_is_that_of_transformers(reference, mesh_name, prompt_len):
+@pytest.mark.parametrize('family,mesh_name,prompt_len', [
+    ('gemma3', 'single', 8),
+    pytest.param('mistral', 'single', 8, marks=pytest.mark.slow),
+    pytest.param('gemma2', 'single', 8, marks=pytest.mark.slow),
+    pytest.param('gemma3', 'dp4_tp2', 3, marks=pytest.mark.slow),
+    pytest.param('gemma2', 'dp4_tp2', 3, marks=pytest.mark.slow),
+])
+def test_greedy_generation_past_the_window_is_that_of_transformers(tmp_path, family, mesh_name, prompt_len):
   """32 new tokens after a prompt longer (8) or shorter (3) than the window (5): the rolling buffers wrap
   several times, in the prefill and while decoding."""
-  _, directory, model, _ = reference
+  model, directory = random_model(family, tmp_path), tmp_path
   prompt = TOKENS[:4, :prompt_len]
   with torch.no_grad():
     expected = model.generate(torch.from_numpy(prompt.astype(np.int64)), max_new_tokens=32, do_sample=False,
@@ -166,28 +179,46 @@ def losses(name, *overrides):
     ('dp4_tp2', ()),
     ('cp2_dp2_tp2', ('model.context_attention=all_gather',)),
     ('cp2_dp2_tp2', ('model.context_attention=ring',)),
-    pytest.param('fsdp8', (), marks=pytest.mark.slow),
-    pytest.param('single', ('mesh.context=8', 'model.context_attention=ring'), marks=pytest.mark.slow),
+    ('fsdp8', ()),
+    ('single', ('mesh.context=8', 'model.context_attention=ring')),
 ])
+@pytest.mark.slow  # Training runs; test_context_parallel.py has the ring with a window in the default set.
 def test_losses_with_windows_are_those_of_one_device(name, overrides):
   np.testing.assert_allclose(losses(name, *overrides), losses('single'), rtol=1e-5)
 
 
-def test_dot_product_attention_applies_the_window():
+@pytest.mark.slow  # The default set compares dot_product's logits with transformers' (below).
+def test_dot_product_attention_applies_the_window_in_training():
   """jax.nn.dot_product_attention's local_window_size (cuDNN's on GPU) against the einsum's mask."""
   no_softcap = ('model.attn_softcap=0.0',)
   np.testing.assert_allclose(losses('single', *no_softcap, 'model.attention=dot_product'),
                              losses('single', *no_softcap), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_window_changes_the_losses():
   assert np.abs(losses('single', 'model.sliding_window=0') - losses('single')).max() > 1e-4
 
 
+def test_dot_product_attention_with_a_window_gives_the_logits_of_transformers(tmp_path):
+  reference = random_model('gemma3', tmp_path)  # Gemma 3 has no soft-cap, which dot_product lacks.
+  with on_mesh('dp4_tp2'):
+    model = hf.from_pretrained(tmp_path, base=base('model.attention=dot_product'))
+    logits = mintrain_logits(model, TOKENS)
+  assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
+
+
+def test_the_gemma3_config_makes_five_local_layers_to_one_global():
+  config = load_config('gemma3_dp4_tp2')
+  assert [config.model.window(i) for i in range(6)] == [16] * 5 + [0]
+  assert hf_llama.config_json(config.model, 'float32')['layer_types'] == ['sliding_attention'] * 5 + [
+      'full_attention']
+
+
+@pytest.mark.slow
 def test_the_gemma3_config_trains():
   config = load_config('gemma3_dp4_tp2', 'model.vocab_size=384', 'data.source=synthetic', 'train.steps=4',
                        'train.log_every=2', 'train.seq_len=32')
-  assert [config.model.window(i) for i in range(6)] == [16] * 5 + [0]
   result = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet)
   assert np.all(np.isfinite(result.losses)) and result.losses[-1] < result.losses[0]
 

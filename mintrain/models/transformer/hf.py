@@ -107,7 +107,7 @@ def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
                       f'{", ".join(ACTIVATIONS)}.')
   heads, embed = hf['num_attention_heads'], hf['hidden_size']
   gemma, defaults = model_type in GEMMAS, GEMMA_DEFAULTS.get(model_type, {})
-  window, global_every = _windows(hf)
+  window, global_every = windows(hf)
   options = {
       'name': 'transformer', 'vocab_size': hf['vocab_size'], 'embed_dim': embed,
       'num_layers': hf['num_hidden_layers'], 'num_heads': heads,
@@ -229,7 +229,7 @@ def layer_types(hf: Mapping[str, Any]) -> list[str]:
   return ['sliding_attention' if window else 'full_attention'] * n
 
 
-def _windows(hf: Mapping[str, Any]) -> tuple[int, int]:
+def windows(hf: Mapping[str, Any]) -> tuple[int, int]:
   """(model.sliding_window, model.global_every) of a config.json: every layer local, none, or all but
   every N-th; another pattern, or a layer type mintrain does not know, is a ConfigError."""
   types = layer_types(hf)
