@@ -26,7 +26,7 @@ from mintrain.models.transformer import hf as hf_llama
 from mintrain.models.transformer import sampling
 
 COMMON = {'vocab_size': 256, 'hidden_size': 64, 'intermediate_size': 96, 'num_hidden_layers': 2,
-          'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 16, 'max_position_embeddings': 128,
+          'num_attention_heads': 8, 'num_key_value_heads': 2, 'head_dim': 16, 'max_position_embeddings': 128,
           'sliding_window': 5}
 FAMILIES = {
     'mistral': ('MistralConfig', {}),

@@ -220,8 +220,10 @@ class Attention(nnx.Module):
     held_S = slot_S + slots * ((start - 1 - slot_S) // slots)
     k_positions_M = jnp.concatenate([held_S, start + jnp.arange(length)])
     visible_LM = visible(start + jnp.arange(length), k_positions_M, window=self.window) & (k_positions_M >= 0)
-    keys_BMGK, values_BMGK = (jnp.concatenate([cache, x], axis=1) for cache, x in zip(kv, new))
-    out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BMGK), self._repeat_kv(values_BMGK), visible_LM)
+    whole_heads = ('batch', None, 'heads', 'kv')
+    keys_BMHK, values_BMHK = (self._repeat_kv(jnp.concatenate([cache, x], axis=1), whole_heads)
+                              for cache, x in zip(kv, new))
+    out_BLD = self._attend(q_BLHK, keys_BMHK, values_BMHK, visible_LM)
     # Slot s takes the last new token j with (start + j) % slots == s, if any.
     first_S = (slot_S - start) % slots
     last_S = first_S + slots * ((length - 1 - first_S) // slots)
@@ -280,15 +282,15 @@ class Attention(nnx.Module):
     scale_K = gather(scale, self.rules, jnp.float32)
     return (x * (1.0 + scale_K if self.cfg.norm_plus_one else scale_K)).astype(x_BLHK.dtype)
 
-  def _repeat_kv(self, x_BMGK: jax.Array) -> jax.Array:
-    """Each key/value head once per query head it serves (head h reads group h // (H/G)), in BLHK."""
+  def _repeat_kv(self, x_BMGK: jax.Array, layout: tuple[str | None, ...] = BLHK) -> jax.Array:
+    """Each key/value head once per query head it serves (head h reads group h // (H/G)), in `layout`."""
     if not self.cfg.grouped:
       return x_BMGK
     b, m, g, k = x_BMGK.shape
     r = self.cfg.num_heads // g
     # A new minor axis, merged into G: a split G stays split, and each device keeps its own groups' heads.
     x_BMGRK = jnp.broadcast_to(x_BMGK[:, :, :, None, :], (b, m, g, r, k))
-    return self.rules.reshard(x_BMGRK.reshape(b, m, g * r, k), BLHK)
+    return self.rules.reshard(x_BMGRK.reshape(b, m, g * r, k), layout)
 
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
               visible_LM: jax.Array) -> jax.Array:
