@@ -268,3 +268,19 @@ def test_scanned_layers_with_local_and_global_blocks_are_refused():
   with pytest.raises(ConfigError, match=r'^model.scan_layers needs identical blocks; with '
                                         r'model.global_every=6'):
     load_config('gemma3_dp4_tp2', 'model.scan_layers=True')
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (('model.attention=dot_product', 'model.attn_softcap=50.0'),
+     r"^model.attn_softcap=50.0 is not in jax.nn.dot_product_attention; use model.attention='einsum'\.$"),
+    (('model.final_softcap=30.0', 'model.loss_chunks=2'),
+     r'^model.final_softcap=30.0 is not in the fused loss; set model.loss_chunks=0 \(or -1\)\.$'),
+])
+def test_soft_caps_the_fast_paths_lack_are_one_line_errors(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config('single', *overrides)
+
+
+def test_auto_loss_chunks_leave_the_fused_loss_off_with_a_final_soft_cap():
+  assert load_config('single').model.for_platform('cpu').loss_chunks == 1
+  assert load_config('single', 'model.final_softcap=30.0').model.for_platform('cpu').loss_chunks == 0
