@@ -106,6 +106,15 @@ def test_a_windowed_checkpoint_gives_the_logits_of_transformers_past_its_window(
   assert np.abs(logits - expected).max() <= 1e-4
 
 
+@pytest.mark.slow
+def test_scanned_layers_all_local_give_the_logits_of_transformers(tmp_path):
+  reference = random_model('mistral', tmp_path)
+  with on_mesh('fsdp8'):
+    model = hf.from_pretrained(tmp_path, base=base('model.scan_layers=True'))
+    logits = mintrain_logits(model, TOKENS)
+  assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
+
+
 def test_the_window_matters():
   """Without the window (or with the global layers local), transformers' own logits differ: the parity
   above could not hold by chance."""

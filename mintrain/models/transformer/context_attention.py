@@ -7,6 +7,7 @@ sit in the arrays, so the sequence may be stored in any order. 'all_gather' gath
 before attention; the ring (`ring_attention`) passes them one hop round the n devices n - 1 times,
 overlapped with an online-softmax attention to each block. For causal load balance the ring stores the
 sequence in `zigzag_order` (device i holds chunks i and 2n-1-i of 2n), so every device does the same work.
+A local layer's sliding window is part of `visible`; the ring skips the blocks of keys wholly outside it.
 """
 
 from __future__ import annotations
