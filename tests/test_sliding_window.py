@@ -210,7 +210,7 @@ def test_a_window_changes_the_losses():
 
 def test_dot_product_attention_with_a_window_gives_the_logits_of_transformers(tmp_path):
   reference = random_model('gemma3', tmp_path)  # Gemma 3 has no soft-cap, which dot_product lacks.
-  with on_mesh('dp4_tp2'):
+  with on_mesh('single'):
     model = hf.from_pretrained(tmp_path, base=base('model.attention=dot_product'))
     logits = mintrain_logits(model, TOKENS)
   assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
