@@ -168,13 +168,17 @@ def test_the_ring_equals_the_gathered_path_in_values_and_gradients_with_grouped_
   assert 'ppermute' not in traced['all_gather'] and 'shard_map' not in traced['all_gather']
 
 
-def test_the_ring_over_packed_documents_is_masked_attention_by_position_and_document():
-  """The ring with per-document positions and segment ids (a packed batch), against dense attention."""
+@pytest.mark.parametrize('window,softcap', [(0, 0.0), (5, 2.0)], ids=['full', 'window5_softcap2'])
+def test_the_ring_over_packed_documents_is_masked_attention_by_position_and_document(window, softcap):
+  """The ring with per-document positions and segment ids (a packed batch), against dense attention; with
+  a sliding window (which leaves blocks of keys wholly outside it, skipped) and soft-capped scores too."""
   mesh = make_mesh({'data': 2, 'context': 4}, jax.devices())
   rng = np.random.RandomState(0)
   b, length, h, k = 2, 32, 2, 8
   q, kk, v = (rng.randn(b, length, h, k).astype(np.float32) for _ in range(3))
   starts = [[0, 5, 17], [0, 11, 12, 30]]  # Documents of each row; one of a single token.
+  if window:  # Long documents, so that the window cuts them.
+    starts = [[0, 17], [0, 30]]
   segments = np.stack([np.cumsum(np.isin(np.arange(length), s)) for s in starts]).astype(np.int32)
   positions = np.stack([np.arange(length) - np.maximum.accumulate(np.where(np.isin(np.arange(length), s),
                                                                            np.arange(length), 0))
@@ -182,8 +186,10 @@ def test_the_ring_over_packed_documents_is_masked_attention_by_position_and_docu
   cotangent = rng.randn(b, length, h, k).astype(np.float32)
 
   def dense(q, kk, v):
-    mask = visible(positions, positions, segments, segments)[:, None]
-    scores = jnp.where(mask, jnp.einsum('BLHK,BMHK->BHLM', q, kk) / np.sqrt(k), -jnp.inf)
+    mask = visible(positions, positions, segments, segments, window)[:, None]
+    scores = jnp.einsum('BLHK,BMHK->BHLM', q, kk) / np.sqrt(k)
+    scores = softcap * jnp.tanh(scores / softcap) if softcap else scores
+    scores = jnp.where(mask, scores, -jnp.inf)
     return jnp.einsum('BHLM,BMHK->BLHK', jax.nn.softmax(scores, axis=-1), v)
 
   order = zigzag_order(length, 4)
@@ -192,7 +198,7 @@ def test_the_ring_over_packed_documents_is_masked_attention_by_position_and_docu
   def ring(q, kk, v):
     stored = [jax.sharding.reshard(x[:, order], spec) for x in (q, kk, v)]
     out = ring_attention(*stored, jnp.asarray(positions[:, order]), jnp.asarray(segments[:, order]),
-                         spec=spec, scale=k ** -0.5)
+                         spec=spec, scale=k ** -0.5, softcap=softcap, window=window)
     return jax.sharding.reshard(out, jax.P())[:, np.argsort(order)]
 
   with jax.set_mesh(mesh):

@@ -41,6 +41,19 @@ def test_causal_half_removes_half_the_attention_matmuls():
   assert full - causal == 3 * (4 * 4 * 2 * 4 // 2) * 8
 
 
+def test_a_local_layer_counts_the_keys_in_its_window():
+  config = load_config('single', *TINY, 'model.sliding_window=2')
+  # The causal count's continuous form: L / 2 keys per query, and with a window W < L, W (L - W/2) / L
+  # (1.5 here), which is L / 2 at W = L.
+  windowed = 4 * 2 * 4 * 1.5  # 48, against 64.
+  assert report.train_flops_per_step(load_config('single', *TINY)) - report.train_flops_per_step(config) == (
+      3 * (64 - windowed) * 8)
+  assert report.train_flops_per_step(config, causal_half=False) == report.train_flops_per_step(
+      load_config('single', *TINY), causal_half=False)  # The einsum computes every score.
+  global_too = load_config('single', *TINY, 'model.sliding_window=2', 'model.global_every=1')
+  assert report.train_flops_per_step(global_too) == report.train_flops_per_step(load_config('single', *TINY))
+
+
 def test_tied_and_untied_logits_cost_the_same():
   tied = load_config('single', *TINY)
   untied = load_config('single', *TINY, 'model.tie_embeddings=False')
@@ -78,7 +91,9 @@ def xla_train_step_flops(config) -> float:
     return step.lower(setup.abstract_state, batch).compile().cost_analysis()['flops']
 
 
-def test_analytic_count_is_within_10_percent_of_xla():
+@pytest.mark.parametrize('overrides', [(), ('model.sliding_window=16', 'model.global_every=2')],
+                         ids=['global', 'local_and_global'])
+def test_analytic_count_is_within_10_percent_of_xla(overrides):
   """XLA computes the whole score matrix, so the comparison counts it too (`causal_half=False`).
 
   What XLA counts beyond the analytic matmuls: elementwise work (RMSNorm, RoPE,
@@ -87,7 +102,7 @@ def test_analytic_count_is_within_10_percent_of_xla():
   6.93e9, 1.3% over the analytic 6.85e9; the MaxText number (causal half) is
   6.74e9, 2.8% under XLA.
   """
-  config = load_config('single', *MATMUL_HEAVY)
+  config = load_config('single', *MATMUL_HEAVY, *overrides)
   xla = xla_train_step_flops(config)
   analytic = report.train_flops_per_step(config, causal_half=False)
   assert abs(xla / analytic - 1) < 0.10, (xla, analytic)

@@ -274,29 +274,12 @@ def test_scanned_layers_load_on_tp8_and_save_back_the_same_tensors(llama3, tmp_p
     np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
 
 
-def test_mistral_sliding_window_sequences_within_it_match_and_longer_ones_are_errors(tmp_path):
-  reference = random_model('mistral', tmp_path, sliding_window=16)
-  assert hf_model_options(tmp_path)['sliding_window'] == 16
-  with pytest.raises(ConfigError, match=r'^train.seq_len=32 is longer than model.sliding_window=16'):
-    load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'data.tokenizer=byte',
-                'train.seq_len=32')  # A fine-tune's config.
+def test_a_mistral_fine_tune_may_train_on_sequences_longer_than_its_window(tmp_path):
+  """The window is applied (tests/test_sliding_window.py), so a longer train.seq_len is no error."""
+  random_model('mistral', tmp_path, sliding_window=16)
   fine_tune = load_config('dp4_tp2', f'init.hf_checkpoint={tmp_path}', 'data.tokenizer=byte',
-                          'train.seq_len=16')
-  assert fine_tune.model.sliding_window == 16
-  with on_mesh('dp4_tp2'):
-    with pytest.raises(ConfigError, match=r'^train.seq_len=64 is longer than model.sliding_window=16: .* '
-                                          r'\(train.seq_len <= 16\)\.$'):
-      hf.from_pretrained(tmp_path)  # mintrain/configs/base.py trains on 64 positions.
-    model = hf.from_pretrained(tmp_path, base=base('train.seq_len=16'))
-    logits = mintrain_logits(model, TOKENS[:, :16])
-    with pytest.raises(ConfigError, match='a sequence of 24 tokens is longer than model.sliding_window=16'):
-      mintrain_logits(model, TOKENS)
-    with pytest.raises(ConfigError, match=r'a KV cache of 38 positions \(prompt and new tokens\) is longer'):
-      sampling.generate(model, TOKENS[:2, :6], 32)
-  # transformers applies the window; within it, attention is the same.
-  assert np.abs(logits - torch_logits(reference, TOKENS[:, :16])).max() <= 1e-4
-  assert np.abs(torch_logits(reference, TOKENS)[:, 16:] - torch_logits(
-      random_model('mistral', tmp_path / 'full', sliding_window=None), TOKENS)[:, 16:]).max() > 1e-3
+                          'train.seq_len=32')
+  assert fine_tune.model.sliding_window == 16 and fine_tune.model.global_every == 0
 
 
 def test_qwen3_with_tied_output_gives_the_logits_of_transformers_and_saves_back_tied(tmp_path):
@@ -325,20 +308,22 @@ def test_qk_norm_exports_as_dense_qwen3_only():
     hf_llama.config_json(load_config('single', 'model.qk_norm=True', 'model.qkv_bias=True').model, 'float32')
 
 
-def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
+def test_qwen2_sliding_window_applies_to_the_layers_from_max_window_layers_on():
   qwen2 = {'model_type': 'qwen2', **COMMON, 'sliding_window': 8}
-  assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': False}) == 0
-  assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': True, 'max_window_layers': 1}) == 8
-  assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': True, 'max_window_layers': 2}) == 0
-  assert hf_llama.sliding_window({**qwen2, 'use_sliding_window': True,
-                                  'layer_types': ['full_attention', 'sliding_attention']}) == 8
-  assert hf_llama.sliding_window({'model_type': 'mistral', **COMMON, 'sliding_window': None}) == 0
+  assert hf_llama.windows({**qwen2, 'use_sliding_window': False}) == (0, 0)
+  assert hf_llama.windows({**qwen2, 'use_sliding_window': True, 'max_window_layers': 0}) == (8, 0)
+  assert hf_llama.windows({**qwen2, 'use_sliding_window': True, 'max_window_layers': 2}) == (0, 0)
+  # Local layers after global ones are not a pattern mintrain has (all but every N-th local).
+  with pytest.raises(ConfigError, match=r'^config.json layer_types \[.*\] is not supported'):
+    hf_llama.windows({**qwen2, 'use_sliding_window': True, 'max_window_layers': 1})
+  assert hf_llama.windows({'model_type': 'mistral', **COMMON, 'sliding_window': None}) == (0, 0)
 
 
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
   with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
-                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3; convert'):
+                                        r'gemma, gemma2, gemma3_text, llama, mistral, mixtral, qwen2, '
+                                        r'qwen2_moe, qwen3; convert'):
     hf.from_pretrained(tmp_path)
   config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'longrope', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))

@@ -31,6 +31,7 @@ EXPECTED = {
     ('expert', 'mlp', 'embed'): P('expert', 'model', 'fsdp'),
     ('embed', 'kv_heads', 'kv'): P('fsdp', 'model', None),  # Grouped keys and values (qwen3_dp4_tp2).
     ('kv',): P(None),  # QK-norm scales over head_dim.
+    ('embed', None, 'kv'): P('fsdp', None, None),  # One key/value head, replicated (gemma3_dp4_tp2).
 }
 # The shipped configs that fit the tests' 8 devices; a plan for more (mixtral_8x7b_256: 256 devices) is
 # laid out by show_sharding.py under several processes in tests/test_scripts.py.

@@ -67,7 +67,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.embed_scale = False  # Gemma: embeddings times sqrt(embed_dim).
   c.model.qkv_bias = False  # Qwen2: biases on the query, key and value projections.
   c.model.qk_norm = False  # Qwen3: RMSNorm of each query and key head over head_dim, before RoPE.
-  c.model.sliding_window = 0  # Mistral's attention window (checked, not applied: longer sequences refused).
+  # Local layers attend over the last sliding_window positions only (Mistral, Gemma 2 and 3); 0: no window.
+  c.model.sliding_window = 0
+  c.model.global_every = 0  # With a window, every N-th layer is global (Gemma 2: 2, Gemma 3: 6); 0: none is.
+  c.model.rope_local_base = 0.0  # Gemma 3: local layers' own RoPE base, without rope_scaling; 0: as global.
+  c.model.attn_softcap = 0.0  # Gemma 2: attention scores soft-capped to cap * tanh(s / cap); 0: none.
+  c.model.final_softcap = 0.0  # Gemma 2: output logits soft-capped the same way (not in the fused loss).
+  c.model.query_scale = 0.0  # Scores times query_scale ** -0.5 (Gemma's query_pre_attn_scalar); 0: head_dim.
+  c.model.post_norms = False  # Gemma 2 and 3: RMSNorm of the attention's and MLP's outputs as well.
   c.model.mlp_activation = 'silu'  # Gate nonlinearity: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, Gemma).
   c.model.dropout_rate = 0.0  # Dropout on attention and MLP outputs; 0 disables it.
   c.model.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.

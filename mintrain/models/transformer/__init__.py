@@ -1,4 +1,4 @@
-"""The decoder-only transformer family: Llama, Mistral, Qwen2, Qwen3, Gemma and their mixtures of
+"""The decoder-only transformer family: Llama, Mistral, Qwen2, Qwen3, Gemma 1, 2 and 3 and their mixtures of
 experts.
 
 `config` holds its options and costs, `attention` and `model` its modules, `moe`, `context_attention` and

@@ -6,6 +6,8 @@ shared by H/G query heads (head h reads group h // (H/G), as `transformers`' `re
 axis is `kv_heads`; when the mesh splits it more ways than G divides, they are replicated instead
 (`TransformerConfig.kv_heads_axis`). What a query sees is a function of positions and segment ids
 (`context_attention.visible`), not of where tokens are stored, so packed rows split over `context` too.
+A local layer (`TransformerConfig.window`) sees only the last `sliding_window` positions, in every path;
+its KV cache is a rolling buffer of that many slots (position p in slot p % slots).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from flax import nnx
 from mintrain.models.family import Placement
 from mintrain.models.layers import fold, gather, gather_split, linear, param, plus
 from mintrain.models.transformer.config import TransformerConfig
-from mintrain.models.transformer.context_attention import ring_attention, visible
+from mintrain.models.transformer.context_attention import ring_attention, scores, visible
 from mintrain.partitioning import AxisRules
 
 BLD = ('batch', 'length', 'embed')
 BLHK = ('batch', 'length', 'heads', 'kv')
 
-# Per layer, (keys_BSHK, values_BSHK) of every position written so far (zeros beyond).
+# Per layer, (keys_BSHK, values_BSHK): a global layer's of every position written so far (zeros beyond), a
+# local layer's of the last slots positions (`Attention.decode`).
 KVCache = list[tuple[jax.Array, jax.Array]]
 
 
@@ -39,10 +42,14 @@ def attention_kernel(platform: str, dtype: jnp.dtype, head_dim: int) -> str:
 
 
 
-def rope_frequencies(cfg: TransformerConfig, positions_BL: jax.Array) -> tuple[jax.Array, float]:
+def rope_frequencies(cfg: TransformerConfig, positions_BL: jax.Array,
+                     local: bool = False) -> tuple[jax.Array, float]:
   """float32 (K/2,) inverse frequencies for tokens at `positions_BL`, and the scale of cos and sin (YaRN's
-  attention factor, 1 otherwise), as transformers' `rope_type`s (`modeling_rope_utils`)."""
+  attention factor, 1 otherwise), as transformers' `rope_type`s (`modeling_rope_utils`). A `local`
+  layer's are unscaled, from its own base, when `rope_local_base` is set (Gemma 3)."""
   half, scaling, factor = cfg.head_dim // 2, cfg.rope_scaling, cfg.rope_scaling_factor
+  if local and cfg.rope_local_base:
+    return cfg.rope_local_base ** (-jnp.arange(half, dtype=jnp.float32) / half), 1.0
   default_K = cfg.rope_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
   if scaling == 'none':
     return default_K, 1.0
@@ -133,7 +140,8 @@ def kv_layout(kv_axis: str | None) -> tuple[str | None, ...]:
 class Attention(nnx.Module):
   """Causal self-attention, multi-head or grouped-query; heads are the tensor-parallel dimension."""
 
-  def __init__(self, cfg: TransformerConfig, placement: Placement, *, rules: AxisRules, rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, placement: Placement, *, rules: AxisRules, rngs: nnx.Rngs,
+               window: int = 0):
     d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
     dtype = jnp.dtype(cfg.param_dtype)
     init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=0, out_axis=(1, 2))
@@ -153,7 +161,7 @@ class Attention(nnx.Module):
       norm_init = nnx.initializers.zeros if cfg.norm_plus_one else nnx.initializers.ones
       self.q_norm_K = param(rngs, norm_init, (k,), ('kv',), dtype, rules)
       self.k_norm_K = param(rngs, norm_init, (k,), ('kv',), dtype, rules)
-    self.cfg, self.placement, self.rules = cfg, placement, rules
+    self.cfg, self.placement, self.rules, self.window = cfg, placement, rules, window
     self.kv_layout = kv_layout(kv_axes[1])
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array,
@@ -168,33 +176,65 @@ class Attention(nnx.Module):
     if cfg.context_attention == 'ring' and self.placement.ways('length') > 1:
       return self._project(ring_attention(q_BLHK, k_BMHK, v_BMHK, positions_BL, segment_ids_BL,
                                          spec=self.rules.activation_spec(BLHK, q_BLHK.shape),
-                                         scale=cfg.head_dim ** -0.5), out_key)
+                                         scale=cfg.score_scale, softcap=cfg.attn_softcap, window=self.window),
+                         out_key)
     # The keys' positions and segments, whole like the keys themselves (`_gather_length`).
     k_positions_BM = self._gather_length(q_BLHK, positions_BL)
     k_segment_ids_BM = None if segment_ids_BL is None else self._gather_length(q_BLHK, segment_ids_BL)
     if cfg.attention == 'dot_product':  # Only ever in natural order (the ring takes the zigzag).
       k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
       same_B1LM = None if segment_ids_BL is None else same_segment(segment_ids_BL, k_segment_ids_BM)
-      # On cuDNN the mask becomes an additive bias, which its flash attention takes.
+      # On cuDNN the mask becomes an additive bias, which its flash attention takes, as it takes the window
+      # (by index, which within a document is by position).
       implementation = attention_kernel(self.placement.platform, q_BLHK.dtype, cfg.head_dim)
       out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BMHK, v_BMHK, mask=same_B1LM, is_causal=True,
-                                              scale=cfg.head_dim ** -0.5, implementation=implementation)
+                                              scale=cfg.score_scale, implementation=implementation,
+                                              local_window_size=(self.window - 1, 0) if self.window else None)
       return self._project(out_BLHK, out_key)
-    visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM)
+    visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM, self.window)
     return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None], out_key)
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Attention of L new tokens at positions start.. over the cache, which they are written into first."""
+    """Attention of L new tokens at positions start.. over the cache, which they are written into first
+    (a local layer's: after, as the buffer may hold fewer slots than the new tokens reach back)."""
     rules = self.rules
     positions_L = start + jnp.arange(x_BLD.shape[1])
     q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L[None, :])
+    if self.window:
+      return self._decode_local(q_BLHK, k_BLGK, v_BLGK, kv, start)
     keys_BSGK, values_BSGK = (rules.reshard(self._write(cache, new, start), self.kv_layout)
                               for cache, new in zip(kv, (k_BLGK, v_BLGK)))
     # Causal over absolute positions; the unwritten (zero) slots beyond are never visible.
     visible_LS = visible(positions_L, jnp.arange(keys_BSGK.shape[1]))
     out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS)
     return out_BLD, (keys_BSGK, values_BSGK)
+
+  def _decode_local(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
+                    kv: tuple[jax.Array, jax.Array],
+                    start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """A local layer's decode: the new tokens attend over the buffer's slots and themselves, then the last
+    of them overwrite the buffer's oldest. Buffers are whole along their length on every device."""
+    length, slots = q_BLHK.shape[1], kv[0].shape[1]
+    whole = ('batch', None, self.kv_layout[2], 'kv')
+    new = [self.rules.reshard(x.astype(kv[0].dtype), whole) for x in (k_BLGK, v_BLGK)]
+    slot_S = jnp.arange(slots)
+    # The latest position before `start` that each slot holds; negative for a slot not yet written.
+    held_S = slot_S + slots * ((start - 1 - slot_S) // slots)
+    k_positions_M = jnp.concatenate([held_S, start + jnp.arange(length)])
+    visible_LM = visible(start + jnp.arange(length), k_positions_M, window=self.window) & (k_positions_M >= 0)
+    whole_heads = ('batch', None, 'heads', 'kv')
+    keys_BMHK, values_BMHK = (self._repeat_kv(jnp.concatenate([cache, x], axis=1), whole_heads)
+                              for cache, x in zip(kv, new))
+    out_BLD = self._attend(q_BLHK, keys_BMHK, values_BMHK, visible_LM)
+    # Slot s takes the last new token j with (start + j) % slots == s, if any.
+    first_S = (slot_S - start) % slots
+    last_S = first_S + slots * ((length - 1 - first_S) // slots)
+    written_S = (first_S < length)[None, :, None, None]
+    spec = self.rules.activation_spec(whole, kv[0].shape)
+    source_S = jnp.clip(last_S, 0, length - 1)
+    return out_BLD, tuple(jnp.where(written_S, x.at[:, source_S].get(out_sharding=spec), cache)
+                          for cache, x in zip(kv, new))
 
   def _write(self, cache_BSGK: jax.Array, new_BLGK: jax.Array, start: jax.Array | int) -> jax.Array:
     """The cache with the new keys (or values) at slots start..start+L-1. A single token cannot split
@@ -239,7 +279,7 @@ class Attention(nnx.Module):
       v_BLGK = v_BLGK + gather(self.bv_GK, rules, dtype)
     if cfg.qk_norm:
       q_BLHK, k_BLGK = self._head_norm(q_BLHK, self.q_norm_K), self._head_norm(k_BLGK, self.k_norm_K)
-    inv_freq_K, scale = rope_frequencies(cfg, positions_BL)
+    inv_freq_K, scale = rope_frequencies(cfg, positions_BL, local=self.window > 0)
     q_BLHK = rules.reshard(rope(q_BLHK, inv_freq_K, positions_BL, scale), BLHK)
     k_BLGK = rules.reshard(rope(k_BLGK, inv_freq_K, positions_BL, scale), self.kv_layout)
     return q_BLHK, k_BLGK, rules.reshard(v_BLGK, self.kv_layout)
@@ -251,15 +291,15 @@ class Attention(nnx.Module):
     scale_K = gather(scale, self.rules, jnp.float32)
     return (x * (1.0 + scale_K if self.cfg.norm_plus_one else scale_K)).astype(x_BLHK.dtype)
 
-  def _repeat_kv(self, x_BMGK: jax.Array) -> jax.Array:
-    """Each key/value head once per query head it serves (head h reads group h // (H/G)), in BLHK."""
+  def _repeat_kv(self, x_BMGK: jax.Array, layout: tuple[str | None, ...] = BLHK) -> jax.Array:
+    """Each key/value head once per query head it serves (head h reads group h // (H/G)), in `layout`."""
     if not self.cfg.grouped:
       return x_BMGK
     b, m, g, k = x_BMGK.shape
     r = self.cfg.num_heads // g
     # A new minor axis, merged into G: a split G stays split, and each device keeps its own groups' heads.
     x_BMGRK = jnp.broadcast_to(x_BMGK[:, :, :, None, :], (b, m, g, r, k))
-    return self.rules.reshard(x_BMGRK.reshape(b, m, g * r, k), BLHK)
+    return self.rules.reshard(x_BMGRK.reshape(b, m, g * r, k), layout)
 
   def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
               visible_LM: jax.Array, key: jax.Array | None = None) -> jax.Array:
@@ -267,8 +307,7 @@ class Attention(nnx.Module):
     (B or 1, 1, L, M)), then the output projection."""
     cfg, dtype = self.cfg, q_BLHK.dtype
     k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
-    scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32)
-    scores_BHLM = scores_BHLM * cfg.head_dim ** -0.5
+    scores_BHLM = scores(q_BLHK, k_BMHK, cfg.score_scale, cfg.attn_softcap)
     scores_BHLM = jnp.where(visible_LM, scores_BHLM, jnp.finfo(jnp.float32).min)
     probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(dtype)
     # Stated, as a decode step's keys may be split: then this contraction sums over `context`.

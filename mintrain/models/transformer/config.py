@@ -64,9 +64,15 @@ class TransformerConfig(Costs, ModelConfig):
   embed_scale: bool = option()  # Gemma: embeddings times sqrt(embed_dim) (not the tied output layer).
   qkv_bias: bool = option()  # Qwen2: biases on the query, key and value projections.
   qk_norm: bool = option()  # Qwen3: RMSNorm of each query and key head over head_dim, before RoPE.
-  # Mistral: each position attends over the last `sliding_window` only. Not applied: a longer sequence is
-  # refused (`check_window`), so attention is always the same as the checkpoint's model's; 0: no window.
+  # Local layers attend over the last `sliding_window` positions only (a query sees itself and the
+  # window - 1 before it); 0: no window. Every layer is local (Mistral) unless `global_every` says.
   sliding_window: int = option(at_least=0)
+  global_every: int = option(at_least=0)  # With a window, layer i is global if (i + 1) % N == 0; 0: none is.
+  rope_local_base: float = option(at_least=0)  # Gemma 3: local layers' RoPE base, unscaled; 0: as global.
+  attn_softcap: float = option(at_least=0)  # Gemma 2: scores become cap * tanh(scores / cap); 0: none.
+  final_softcap: float = option(at_least=0)  # Gemma 2: the same on the output logits; 0: none.
+  query_scale: float = option(at_least=0)  # Scores times query_scale ** -0.5 (Gemma's pre-attn scalar); 0: K.
+  post_norms: bool = option()  # Gemma 2 and 3: RMSNorm of the attention's and the MLP's outputs too.
   mlp_activation: str = option(choices=tuple(ACTIVATIONS))
   dropout_rate: float = option(at_least=0, below=1)
   param_dtype: str = option(choices=DTYPES)
@@ -103,6 +109,19 @@ class TransformerConfig(Costs, ModelConfig):
     return self.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
 
   @property
+  def score_scale(self) -> float:
+    return (self.query_scale or self.head_dim) ** -0.5
+
+  def window(self, layer: int) -> int:
+    """Layer `layer`'s attention window: sliding_window on a local layer, 0 (none) on a global one."""
+    is_global = self.global_every and (layer + 1) % self.global_every == 0
+    return 0 if is_global else self.sliding_window
+
+  @property
+  def mixed_windows(self) -> bool:
+    return len({self.window(i) for i in range(self.num_layers)}) > 1
+
+  @property
   def expert_dim(self) -> int:
     return self.expert_mlp_dim or self.mlp_dim
 
@@ -137,7 +156,16 @@ class TransformerConfig(Costs, ModelConfig):
       raise ConfigError(f'model.num_kv_heads={self.num_kv_heads} must divide model.num_heads='
                         f'{self.num_heads} (each key/value head serves the same number of query heads), or '
                         'be 0 (as many as num_heads).')
-    self.check_window(seq_len, f'train.seq_len={seq_len}')
+    if self.scan_layers and self.mixed_windows:
+      raise ConfigError('model.scan_layers needs identical blocks; with model.global_every='
+                        f'{self.global_every} some layers are local (sliding window) and some global. Set '
+                        'model.scan_layers=False.')
+    if self.attention == 'dot_product' and self.attn_softcap:
+      raise ConfigError(f'model.attn_softcap={self.attn_softcap} is not in jax.nn.dot_product_attention; use '
+                        "model.attention='einsum'.")
+    if self.final_softcap and self.loss_chunks > 0:
+      raise ConfigError(f'model.final_softcap={self.final_softcap} is not in the fused loss; set '
+                        'model.loss_chunks=0 (or -1).')
     if self.num_experts and self.experts_per_token > self.num_experts:
       raise ConfigError(f'model.experts_per_token={self.experts_per_token} must be at most model.num_experts='
                         f'{self.num_experts}.')
@@ -151,18 +179,11 @@ class TransformerConfig(Costs, ModelConfig):
                         f'divisor of train.seq_len={seq_len} (the fused loss over that many chunks), '
                         'or -1 (auto).')
 
-  def check_window(self, length: int, what: str) -> None:
-    """A ConfigError when sequences of `length` positions (`what`) outrun the model's sliding window."""
-    if self.sliding_window and length > self.sliding_window:
-      raise ConfigError(f'{what} is longer than model.sliding_window={self.sliding_window}: the model '
-                        'attends over that many positions only, a window mintrain does not apply; use '
-                        f'sequences of at most {self.sliding_window} positions '
-                        f'(train.seq_len <= {self.sliding_window}).')
-
   def for_platform(self, platform: str) -> TransformerConfig:
     """The fused loss and `linear`'s custom VJP were measured to help on CPU only (BENCHMARKS.md), so
     elsewhere 'auto' leaves them off until measured there."""
-    chunks = self.loss_chunks if self.loss_chunks >= 0 else (1 if platform == 'cpu' else 0)
+    auto = 1 if platform == 'cpu' and not self.final_softcap else 0
+    chunks = self.loss_chunks if self.loss_chunks >= 0 else auto
     return dataclasses.replace(self, loss_chunks=chunks, linear=linear_for_platform(self.linear, platform))
 
   def placement_notes(self, placement: Placement, seq_len: int) -> list[str]:

@@ -15,13 +15,12 @@ class Costs:
   def forward_flops_per_token(self, seq_len: int, *, causal_half: bool = True) -> dict[str, float]:
     """Forward matmul FLOPs per token, by part (all layers summed)."""
     d, f, h, k = self.embed_dim, self.mlp_dim, self.num_heads, self.head_dim
-    attention = 4 * seq_len * h * k  # Scores (q.k) and probs @ v: 2*L*H*K each per query.
-    if causal_half:
-      attention /= 2
+    # Scores (q.k) and probs @ v: 2*H*K each per query and key it attends to.
+    keys = sum(self._keys_per_query(i, seq_len, causal_half) for i in range(self.num_layers))
     moe_layers = self.moe_layers
     flops = {
         'qkv': self.num_layers * 2 * d * (h + 2 * self.kv_heads) * k,
-        'attention': self.num_layers * attention,
+        'attention': 4 * h * k * keys,
         'out_proj': self.num_layers * 2 * h * k * d,
         'mlp': (self.num_layers - moe_layers) * 2 * d * f * 3,  # Gate, up and down.
         'logits': 2 * d * self.vocab_size,
@@ -32,6 +31,17 @@ class Costs:
       if self.shared_expert_dim:
         flops['shared_expert'] = moe_layers * (2 * d * self.shared_expert_dim * 3 + 2 * d)
     return flops
+
+  def _keys_per_query(self, layer: int, seq_len: int, causal_half: bool) -> float:
+    """Keys a query of layer `layer` attends to, on average over the sequence: half of them causally, and
+    on a local layer the window's (W (L - W/2) / L for a window W < L); without `causal_half`, every key,
+    as the einsum's whole score matrix computes them."""
+    window = self.window(layer)
+    if not causal_half:
+      return seq_len
+    if not window or window >= seq_len:
+      return seq_len / 2
+    return window * (seq_len - window / 2) / seq_len
 
   def train_flops_per_row(self, seq_len: int, causal_half: bool = True) -> float:
     """Training (forward + backward) FLOPs of one sequence."""

@@ -2,16 +2,21 @@
 
 One table per direction, read by `mintrain.hf`, which knows nothing of any architecture:
   llama    Llama 2 and 3.x (Llama 3.1's RoPE scaling: `rope_type` 'llama3')
-  mistral  as Llama; its sliding window becomes `model.sliding_window`, which mintrain does not apply but
-           checks: a sequence longer than the window is an error (within it, attention is the same)
+  mistral  as Llama, with a sliding window on every layer (`model.sliding_window`)
   qwen2    biases on the query, key and value projections
   qwen3    (dense) RMSNorm of each query and key head before RoPE (`qk_norm`), head_dim of its own
   gemma    (first generation) norms scaling by (1 + w), embeddings times sqrt(hidden), GeGLU, tied output
+  gemma2   Gemma with local (sliding window) and global layers alternating (`layer_types`), soft-capped
+           attention scores and logits, `query_pre_attn_scalar`, and norms after attention and MLP too
+  gemma3_text  Gemma 2 with QK-norm, no soft-caps by default, and its own RoPE for each layer type (local
+           layers' base `rope_local_base_freq`, global ones' scaled): `rope_parameters` by layer type
   mixtral    Mistral with a mixture of experts in every block (dropless, top-k renormalised)
   qwen2_moe  Qwen2 with mixtures of experts every `decoder_sparse_step` blocks, each with a shared expert
              behind a sigmoid gate; `norm_topk_prob` says whether the top-k weights are renormalised
 transformers 5.x keeps RoPE settings under `rope_parameters`; older files under `rope_scaling` and
 `rope_theta`. Both are read, with the rope types 'default', 'llama3', 'linear', 'dynamic' and 'yarn'.
+Which layers are local (`layer_types`, or each type's own default) must be every layer, none, or all but
+every N-th (`model.global_every`); any other pattern is a ConfigError naming `layer_types`.
 
 Weights: `transformers` stores a projection as (out, in); mintrain stores (in, heads, head_dim) and
 (heads, head_dim, out). Each mintrain parameter maps to one tensor by one `Kind` of reshaping, which also
@@ -33,7 +38,17 @@ from mintrain.errors import ConfigError
 
 MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                'gemma': 'GemmaForCausalLM', 'mixtral': 'MixtralForCausalLM',
-               'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}
+               'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3': 'Qwen3ForCausalLM', 'gemma2': 'Gemma2ForCausalLM',
+               'gemma3_text': 'Gemma3ForCausalLM'}
+GEMMAS = ('gemma', 'gemma2', 'gemma3_text')
+# transformers' defaults of the Gemma 2 and 3 keys a config.json may leave out.
+GEMMA_DEFAULTS = {
+    'gemma2': {'query_pre_attn_scalar': 256, 'sliding_window': 4096, 'attn_logit_softcapping': 50.0,
+               'final_logit_softcapping': 30.0, 'global_every': 2},
+    'gemma3_text': {'query_pre_attn_scalar': 256, 'sliding_window': 4096, 'attn_logit_softcapping': None,
+                    'final_logit_softcapping': None, 'global_every': 6},
+}
+LAYER_TYPES = ('sliding_attention', 'full_attention')
 QKV_BIAS = ('qwen2', 'qwen2_moe')
 ROPE_TYPES = ('default', 'llama3', 'linear', 'dynamic', 'yarn')
 ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu': 'gelu_tanh'}
@@ -71,7 +86,10 @@ def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
   if hf.get('mlp_bias') or (model_type not in QKV_BIAS and hf.get('attention_bias')):
     raise ConfigError(f'config.json: {model_type} with mlp_bias or attention_bias is not supported (mintrain '
                       'has biases on the query, key and value projections only, as Qwen2).')
-  rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+  if hf.get('use_bidirectional_attention'):
+    raise ConfigError(f'config.json: {model_type} with use_bidirectional_attention is not supported '
+                      '(mintrain attends causally).')
+  rope, local_rope = _rope_parameters(hf)
   rope_type = rope.get('rope_type', rope.get('type', 'default'))
   if rope_type not in ROPE_TYPES:
     raise ConfigError(f"config.json rope_type {rope_type!r} is not supported; mintrain reads "
@@ -88,7 +106,8 @@ def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
     raise ConfigError(f'config.json hidden_act={activation!r} is not supported; mintrain reads '
                       f'{", ".join(ACTIVATIONS)}.')
   heads, embed = hf['num_attention_heads'], hf['hidden_size']
-  gemma = model_type == 'gemma'
+  gemma, defaults = model_type in GEMMAS, GEMMA_DEFAULTS.get(model_type, {})
+  window, global_every = windows(hf)
   options = {
       'name': 'transformer', 'vocab_size': hf['vocab_size'], 'embed_dim': embed,
       'num_layers': hf['num_hidden_layers'], 'num_heads': heads,
@@ -97,9 +116,13 @@ def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
       'mlp_dim': hf['intermediate_size'], 'tie_embeddings': bool(hf.get('tie_word_embeddings', gemma)),
       'rope_base': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0))),
       'norm_eps': float(hf.get('rms_norm_eps', 1e-6)), 'norm_plus_one': gemma, 'embed_scale': gemma,
-      'qkv_bias': model_type in QKV_BIAS, 'qk_norm': model_type == 'qwen3',
+      'qkv_bias': model_type in QKV_BIAS, 'qk_norm': model_type in ('qwen3', 'gemma3_text'),
       'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
-      'sliding_window': sliding_window(hf),
+      'sliding_window': window, 'global_every': global_every, 'post_norms': bool(defaults),
+      'rope_local_base': float(local_rope['rope_theta']) if local_rope else 0.0,
+      'query_scale': float(hf.get('query_pre_attn_scalar', defaults.get('query_pre_attn_scalar', 0))),
+      'attn_softcap': float(hf.get('attn_logit_softcapping', defaults.get('attn_logit_softcapping')) or 0),
+      'final_softcap': float(hf.get('final_logit_softcapping', defaults.get('final_logit_softcapping')) or 0),
   }
   options |= _moe_options(hf)
   return options | _rope_options(hf, rope_type, rope)
@@ -161,22 +184,94 @@ def _moe_options(hf: Mapping[str, Any]) -> dict[str, Any]:
   return {}
 
 
-def sliding_window(hf: Mapping[str, Any]) -> int:
-  """The attention window of a config.json's layers, 0 for none: Mistral's `sliding_window`; Qwen2's when
-  `use_sliding_window`, on the layers that `layer_types` (or, in older files, `max_window_layers`) say."""
-  window = hf.get('sliding_window') or 0
-  if not hf.get('use_sliding_window', True):
-    return 0
-  layer_types = hf.get('layer_types')
-  if layer_types is not None:
-    return window if 'sliding_attention' in layer_types else 0
-  if hf['num_hidden_layers'] <= hf.get('max_window_layers', 0):
-    return 0
-  return window
+def _rope_parameters(hf: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+  """(the global layers' RoPE parameters, Gemma 3's local layers' or None). transformers 5.x writes Gemma 3's
+  by layer type under `rope_parameters`; older files `rope_theta`, `rope_scaling` and
+  `rope_local_base_freq`."""
+  params = dict(hf.get('rope_parameters') or {})
+  if hf['model_type'] != 'gemma3_text':
+    return params or dict(hf.get('rope_scaling') or {}), None
+  if 'full_attention' in params or 'sliding_attention' in params:
+    unknown = set(params) - set(LAYER_TYPES)
+    if unknown:
+      raise ConfigError(f'config.json rope_parameters has {sorted(unknown)[0]!r}; mintrain reads the layer '
+                        f'types {", ".join(LAYER_TYPES)}.')
+    rope = {'rope_theta': 1e6, **params.get('full_attention', {})}
+    local = {'rope_theta': 1e4, **params.get('sliding_attention', {})}
+  else:
+    rope = {'rope_theta': hf.get('rope_theta', 1e6), **(hf.get('rope_scaling') or {})}
+    local = {'rope_theta': hf.get('rope_local_base_freq', 1e4)}
+  local_type = local.get('rope_type', local.get('type', 'default'))
+  if local_type != 'default':
+    raise ConfigError(f'config.json rope_parameters.sliding_attention rope_type {local_type!r} is not '
+                      "supported; mintrain's local layers take RoPE without scaling ('default').")
+  return rope, local
+
+
+def layer_types(hf: Mapping[str, Any]) -> list[str]:
+  """Each layer's attention type, as transformers derives it when `layer_types` is not written: Gemma 2
+  alternates, Gemma 3 puts a global layer every `sliding_window_pattern`-th, Qwen2 and Qwen3 make the
+  layers from `max_window_layers` on local when `use_sliding_window`, Mistral's all are local."""
+  n, model_type = hf['num_hidden_layers'], hf['model_type']
+  window = hf.get('sliding_window')
+  if hf.get('layer_types') is not None:
+    if len(hf['layer_types']) != n:
+      raise ConfigError(f"config.json layer_types has {len(hf['layer_types'])} entries for num_hidden_layers="
+                        f'{n}: use the config.json saved with these weights.')
+    return list(hf['layer_types'])
+  if model_type in GEMMA_DEFAULTS:
+    every = hf.get('sliding_window_pattern', GEMMA_DEFAULTS[model_type]['global_every'])
+    return ['full_attention' if (i + 1) % every == 0 else 'sliding_attention' for i in range(n)]
+  if 'use_sliding_window' in hf or model_type in (*QKV_BIAS, 'qwen3'):
+    local = hf.get('use_sliding_window', False) and window is not None
+    return ['sliding_attention' if local and i >= hf.get('max_window_layers', 28) else 'full_attention'
+            for i in range(n)]
+  return ['sliding_attention' if window else 'full_attention'] * n
+
+
+def windows(hf: Mapping[str, Any]) -> tuple[int, int]:
+  """(model.sliding_window, model.global_every) of a config.json: every layer local, none, or all but
+  every N-th; another pattern, or a layer type mintrain does not know, is a ConfigError."""
+  types = layer_types(hf)
+  unknown = sorted(set(types) - set(LAYER_TYPES))
+  if unknown:
+    raise ConfigError(f'config.json layer_types has {unknown[0]!r}; mintrain reads '
+                      f'{", ".join(LAYER_TYPES)}.')
+  if 'sliding_attention' not in types:
+    return 0, 0
+  window = hf.get('sliding_window') or GEMMA_DEFAULTS.get(hf['model_type'], {}).get('sliding_window')
+  if not window:
+    raise ConfigError('config.json has sliding_attention layers but no sliding_window: use the config.json '
+                      'saved with these weights.')
+  n = len(types)
+  for every in (0, *range(1, n + 1)):
+    if types == [_layer_type(i, every) for i in range(n)]:
+      return int(window), every
+  raise ConfigError(f'config.json layer_types {types} is not supported; mintrain makes every layer local, '
+                    'or all but every N-th (model.global_every).')
+
+
+def _layer_type(layer: int, global_every: int) -> str:
+  return 'full_attention' if global_every and (layer + 1) % global_every == 0 else 'sliding_attention'
 
 
 def _model_type(cfg: Any) -> str:
   """The Hugging Face architecture of a transformer-family model config, or a ConfigError."""
+  if cfg.post_norms:
+    if (not (cfg.norm_plus_one and cfg.embed_scale and cfg.mlp_activation == 'gelu_tanh') or cfg.num_experts
+        or cfg.qkv_bias):
+      raise ConfigError('model.post_norms has a Hugging Face architecture as Gemma 2 or 3 only '
+                        "(norm_plus_one, embed_scale, mlp_activation='gelu_tanh', no experts or qkv_bias).")
+    if cfg.rope_local_base and not cfg.qk_norm:
+      raise ConfigError('model.rope_local_base has a Hugging Face architecture as Gemma 3 only '
+                        '(with qk_norm).')
+    return 'gemma3_text' if cfg.qk_norm else 'gemma2'
+  if cfg.attn_softcap or cfg.final_softcap or cfg.query_scale or cfg.rope_local_base:
+    raise ConfigError('model.attn_softcap, final_softcap, query_scale and rope_local_base have a Hugging '
+                      'Face architecture as Gemma 2 or 3 only (with model.post_norms).')
+  if cfg.global_every and cfg.sliding_window:
+    raise ConfigError(f'model.global_every={cfg.global_every} has a Hugging Face architecture as Gemma 2 '
+                      'or 3 only (with model.post_norms).')
   if cfg.qk_norm:
     if (cfg.num_experts or cfg.qkv_bias or cfg.norm_plus_one or cfg.embed_scale
         or cfg.mlp_activation != 'silu'):
@@ -216,16 +311,26 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
     rope.update(original_max_position_embeddings=cfg.rope_original_max_len, beta_fast=cfg.rope_beta_fast,
                 beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate,
                 attention_factor=cfg.yarn_attention_factor)
+  if model_type == 'gemma3_text':
+    local = {'rope_type': 'default', 'rope_theta': cfg.rope_local_base or cfg.rope_base}
+    rope = {'full_attention': rope, 'sliding_attention': local}
   out = {
       'architectures': [MODEL_TYPES[model_type]], 'model_type': model_type, 'vocab_size': cfg.vocab_size,
       'hidden_size': cfg.embed_dim, 'num_hidden_layers': cfg.num_layers,
       'num_attention_heads': cfg.num_heads, 'num_key_value_heads': cfg.kv_heads, 'head_dim': cfg.head_dim,
       'intermediate_size': cfg.mlp_dim, 'tie_word_embeddings': cfg.tie_embeddings,
       'rms_norm_eps': cfg.norm_eps, 'rope_parameters': rope, 'dtype': dtype,
-      'hidden_act': 'gelu_pytorch_tanh' if model_type == 'gemma' else 'silu',
+      'hidden_act': 'gelu_pytorch_tanh' if model_type in GEMMAS else 'silu',
   }
-  if model_type == 'gemma':
+  if model_type in GEMMAS:
     out['hidden_activation'] = 'gelu_pytorch_tanh'
+  if model_type in GEMMA_DEFAULTS:
+    out |= {'sliding_window': cfg.sliding_window or None,
+            'query_pre_attn_scalar': _number(cfg.query_scale or cfg.head_dim),
+            'attn_logit_softcapping': cfg.attn_softcap or None,
+            'final_logit_softcapping': cfg.final_softcap or None,
+            'layer_types': [_layer_type(i, cfg.global_every) if cfg.sliding_window else 'full_attention'
+                            for i in range(cfg.num_layers)]}
   if cfg.rope_scaling == 'dynamic':  # The length past which it stretches; transformers reads it here.
     out['max_position_embeddings'] = cfg.rope_original_max_len
   if model_type == 'qwen3':
@@ -239,11 +344,16 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
             'shared_expert_intermediate_size': cfg.shared_expert_dim, 'decoder_sparse_step': cfg.moe_every,
             'norm_topk_prob': cfg.router_norm_topk, 'mlp_only_layers': [], 'qkv_bias': True,
             'use_sliding_window': False, 'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
-  if cfg.sliding_window:  # On every layer, as mintrain's option means it.
+  if cfg.sliding_window and model_type not in GEMMA_DEFAULTS:  # On every layer (global_every=0).
     out['sliding_window'] = cfg.sliding_window
     if model_type in (*QKV_BIAS, 'qwen3'):  # Qwen2, Qwen2-MoE and Qwen3: the window on every layer.
       out |= {'use_sliding_window': True, 'max_window_layers': 0}
   return out
+
+
+def _number(value: float) -> int | float:
+  """A whole number as an int (transformers' config classes check the type), others as they are."""
+  return int(value) if float(value).is_integer() else value
 
 
 def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
@@ -257,7 +367,8 @@ def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
     ours, theirs = f'blocks.{i}', f'model.layers.{i}'
     names |= {
         f'{ours}.attn_norm.scale': (f'{theirs}.input_layernorm.weight', Kind.SAME),
-        f'{ours}.mlp_norm.scale': (f'{theirs}.post_attention_layernorm.weight', Kind.SAME),
+        f'{ours}.mlp_norm.scale': (f'{theirs}.{"pre_feedforward" if cfg.post_norms else "post_attention"}'
+                                   '_layernorm.weight', Kind.SAME),
         f'{ours}.attn.wq_DHK': (f'{theirs}.self_attn.q_proj.weight', Kind.IN_HEADS),
         f'{ours}.attn.wk_DHK': (f'{theirs}.self_attn.k_proj.weight', Kind.IN_HEADS),
         f'{ours}.attn.wv_DHK': (f'{theirs}.self_attn.v_proj.weight', Kind.IN_HEADS),
@@ -268,6 +379,9 @@ def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
         f'{ours}.mlp.wi_up_DF': (f'{theirs}.mlp.up_proj.weight', Kind.T),
         f'{ours}.mlp.wo_FD': (f'{theirs}.mlp.down_proj.weight', Kind.T),
     }
+    if cfg.post_norms:
+      names |= {f'{ours}.attn_post_norm.scale': (f'{theirs}.post_attention_layernorm.weight', Kind.SAME),
+                f'{ours}.mlp_post_norm.scale': (f'{theirs}.post_feedforward_layernorm.weight', Kind.SAME)}
     if cfg.qk_norm:
       names |= {f'{ours}.attn.q_norm_K': (f'{theirs}.self_attn.q_norm.weight', Kind.SAME),
                 f'{ours}.attn.k_norm_K': (f'{theirs}.self_attn.k_norm.weight', Kind.SAME)}

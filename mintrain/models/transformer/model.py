@@ -97,21 +97,31 @@ def norm(cfg: TransformerConfig, rules: AxisRules, rngs: nnx.Rngs) -> RMSNorm:
 
 class Block(nnx.Module):
   """Attention, then a dense MLP or (`moe_layer`) a mixture of experts; `__call__` also returns the MoE
-  layer's statistics ({} for a dense block)."""
+  layer's statistics ({} for a dense block). With `post_norms` (Gemma 2 and 3) each of their outputs is
+  normed too, before it joins the residual stream."""
 
   def __init__(self, cfg: TransformerConfig, placement: Placement, *, rules: AxisRules, rngs: nnx.Rngs,
-               moe_layer: bool = False):
+               moe_layer: bool = False, window: int = 0):
     self.attn_norm = norm(cfg, rules, rngs)
-    self.attn = Attention(cfg, placement, rules=rules, rngs=rngs)
+    self.attn = Attention(cfg, placement, rules=rules, rngs=rngs, window=window)
+    if cfg.post_norms:
+      self.attn_post_norm = norm(cfg, rules, rngs)
     self.mlp_norm = norm(cfg, rules, rngs)
     self.mlp = (moe.MoE(cfg, rules=rules, rngs=rngs, activation=ACTIVATIONS[cfg.mlp_activation]) if moe_layer
                 else GatedMLP(cfg, rules=rules, rngs=rngs))
+    if cfg.post_norms:
+      self.mlp_post_norm = norm(cfg, rules, rngs)
     self.rules, self.dropout_rate, self.moe_layer = rules, cfg.dropout_rate, moe_layer
+    self.post_norms = cfg.post_norms
+
+  def _post(self, norm_name: str, x_BLD: jax.Array) -> jax.Array:
+    return getattr(self, norm_name)(x_BLD) if self.post_norms else x_BLD
 
   def __call__(self, x_BLD: jax.Array, key: jax.Array | None, positions_BL: jax.Array,
                segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     keys = jax.random.split(key) if key is not None else (None, None)
-    attn_BLD = self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL, key=fold(key, 2))
+    attn_BLD = self._post('attn_post_norm', self.attn(self.attn_norm(x_BLD), positions_BL, segment_ids_BL,
+                                                      key=fold(key, 2)))
     x_BLD = x_BLD + dropout(attn_BLD, self.dropout_rate, keys[0])
     h_BLD = self.mlp_norm(x_BLD)
     if self.moe_layer:  # Padding (segment 0) neither takes an expert's slot nor counts in the statistics.
@@ -119,18 +129,19 @@ class Block(nnx.Module):
                                 key=fold(key, 3))
     else:
       mlp_BLD, stats = self.mlp(h_BLD, key=fold(key, 3)), {}
-    x_BLD = x_BLD + dropout(mlp_BLD, self.dropout_rate, keys[1])
+    x_BLD = x_BLD + dropout(self._post('mlp_post_norm', mlp_BLD), self.dropout_rate, keys[1])
     return self.rules.reshard(x_BLD, BLD), stats
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The block without dropout, attending over (and updating) its layer's cache."""
     attn_BLD, kv = self.attn.decode(self.attn_norm(x_BLD), kv, start)
-    x_BLD = x_BLD + attn_BLD
+    x_BLD = x_BLD + self._post('attn_post_norm', attn_BLD)
     if self.moe_layer:
-      x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), dropless=True)[0]
+      mlp_BLD = self.mlp(self.mlp_norm(x_BLD), dropless=True)[0]
     else:
-      x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), overlap=False)
+      mlp_BLD = self.mlp(self.mlp_norm(x_BLD), overlap=False)
+    x_BLD = x_BLD + self._post('mlp_post_norm', mlp_BLD)
     return self.rules.reshard(x_BLD, BLD), kv
 
 
@@ -142,7 +153,7 @@ class Transformer(nnx.Module):
     embed_init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
     self.embedding_VD = param(rngs, embed_init, (cfg.vocab_size, cfg.embed_dim), ('vocab', 'embed'), dtype,
                               rules, decay=False)  # A lookup table: decay would pull rare tokens to zero.
-    blocks = [Block(cfg, placement, rules=rules, rngs=rngs, moe_layer=cfg.is_moe(i))
+    blocks = [Block(cfg, placement, rules=rules, rngs=rngs, moe_layer=cfg.is_moe(i), window=cfg.window(i))
               for i in range(cfg.num_layers)]
     # With scan_layers, one Block whose parameters are all layers' stacked on a leading `layers` axis.
     self.blocks = stack_layers(blocks, rules) if cfg.scan_layers else nnx.List(blocks)
@@ -215,13 +226,18 @@ class Transformer(nnx.Module):
   def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
     """Zero keys and values for `max_len` positions in every layer, laid out (under a mesh) as the
     attention's keys and values (batch, length, kv heads, kv), so it is split like what fills it. Its
-    length is rounded up to split evenly over `context`; the slots beyond are never visible."""
-    self.cfg.check_window(max_len, f'a KV cache of {max_len} positions (prompt and new tokens)')
-    max_len = -(-max_len // self.length_ways) * self.length_ways
-    shape = (batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
-    spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(self.kv_layout)
-    return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
-            for _ in range(self.cfg.num_layers)]
+    length is rounded up to split evenly over `context`; the slots beyond are never visible. A local
+    layer's holds only its window (a rolling buffer), whole along its length on every device."""
+    cfg, rules, mesh = self.cfg, self.rules, jax.sharding.get_abstract_mesh()
+    padded = -(-max_len // self.length_ways) * self.length_ways
+    cache = []
+    for i in range(cfg.num_layers):
+      window = cfg.window(i)
+      shape = (batch, min(window, max_len) if window else padded, cfg.kv_heads, cfg.head_dim)
+      layout = (*self.kv_layout[:1], None, *self.kv_layout[2:]) if window else self.kv_layout
+      spec = None if mesh.empty else rules.activation_spec(layout)
+      cache.append((jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec)))
+    return cache
 
   def _order(self, seq_len: int) -> np.ndarray | None:
     """The positions in the order the sequence is stored: the zigzag for the ring attention over a split
@@ -268,7 +284,6 @@ class Transformer(nnx.Module):
   def _embed(self, tokens_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(table_VD in its compute layout, x_BLD); the table is reused by a tied output layer."""
     rules = self.rules
-    self.cfg.check_window(tokens_BL.shape[1], f'a sequence of {tokens_BL.shape[1]} tokens')
     table_VD = gather(self.embedding_VD, rules, jnp.dtype(self.cfg.compute_dtype))
     x_BLD = table_VD.at[tokens_BL].get(out_sharding=rules.activation_spec(BLD, tokens_BL.shape))
     if self.cfg.embed_scale:  # Rounded to the compute dtype first, as Gemma's `normalizer`.
@@ -276,8 +291,12 @@ class Transformer(nnx.Module):
     return table_VD, x_BLD
 
   def _logits(self, x_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
+    """float32 logits, soft-capped to cap * tanh(logits / cap) with `final_softcap` (Gemma 2)."""
     logits_BLV = jnp.einsum('BLD,DV->BLV', self.final_norm(x_BLD), self._unembedding(table_VD))
-    return self.rules.reshard(logits_BLV.astype(jnp.float32), ('batch', 'length', 'vocab'))
+    logits_BLV = logits_BLV.astype(jnp.float32)
+    if cap := self.cfg.final_softcap:
+      logits_BLV = cap * jnp.tanh(logits_BLV / cap)
+    return self.rules.reshard(logits_BLV, ('batch', 'length', 'vocab'))
 
   def _unembedding(self, table_VD: jax.Array) -> jax.Array:
     """The output projection w_DV in its compute layout: the embedding table's transpose when tied."""
