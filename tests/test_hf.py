@@ -57,8 +57,15 @@ FAMILIES = {
     'qwen2_moe': ('Qwen2MoeConfig', {'num_key_value_heads': 2, 'num_experts': 4, 'num_experts_per_tok': 2,
                                      'moe_intermediate_size': 48, 'shared_expert_intermediate_size': 80,
                                      'decoder_sparse_step': 2, 'norm_topk_prob': False}),
+    # QK-norm with experts in blocks 1 and 2 (block 0 in mlp_only_layers), top-k renormalised.
+    'qwen3_moe': ('Qwen3MoeConfig', {'num_hidden_layers': 3, 'num_key_value_heads': 2, 'head_dim': 12,
+                                     'num_experts': 4, 'num_experts_per_tok': 2, 'moe_intermediate_size': 48,
+                                     'decoder_sparse_step': 1, 'mlp_only_layers': [0],
+                                     'norm_topk_prob': True}),
 }
-MOE = ('mixtral', 'qwen2_moe')
+MOE = ('mixtral', 'qwen2_moe', 'qwen3_moe')
+# Families whose logits are checked on tp8 and fsdp8 in the slow set only (the default suite's time).
+SLOW_MESHES = {'qwen3_moe': ('tp8', 'fsdp8')}
 
 
 def random_model(family, directory, **changes):
@@ -112,7 +119,9 @@ def mintrain_logits(model, tokens):
   return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
 
 
-@pytest.mark.parametrize('mesh_name', ['single', 'dp4_tp2', 'tp8', 'fsdp8'])
+@pytest.mark.parametrize(('reference', 'mesh_name'), [
+    pytest.param(family, mesh, marks=[pytest.mark.slow] if mesh in SLOW_MESHES.get(family, ()) else [])
+    for family in FAMILIES for mesh in ('single', 'dp4_tp2', 'tp8', 'fsdp8')], indirect=['reference'])
 def test_a_loaded_checkpoint_gives_the_logits_of_transformers(reference, mesh_name):
   directory, tokens, expected = reference
   config = load_config(mesh_name)
@@ -320,9 +329,17 @@ def test_scanned_qwen3_layers_stack_their_qk_norm_scales_and_give_the_logits_of_
   assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
 
 
-def test_qk_norm_exports_as_dense_qwen3_only():
-  with pytest.raises(ConfigError, match=r'^model.qk_norm has a Hugging Face architecture as dense Qwen3'):
+def test_qk_norm_exports_as_qwen3_or_qwen3_moe_only():
+  with pytest.raises(ConfigError, match=r'^model.qk_norm has a Hugging Face architecture as Qwen3 or Qwen3-'):
     hf_llama.config_json(load_config('single', 'model.qk_norm=True', 'model.qkv_bias=True').model, 'float32')
+  moe = load_config('single', 'model.qk_norm=True', 'model.num_experts=4', 'model.dense_layers=(1,)').model
+  assert hf_llama.config_json(moe, 'float32')['mlp_only_layers'] == [1]
+
+
+def test_qwen2_moe_mlp_only_layers_become_dense_layers():
+  qwen2_moe = {'model_type': 'qwen2_moe', **COMMON, 'num_experts': 4, 'moe_intermediate_size': 48,
+               'shared_expert_intermediate_size': 80, 'mlp_only_layers': [1]}
+  assert hf_llama.model_options(qwen2_moe)['dense_layers'] == (1,)
 
 
 def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
@@ -338,7 +355,8 @@ def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
   with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
-                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3; convert'):
+                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe; '
+                                        r'convert'):
     hf.from_pretrained(tmp_path)
   config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'longrope', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))

@@ -90,6 +90,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.num_experts = 0  # Experts per MoE layer (E); 0: every MLP dense.
   c.model.experts_per_token = 2  # Top-k experts each token goes to.
   c.model.moe_every = 1  # Every N-th block is MoE (1: all; 2: blocks 1, 3, ...), the others dense.
+  c.model.dense_layers = ()  # Blocks kept dense anyway (Qwen-MoE's mlp_only_layers, DeepSeek's first k).
   c.model.expert_mlp_dim = 0  # Hidden width of each expert; 0: mlp_dim.
   c.model.shared_expert_dim = 0  # Width of a sigmoid-gated expert every token takes (Qwen2-MoE); 0: none.
   c.model.capacity_factor = 0.0  # Slots per expert: factor * seq_len * k / E (the rest dropped); 0: dropless.

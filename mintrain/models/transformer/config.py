@@ -81,6 +81,7 @@ class TransformerConfig(Costs, ModelConfig):
   num_experts: int = option(at_least=0)  # E experts in each MoE layer; 0: every MLP dense.
   experts_per_token: int = option(at_least=1)  # k: experts each token is routed to.
   moe_every: int = option(at_least=1)  # Block i is MoE when (i + 1) % N == 0 (Qwen2-MoE's sparse step).
+  dense_layers: tuple[int, ...] = option()  # Blocks kept dense whatever moe_every says (mlp_only_layers).
   expert_mlp_dim: int = option(at_least=0)  # F of each expert; 0: mlp_dim.
   shared_expert_dim: int = option(at_least=0)  # Qwen2-MoE's sigmoid-gated shared expert's width; 0: none.
   capacity_factor: float = option(at_least=0)  # Slots per expert: factor * L * k / E; 0: dropless.
@@ -107,7 +108,7 @@ class TransformerConfig(Costs, ModelConfig):
     return self.expert_mlp_dim or self.mlp_dim
 
   def is_moe(self, layer: int) -> bool:
-    return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+    return self.num_experts > 0 and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
 
   @property
   def moe_layers(self) -> int:
@@ -141,9 +142,14 @@ class TransformerConfig(Costs, ModelConfig):
     if self.num_experts and self.experts_per_token > self.num_experts:
       raise ConfigError(f'model.experts_per_token={self.experts_per_token} must be at most model.num_experts='
                         f'{self.num_experts}.')
-    if self.num_experts and self.scan_layers and self.moe_every != 1:
+    if self.num_experts and self.scan_layers and 0 < self.moe_layers < self.num_layers:
       raise ConfigError(f'model.scan_layers needs identical blocks; with model.moe_every={self.moe_every} '
-                        'some are dense and some MoE. Set model.moe_every=1 or model.scan_layers=False.')
+                        f'and model.dense_layers={self.dense_layers} some are dense and some MoE. Set '
+                        'model.scan_layers=False.')
+    outside = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+    if outside:
+      raise ConfigError(f'model.dense_layers={self.dense_layers} names blocks {outside} of a model with '
+                        f'model.num_layers={self.num_layers} (blocks 0..{self.num_layers - 1}).')
     if self.num_experts and self.mlp_overlap:
       raise ConfigError('model.mlp_overlap is for dense MLPs; set it False with model.num_experts > 0.')
     if self.loss_chunks > 0 and seq_len % self.loss_chunks:

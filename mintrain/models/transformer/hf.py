@@ -8,8 +8,10 @@ One table per direction, read by `mintrain.hf`, which knows nothing of any archi
   qwen3    (dense) RMSNorm of each query and key head before RoPE (`qk_norm`), head_dim of its own
   gemma    (first generation) norms scaling by (1 + w), embeddings times sqrt(hidden), GeGLU, tied output
   mixtral    Mistral with a mixture of experts in every block (dropless, top-k renormalised)
-  qwen2_moe  Qwen2 with mixtures of experts every `decoder_sparse_step` blocks, each with a shared expert
-             behind a sigmoid gate; `norm_topk_prob` says whether the top-k weights are renormalised
+  qwen2_moe  Qwen2 with mixtures of experts every `decoder_sparse_step` blocks but those in
+             `mlp_only_layers`, each with a shared expert behind a sigmoid gate; `norm_topk_prob` says
+             whether the top-k weights are renormalised
+  qwen3_moe  Qwen3 (QK-norm) with Qwen2-MoE's placement and routing of experts, without a shared expert
 transformers 5.x keeps RoPE settings under `rope_parameters`; older files under `rope_scaling` and
 `rope_theta`. Both are read, with the rope types 'default', 'llama3', 'linear', 'dynamic' and 'yarn'.
 
@@ -33,7 +35,8 @@ from mintrain.errors import ConfigError
 
 MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                'gemma': 'GemmaForCausalLM', 'mixtral': 'MixtralForCausalLM',
-               'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}
+               'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
+               'qwen3_moe': 'Qwen3MoeForCausalLM'}
 QKV_BIAS = ('qwen2', 'qwen2_moe')
 ROPE_TYPES = ('default', 'llama3', 'linear', 'dynamic', 'yarn')
 ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu': 'gelu_tanh'}
@@ -97,7 +100,7 @@ def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
       'mlp_dim': hf['intermediate_size'], 'tie_embeddings': bool(hf.get('tie_word_embeddings', gemma)),
       'rope_base': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0))),
       'norm_eps': float(hf.get('rms_norm_eps', 1e-6)), 'norm_plus_one': gemma, 'embed_scale': gemma,
-      'qkv_bias': model_type in QKV_BIAS, 'qk_norm': model_type == 'qwen3',
+      'qkv_bias': model_type in QKV_BIAS, 'qk_norm': model_type in ('qwen3', 'qwen3_moe'),
       'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
       'sliding_window': sliding_window(hf),
   }
@@ -139,25 +142,28 @@ def _rope_options(hf: Mapping[str, Any], rope_type: str, rope: Mapping[str, Any]
 
 
 def _moe_options(hf: Mapping[str, Any]) -> dict[str, Any]:
-  """The mixture-of-experts options of a mixtral or qwen2_moe config.json (none for the others). Both are
-  dropless; transformers' balancing loss (`router_aux_loss_coef`) sums over the k choices, so it is k times
-  ours; neither has a z-loss."""
+  """The mixture-of-experts options of a mixtral, qwen2_moe or qwen3_moe config.json (none for the
+  others). All are dropless; transformers' balancing loss (`router_aux_loss_coef`) sums over the k choices,
+  so it is k times ours; none has a z-loss."""
   model_type, k = hf['model_type'], hf.get('num_experts_per_tok', 2)
   common = {'experts_per_token': k, 'capacity_factor': 0.0, 'router_z_loss_weight': 0.0,
             'load_balance_loss_weight': float(hf.get('router_aux_loss_coef', 0.001)) * k}
   if model_type == 'mixtral':
     return {**common, 'num_experts': hf['num_local_experts'], 'moe_every': 1,
             'expert_mlp_dim': hf['intermediate_size'], 'router_norm_topk': True, 'shared_expert_dim': 0}
-  if model_type == 'qwen2_moe':
-    if hf.get('mlp_only_layers'):
-      raise ConfigError(f"config.json: qwen2_moe with mlp_only_layers={hf['mlp_only_layers']} is not "
-                        'supported (mintrain places MoE layers every decoder_sparse_step blocks only).')
-    if not hf.get('shared_expert_intermediate_size'):
+  if model_type in ('qwen2_moe', 'qwen3_moe'):
+    shared = hf.get('shared_expert_intermediate_size', 0) if model_type == 'qwen2_moe' else 0
+    if model_type == 'qwen2_moe' and not shared:
       raise ConfigError('config.json: qwen2_moe without a shared expert (shared_expert_intermediate_size) is '
                         'not supported.')
-    return {**common, 'num_experts': hf['num_experts'], 'moe_every': hf.get('decoder_sparse_step', 1),
-            'expert_mlp_dim': hf['moe_intermediate_size'], 'router_norm_topk': bool(hf.get('norm_topk_prob')),
-            'shared_expert_dim': hf['shared_expert_intermediate_size']}
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts (an alias of num_experts).
+    experts = hf.get('num_experts') or hf.get('num_local_experts', 0)
+    options = {'num_experts': experts, 'moe_every': hf.get('decoder_sparse_step', 1),
+               'dense_layers': tuple(hf.get('mlp_only_layers') or ())}
+    if not experts:  # transformers makes every block dense then.
+      return {'num_experts': 0}
+    return {**common, **options, 'expert_mlp_dim': hf['moe_intermediate_size'],
+            'router_norm_topk': bool(hf.get('norm_topk_prob')), 'shared_expert_dim': shared}
   return {}
 
 
@@ -178,19 +184,19 @@ def sliding_window(hf: Mapping[str, Any]) -> int:
 def _model_type(cfg: Any) -> str:
   """The Hugging Face architecture of a transformer-family model config, or a ConfigError."""
   if cfg.qk_norm:
-    if (cfg.num_experts or cfg.qkv_bias or cfg.norm_plus_one or cfg.embed_scale
+    if (cfg.shared_expert_dim or cfg.qkv_bias or cfg.norm_plus_one or cfg.embed_scale
         or cfg.mlp_activation != 'silu'):
-      raise ConfigError('model.qk_norm has a Hugging Face architecture as dense Qwen3 only (num_experts=0, '
-                        "no qkv_bias, norm_plus_one or embed_scale, mlp_activation='silu').")
-    return 'qwen3'
+      raise ConfigError('model.qk_norm has a Hugging Face architecture as Qwen3 or Qwen3-MoE only (no '
+                        "shared_expert_dim, qkv_bias, norm_plus_one or embed_scale, mlp_activation='silu').")
+    return 'qwen3_moe' if cfg.num_experts else 'qwen3'
   if cfg.num_experts:
     if cfg.shared_expert_dim and cfg.qkv_bias:
       return 'qwen2_moe'
-    if (cfg.shared_expert_dim or cfg.qkv_bias or cfg.moe_every != 1 or cfg.expert_dim != cfg.mlp_dim
-        or not cfg.router_norm_topk):
-      raise ConfigError('A mixture of experts has a Hugging Face architecture as Mixtral (moe_every=1, '
-                        'expert_mlp_dim = mlp_dim, router_norm_topk, no shared expert, no qkv_bias) or as '
-                        'Qwen2-MoE (a shared expert and qkv_bias).')
+    if (cfg.shared_expert_dim or cfg.qkv_bias or cfg.moe_every != 1 or cfg.dense_layers
+        or cfg.expert_dim != cfg.mlp_dim or not cfg.router_norm_topk):
+      raise ConfigError('A mixture of experts has a Hugging Face architecture as Mixtral (moe_every=1, no '
+                        'dense_layers, expert_mlp_dim = mlp_dim, router_norm_topk, no shared expert, no '
+                        'qkv_bias), as Qwen2-MoE (a shared expert and qkv_bias) or as Qwen3-MoE (qk_norm).')
     return 'mixtral'
   if cfg.norm_plus_one or cfg.embed_scale or cfg.mlp_activation != 'silu':
     if not (cfg.norm_plus_one and cfg.embed_scale and cfg.mlp_activation == 'gelu_tanh'):
@@ -228,7 +234,7 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
     out['hidden_activation'] = 'gelu_pytorch_tanh'
   if cfg.rope_scaling == 'dynamic':  # The length past which it stretches; transformers reads it here.
     out['max_position_embeddings'] = cfg.rope_original_max_len
-  if model_type == 'qwen3':
+  if model_type in ('qwen3', 'qwen3_moe'):
     out |= {'attention_bias': False, 'use_sliding_window': False}
   k = cfg.experts_per_token
   if model_type == 'mixtral':
@@ -237,11 +243,17 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
   if model_type == 'qwen2_moe':
     out |= {'num_experts': cfg.num_experts, 'num_experts_per_tok': k, 'moe_intermediate_size': cfg.expert_dim,
             'shared_expert_intermediate_size': cfg.shared_expert_dim, 'decoder_sparse_step': cfg.moe_every,
-            'norm_topk_prob': cfg.router_norm_topk, 'mlp_only_layers': [], 'qkv_bias': True,
-            'use_sliding_window': False, 'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
+            'norm_topk_prob': cfg.router_norm_topk, 'mlp_only_layers': list(cfg.dense_layers),
+            'qkv_bias': True, 'use_sliding_window': False,
+            'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
+  if model_type == 'qwen3_moe':
+    out |= {'num_experts': cfg.num_experts, 'num_experts_per_tok': k,
+            'moe_intermediate_size': cfg.expert_dim, 'decoder_sparse_step': cfg.moe_every,
+            'norm_topk_prob': cfg.router_norm_topk, 'mlp_only_layers': list(cfg.dense_layers),
+            'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
   if cfg.sliding_window:  # On every layer, as mintrain's option means it.
     out['sliding_window'] = cfg.sliding_window
-    if model_type in (*QKV_BIAS, 'qwen3'):  # Qwen2, Qwen2-MoE and Qwen3: the window on every layer.
+    if model_type in (*QKV_BIAS, 'qwen3', 'qwen3_moe'):  # Qwen2 and Qwen3 (MoE too): on every layer.
       out |= {'use_sliding_window': True, 'max_window_layers': 0}
   return out
 
@@ -288,11 +300,12 @@ def _moe_names(cfg: Any, ours: str, theirs: str) -> dict[str, tuple[str | tuple[
             f'{ours}.mlp.wi_up_EDF': (tuple(f'{moe}.experts.{e}.w3.weight' for e in experts), Kind.T),
             f'{ours}.mlp.wo_EFD': (tuple(f'{moe}.experts.{e}.w2.weight' for e in experts), Kind.T)}
   moe = f'{theirs}.mlp'
-  names = {f'{ours}.mlp.router_DE': (f'{moe}.gate.weight', Kind.T),
-           f'{ours}.mlp.shared_gate_D1': (f'{moe}.shared_expert_gate.weight', Kind.T),
-           f'{ours}.mlp.shared_wi_gate_DF': (f'{moe}.shared_expert.gate_proj.weight', Kind.T),
-           f'{ours}.mlp.shared_wi_up_DF': (f'{moe}.shared_expert.up_proj.weight', Kind.T),
-           f'{ours}.mlp.shared_wo_FD': (f'{moe}.shared_expert.down_proj.weight', Kind.T)}
+  names = {f'{ours}.mlp.router_DE': (f'{moe}.gate.weight', Kind.T)}
+  if cfg.shared_expert_dim:
+    names |= {f'{ours}.mlp.shared_gate_D1': (f'{moe}.shared_expert_gate.weight', Kind.T),
+              f'{ours}.mlp.shared_wi_gate_DF': (f'{moe}.shared_expert.gate_proj.weight', Kind.T),
+              f'{ours}.mlp.shared_wi_up_DF': (f'{moe}.shared_expert.up_proj.weight', Kind.T),
+              f'{ours}.mlp.shared_wo_FD': (f'{moe}.shared_expert.down_proj.weight', Kind.T)}
   for path, proj in (('wi_gate_EDF', 'gate_proj'), ('wi_up_EDF', 'up_proj'), ('wo_EFD', 'down_proj')):
     names[f'{ours}.mlp.{path}'] = (tuple(f'{moe}.experts.{e}.{proj}.weight' for e in experts), Kind.T)
   return names
