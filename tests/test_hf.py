@@ -355,8 +355,8 @@ def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
   with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
-                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe; '
-                                        r'convert'):
+                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, '
+                                        r'qwen3_moe; convert'):
     hf.from_pretrained(tmp_path)
   config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'longrope', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))
