@@ -62,10 +62,29 @@ FAMILIES = {
                                      'num_experts': 4, 'num_experts_per_tok': 2, 'moe_intermediate_size': 48,
                                      'decoder_sparse_step': 1, 'mlp_only_layers': [0],
                                      'norm_topk_prob': True}),
+    # Latent attention (low-rank queries, YaRN with mscale_all_dim) and, after one dense block, 8 experts
+    # in 4 groups behind a sigmoid router with its bias, 2 of the best 2 groups' experts per token, and 2
+    # shared experts; the plain variant has a plain query projection and no YaRN.
+    'deepseek_v3': ('DeepseekV3Config', {'num_hidden_layers': 3, 'q_lora_rank': 32, 'kv_lora_rank': 16,
+                                         'qk_rope_head_dim': 8, 'qk_nope_head_dim': 12, 'v_head_dim': 10,
+                                         'n_routed_experts': 8, 'num_experts_per_tok': 2, 'n_group': 4,
+                                         'topk_group': 2, 'first_k_dense_replace': 1, 'n_shared_experts': 2,
+                                         'moe_intermediate_size': 48, 'routed_scaling_factor': 2.5,
+                                         'rope_parameters': {'rope_type': 'yarn', 'rope_theta': 10000.0,
+                                                             'factor': 8.0, 'mscale': 1.0,
+                                                             'mscale_all_dim': 0.8,
+                                                             'original_max_position_embeddings': 16}}),
+    'deepseek_v3_plain_q': ('DeepseekV3Config', {'num_hidden_layers': 2, 'q_lora_rank': None,
+                                                 'kv_lora_rank': 16, 'qk_rope_head_dim': 8,
+                                                 'qk_nope_head_dim': 8, 'v_head_dim': 16,
+                                                 'n_routed_experts': 4, 'num_experts_per_tok': 2,
+                                                 'n_group': 1, 'topk_group': 1, 'first_k_dense_replace': 0,
+                                                 'n_shared_experts': 1,
+                                                 'moe_intermediate_size': 48, 'norm_topk_prob': False}),
 }
-MOE = ('mixtral', 'qwen2_moe', 'qwen3_moe')
+MOE = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'deepseek_v3')
 # Families whose logits are checked on tp8 and fsdp8 in the slow set only (the default suite's time).
-SLOW_MESHES = {'qwen3_moe': ('tp8', 'fsdp8')}
+SLOW_MESHES = {family: ('tp8', 'fsdp8') for family in ('qwen3_moe', 'deepseek_v3', 'deepseek_v3_plain_q')}
 
 
 def random_model(family, directory, **changes):
@@ -78,6 +97,9 @@ def random_model(family, directory, **changes):
     for param_name, param in model.named_parameters():
       if param_name.endswith(('norm.weight', 'bias', '.gate.weight')):  # A router drawn as zeros ties.
         param.add_(0.1 * torch.randn_like(param))
+    for buffer_name, buffer in model.named_buffers():
+      if buffer_name.endswith('e_score_correction_bias'):  # DeepSeek-V3's balancing bias, drawn as zeros.
+        buffer.add_(0.1 * torch.randn_like(buffer))
   model.save_pretrained(directory)
   return model
 
@@ -355,8 +377,8 @@ def test_qwen2_sliding_window_counts_only_when_used_on_some_layer():
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
   with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
-                                        r'gemma, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, '
-                                        r'qwen3_moe; convert'):
+                                        r'deepseek_v3, gemma, llama, mistral, mixtral, qwen2, qwen2_moe, '
+                                        r'qwen3, qwen3_moe; convert'):
     hf.from_pretrained(tmp_path)
   config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'longrope', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))
@@ -526,7 +548,7 @@ def test_reading_any_slices_of_a_written_tensor_gives_back_those_slices(kind, tm
       indices = [tuple(slice(*sorted(rng.choice(n + 1, 2, replace=False))) for n in ours.shape)
                  for _ in range(rng.integers(1, 4))]
       targets = [(index, np.full([s.stop - s.start for s in index], np.nan, np.float32)) for index in indices]
-      hf_llama.read(kind, file.tensors['w'], targets, head_dim=4)
+      hf_llama.read(kind, file.tensors['w'], targets, ours.shape)
       for index, out in targets:
         np.testing.assert_array_equal(out, ours[index])
 

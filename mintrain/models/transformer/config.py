@@ -29,6 +29,7 @@ DTYPES = ('float32', 'bfloat16')
 ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True)}
 # How RoPE's frequencies stretch to longer contexts, as transformers' `rope_type`s (`attention`).
 ROPE_SCALINGS = ('none', 'llama3', 'linear', 'dynamic', 'yarn')
+ROUTER_SCORES = ('softmax', 'sigmoid')
 
 
 def _even(value: int) -> str | None:
@@ -67,6 +68,15 @@ class TransformerConfig(Costs, ModelConfig):
   # Mistral: each position attends over the last `sliding_window` only. Not applied: a longer sequence is
   # refused (`check_window`), so attention is always the same as the checkpoint's model's; 0: no window.
   sliding_window: int = option(at_least=0)
+  # DeepSeek's multi-head latent attention (`mla`) when kv_lora_rank > 0: keys and values from a latent of
+  # that width; head_dim is then the rotary part of each query and key head, qk_nope_head_dim the rest.
+  kv_lora_rank: int = option(at_least=0)
+  q_lora_rank: int = option(at_least=0)  # Queries through a normed latent of this width; 0: one projection.
+  qk_nope_head_dim: int = option(at_least=0)
+  v_head_dim: int = option(at_least=0)  # Of each value head (0: head_dim); MLA only.
+  rope_interleave: bool = option()  # MLA: checkpoints store the rotary dims as interleaved pairs.
+  # MLA under YaRN: scores also times mscale^2 = (0.1 * this * ln(rope_scaling_factor) + 1)^2; 0: not.
+  mla_mscale_all_dim: float = option(at_least=0)
   mlp_activation: str = option(choices=tuple(ACTIVATIONS))
   dropout_rate: float = option(at_least=0, below=1)
   param_dtype: str = option(choices=DTYPES)
@@ -83,9 +93,17 @@ class TransformerConfig(Costs, ModelConfig):
   moe_every: int = option(at_least=1)  # Block i is MoE when (i + 1) % N == 0 (Qwen2-MoE's sparse step).
   dense_layers: tuple[int, ...] = option()  # Blocks kept dense whatever moe_every says (mlp_only_layers).
   expert_mlp_dim: int = option(at_least=0)  # F of each expert; 0: mlp_dim.
-  shared_expert_dim: int = option(at_least=0)  # Qwen2-MoE's sigmoid-gated shared expert's width; 0: none.
+  shared_expert_dim: int = option(at_least=0)  # Width of an expert every token takes; 0: none.
+  shared_expert_gate: bool = option()  # Qwen2-MoE: the shared expert scaled by a sigmoid gate (DeepSeek not).
   capacity_factor: float = option(at_least=0)  # Slots per expert: factor * L * k / E; 0: dropless.
   router_norm_topk: bool = option()  # Renormalise the top-k probabilities to sum to 1 (Mixtral).
+  # 'softmax' (Mixtral, Qwen) or 'sigmoid' scores (DeepSeek-V3: chosen by score + a balancing bias that
+  # takes no gradient and moves by router_bias_rate per step, weighted by the score alone).
+  router_score: str = option(choices=ROUTER_SCORES)
+  router_groups: int = option(at_least=1)  # DeepSeek-V3: experts in groups; tokens pick from the best...
+  router_group_topk: int = option(at_least=1)  # ... this many groups (by the sum of each one's top two).
+  routed_scaling_factor: float = option(above=0)  # The routed experts' weights times this.
+  router_bias_rate: float = option(at_least=0)  # Bias += rate * sign(mean load - load) per step; 0: fixed.
   router_z_loss_weight: float = option(at_least=0)  # Of mean(logsumexp(router logits)^2) in the objective.
   load_balance_loss_weight: float = option(at_least=0)  # Of E * sum_e f_e * p_e in the objective.
 
@@ -102,6 +120,22 @@ class TransformerConfig(Costs, ModelConfig):
     """YaRN's scale of cos and sin: rope_attention_factor, or by default 0.1 ln(factor) + 1."""
     factor = self.rope_scaling_factor
     return self.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+  @property
+  def mla(self) -> bool:
+    return self.kv_lora_rank > 0
+
+  @property
+  def mla_softmax_scale(self) -> float:
+    """MLA's softmax scale: 1 / sqrt(N + P), times YaRN's mscale squared (as `yarn_apply_mscale`)."""
+    scale, factor = (self.qk_nope_head_dim + self.head_dim) ** -0.5, self.rope_scaling_factor
+    if self.rope_scaling != 'none' and self.mla_mscale_all_dim and factor > 1:
+      scale *= (0.1 * self.mla_mscale_all_dim * math.log(factor) + 1.0) ** 2
+    return scale
+
+  @property
+  def value_dim(self) -> int:
+    return self.v_head_dim or self.head_dim
 
   @property
   def expert_dim(self) -> int:
@@ -150,6 +184,20 @@ class TransformerConfig(Costs, ModelConfig):
     if outside:
       raise ConfigError(f'model.dense_layers={self.dense_layers} names blocks {outside} of a model with '
                         f'model.num_layers={self.num_layers} (blocks 0..{self.num_layers - 1}).')
+    if self.mla and (self.attention != 'einsum' or self.context_attention != 'all_gather' or self.grouped
+                     or self.qkv_bias or self.qk_norm or self.sliding_window):
+      raise ConfigError('model.kv_lora_rank > 0 (latent attention) runs with model.attention=einsum and '
+                        'model.context_attention=all_gather, without num_kv_heads, qkv_bias, qk_norm or '
+                        'sliding_window.')
+    if self.num_experts and self.num_experts % self.router_groups:
+      raise ConfigError(f'model.router_groups={self.router_groups} must divide model.num_experts='
+                        f'{self.num_experts}.')
+    group = self.num_experts // self.router_groups
+    if self.router_groups > 1 and not (self.router_group_topk <= self.router_groups and group >= 2
+                                       and self.experts_per_token <= self.router_group_topk * group):
+      raise ConfigError(f'model.router_group_topk={self.router_group_topk} of model.router_groups='
+                        f'{self.router_groups} groups of at least 2 experts must hold '
+                        f'model.experts_per_token={self.experts_per_token} experts.')
     if self.num_experts and self.mlp_overlap:
       raise ConfigError('model.mlp_overlap is for dense MLPs; set it False with model.num_experts > 0.')
     if self.loss_chunks > 0 and seq_len % self.loss_chunks:

@@ -12,6 +12,10 @@ One table per direction, read by `mintrain.hf`, which knows nothing of any archi
              `mlp_only_layers`, each with a shared expert behind a sigmoid gate; `norm_topk_prob` says
              whether the top-k weights are renormalised
   qwen3_moe  Qwen3 (QK-norm) with Qwen2-MoE's placement and routing of experts, without a shared expert
+  deepseek_v3  multi-head latent attention (`mla`); the first `first_k_dense_replace` blocks dense, then
+             experts behind a sigmoid router with its balancing bias (`e_score_correction_bias`), grouped
+             top-k and scaled weights, and ungated shared experts. Its multi-token prediction layers
+             (`num_nextn_predict_layers`), which transformers drops on load, are neither read nor written
 transformers 5.x keeps RoPE settings under `rope_parameters`; older files under `rope_scaling` and
 `rope_theta`. Both are read, with the rope types 'default', 'llama3', 'linear', 'dynamic' and 'yarn'.
 
@@ -36,7 +40,7 @@ from mintrain.errors import ConfigError
 MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                'gemma': 'GemmaForCausalLM', 'mixtral': 'MixtralForCausalLM',
                'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
-               'qwen3_moe': 'Qwen3MoeForCausalLM'}
+               'qwen3_moe': 'Qwen3MoeForCausalLM', 'deepseek_v3': 'DeepseekV3ForCausalLM'}
 QKV_BIAS = ('qwen2', 'qwen2_moe')
 ROPE_TYPES = ('default', 'llama3', 'linear', 'dynamic', 'yarn')
 ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu': 'gelu_tanh'}
@@ -104,8 +108,20 @@ def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
       'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
       'sliding_window': sliding_window(hf),
   }
-  options |= _moe_options(hf)
+  options |= _moe_options(hf) | _mla_options(hf, rope_type, rope)
   return options | _rope_options(hf, rope_type, rope)
+
+
+def _mla_options(hf: Mapping[str, Any], rope_type: str, rope: Mapping[str, Any]) -> dict[str, Any]:
+  """DeepSeek-V3's latent attention: head_dim is the rotary part (as transformers' own config says); the
+  softmax scale grows by YaRN's mscale(factor, mscale_all_dim) squared (`yarn_apply_mscale`)."""
+  if hf['model_type'] != 'deepseek_v3':
+    return {}
+  mscale_all_dim = float(rope.get('mscale_all_dim') or 0) if rope_type != 'default' else 0.0
+  return {'kv_lora_rank': hf['kv_lora_rank'], 'q_lora_rank': hf.get('q_lora_rank') or 0,
+          'qk_nope_head_dim': hf['qk_nope_head_dim'], 'head_dim': hf['qk_rope_head_dim'],
+          'v_head_dim': hf['v_head_dim'], 'num_kv_heads': hf['num_attention_heads'],
+          'rope_interleave': bool(hf.get('rope_interleave', True)), 'mla_mscale_all_dim': mscale_all_dim}
 
 
 def _rope_options(hf: Mapping[str, Any], rope_type: str, rope: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,6 +167,15 @@ def _moe_options(hf: Mapping[str, Any]) -> dict[str, Any]:
   if model_type == 'mixtral':
     return {**common, 'num_experts': hf['num_local_experts'], 'moe_every': 1,
             'expert_mlp_dim': hf['intermediate_size'], 'router_norm_topk': True, 'shared_expert_dim': 0}
+  if model_type == 'deepseek_v3':
+    shared = (hf.get('n_shared_experts') or 0) * hf['moe_intermediate_size']
+    return {**common, 'num_experts': hf['n_routed_experts'], 'moe_every': 1,
+            'dense_layers': tuple(range(hf.get('first_k_dense_replace') or 0)),
+            'expert_mlp_dim': hf['moe_intermediate_size'], 'router_norm_topk': bool(hf.get('norm_topk_prob')),
+            'shared_expert_dim': shared, 'shared_expert_gate': False, 'router_score': 'sigmoid',
+            'router_groups': hf.get('n_group') or 1, 'router_group_topk': hf.get('topk_group') or 1,
+            'routed_scaling_factor': float(hf.get('routed_scaling_factor', 1.0)),
+            'load_balance_loss_weight': 0.0}
   if model_type in ('qwen2_moe', 'qwen3_moe'):
     shared = hf.get('shared_expert_intermediate_size', 0) if model_type == 'qwen2_moe' else 0
     if model_type == 'qwen2_moe' and not shared:
@@ -183,6 +208,16 @@ def sliding_window(hf: Mapping[str, Any]) -> int:
 
 def _model_type(cfg: Any) -> str:
   """The Hugging Face architecture of a transformer-family model config, or a ConfigError."""
+  deepseek = cfg.mla or cfg.router_score == 'sigmoid'
+  if deepseek:
+    if not (cfg.mla and cfg.num_experts and cfg.router_score == 'sigmoid' and cfg.moe_every == 1
+            and cfg.dense_layers == tuple(range(len(cfg.dense_layers))) and not cfg.tie_embeddings
+            and not cfg.shared_expert_gate and cfg.mlp_activation == 'silu' and not cfg.norm_plus_one
+            and not cfg.embed_scale):
+      raise ConfigError('Latent attention (model.kv_lora_rank) and sigmoid routers have a Hugging Face '
+                        'architecture together only, as DeepSeek-V3: experts in every block after the first '
+                        'dense_layers, shared_expert_gate=False, untied embeddings, silu.')
+    return 'deepseek_v3'
   if cfg.qk_norm:
     if (cfg.shared_expert_dim or cfg.qkv_bias or cfg.norm_plus_one or cfg.embed_scale
         or cfg.mlp_activation != 'silu'):
@@ -222,6 +257,8 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
     rope.update(original_max_position_embeddings=cfg.rope_original_max_len, beta_fast=cfg.rope_beta_fast,
                 beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate,
                 attention_factor=cfg.yarn_attention_factor)
+    if cfg.mla_mscale_all_dim:  # DeepSeek's softmax scale reads it (cos and sin take attention_factor).
+      rope['mscale_all_dim'] = cfg.mla_mscale_all_dim
   out = {
       'architectures': [MODEL_TYPES[model_type]], 'model_type': model_type, 'vocab_size': cfg.vocab_size,
       'hidden_size': cfg.embed_dim, 'num_hidden_layers': cfg.num_layers,
@@ -237,6 +274,8 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
   if model_type in ('qwen3', 'qwen3_moe'):
     out |= {'attention_bias': False, 'use_sliding_window': False}
   k = cfg.experts_per_token
+  if model_type == 'deepseek_v3':
+    out |= _deepseek_config(cfg)
   if model_type == 'mixtral':
     out |= {'num_local_experts': cfg.num_experts, 'num_experts_per_tok': k, 'sliding_window': None,
             'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
@@ -258,6 +297,23 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
   return out
 
 
+def _deepseek_config(cfg: Any) -> dict[str, Any]:
+  """DeepSeek-V3's own keys; num_nextn_predict_layers 0: no multi-token prediction layers are written."""
+  width = cfg.expert_dim
+  if cfg.shared_expert_dim % width:
+    raise ConfigError(f'model.shared_expert_dim={cfg.shared_expert_dim} must be a multiple of '
+                      f'model.expert_mlp_dim={width} (DeepSeek-V3 counts shared experts).')
+  return {'head_dim': cfg.head_dim, 'qk_rope_head_dim': cfg.head_dim,
+          'qk_nope_head_dim': cfg.qk_nope_head_dim, 'v_head_dim': cfg.value_dim,
+          'kv_lora_rank': cfg.kv_lora_rank, 'q_lora_rank': cfg.q_lora_rank or None,
+          'rope_interleave': cfg.rope_interleave, 'n_routed_experts': cfg.num_experts,
+          'num_experts_per_tok': cfg.experts_per_token, 'moe_intermediate_size': width,
+          'n_shared_experts': cfg.shared_expert_dim // width, 'first_k_dense_replace': len(cfg.dense_layers),
+          'n_group': cfg.router_groups, 'topk_group': cfg.router_group_topk,
+          'routed_scaling_factor': cfg.routed_scaling_factor, 'norm_topk_prob': cfg.router_norm_topk,
+          'num_nextn_predict_layers': 0, 'attention_bias': False}
+
+
 def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
   """{mintrain parameter path (unscanned layers): (Hugging Face tensor name, Kind)}; a parameter stacked
   from several tensors on its first axis (a mixture's experts) has a tuple of names."""
@@ -270,10 +326,12 @@ def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
     names |= {
         f'{ours}.attn_norm.scale': (f'{theirs}.input_layernorm.weight', Kind.SAME),
         f'{ours}.mlp_norm.scale': (f'{theirs}.post_attention_layernorm.weight', Kind.SAME),
+        f'{ours}.attn.wo_HKD': (f'{theirs}.self_attn.o_proj.weight', Kind.HEADS_OUT),
+    }
+    names |= _mla_names(cfg, ours, theirs) if cfg.mla else {
         f'{ours}.attn.wq_DHK': (f'{theirs}.self_attn.q_proj.weight', Kind.IN_HEADS),
         f'{ours}.attn.wk_DHK': (f'{theirs}.self_attn.k_proj.weight', Kind.IN_HEADS),
         f'{ours}.attn.wv_DHK': (f'{theirs}.self_attn.v_proj.weight', Kind.IN_HEADS),
-        f'{ours}.attn.wo_HKD': (f'{theirs}.self_attn.o_proj.weight', Kind.HEADS_OUT),
     }
     names |= _moe_names(cfg, ours, theirs) if cfg.is_moe(i) else {
         f'{ours}.mlp.wi_gate_DF': (f'{theirs}.mlp.gate_proj.weight', Kind.T),
@@ -290,6 +348,19 @@ def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
   return names
 
 
+def _mla_names(cfg: Any, ours: str, theirs: str) -> dict[str, tuple[str, Kind]]:
+  """One latent attention's projections and norms (DeepSeek-V3)."""
+  attn = f'{theirs}.self_attn'
+  names = {f'{ours}.attn.wkv_a_DC': (f'{attn}.kv_a_proj_with_mqa.weight', Kind.T),
+           f'{ours}.attn.kv_norm_R': (f'{attn}.kv_a_layernorm.weight', Kind.SAME),
+           f'{ours}.attn.wkv_b_RHK': (f'{attn}.kv_b_proj.weight', Kind.IN_HEADS)}
+  if not cfg.q_lora_rank:
+    return names | {f'{ours}.attn.wq_DHK': (f'{attn}.q_proj.weight', Kind.IN_HEADS)}
+  return names | {f'{ours}.attn.wq_a_DQ': (f'{attn}.q_a_proj.weight', Kind.T),
+                  f'{ours}.attn.q_norm_Q': (f'{attn}.q_a_layernorm.weight', Kind.SAME),
+                  f'{ours}.attn.wq_b_QHK': (f'{attn}.q_b_proj.weight', Kind.IN_HEADS)}
+
+
 def _moe_names(cfg: Any, ours: str, theirs: str) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
   """One MoE layer's router and experts (and Qwen2-MoE's shared expert and its gate)."""
   experts = range(cfg.num_experts)
@@ -301,7 +372,13 @@ def _moe_names(cfg: Any, ours: str, theirs: str) -> dict[str, tuple[str | tuple[
             f'{ours}.mlp.wo_EFD': (tuple(f'{moe}.experts.{e}.w2.weight' for e in experts), Kind.T)}
   moe = f'{theirs}.mlp'
   names = {f'{ours}.mlp.router_DE': (f'{moe}.gate.weight', Kind.T)}
-  if cfg.shared_expert_dim:
+  if cfg.router_score == 'sigmoid':
+    names[f'{ours}.mlp.router_bias_E'] = (f'{moe}.gate.e_score_correction_bias', Kind.SAME)
+  if cfg.shared_expert_dim and not cfg.shared_expert_gate:  # DeepSeek's.
+    names |= {f'{ours}.mlp.shared_wi_gate_DF': (f'{moe}.shared_experts.gate_proj.weight', Kind.T),
+              f'{ours}.mlp.shared_wi_up_DF': (f'{moe}.shared_experts.up_proj.weight', Kind.T),
+              f'{ours}.mlp.shared_wo_FD': (f'{moe}.shared_experts.down_proj.weight', Kind.T)}
+  elif cfg.shared_expert_dim:
     names |= {f'{ours}.mlp.shared_gate_D1': (f'{moe}.shared_expert_gate.weight', Kind.T),
               f'{ours}.mlp.shared_wi_gate_DF': (f'{moe}.shared_expert.gate_proj.weight', Kind.T),
               f'{ours}.mlp.shared_wi_up_DF': (f'{moe}.shared_expert.up_proj.weight', Kind.T),
@@ -357,11 +434,13 @@ def _place(kind: Kind, rows: np.ndarray, offset: int, index: tuple[slice, ...], 
 
 
 def read(kind: Kind, tensor: Any, targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
-         head_dim: int) -> None:
+         shape: tuple[int, ...]) -> None:
   """Fills each target's array with our parameter's slice `index` (slices with explicit bounds) of
   `targets` [(index, array)], read from `tensor` (`safetensors_reader.Tensor`) in one pass over the rows
   that any of them needs, a block at a time: the devices of a process share each read, and nothing but
-  the targets is slice-sized. Rows of heads are read whole heads at a time."""
+  the targets is slice-sized. Rows of heads are read whole heads at a time. `shape` is our whole
+  parameter's, whose head size (latent attention's differ by projection) says how rows form heads."""
+  head_dim = shape[1] if kind is Kind.HEADS_OUT else shape[-1]
   wanted = [(their_index(kind, index, head_dim), index, out) for index, out in targets]
   columns = ()
   if len(tensor.shape) == 2:

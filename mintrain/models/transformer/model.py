@@ -30,7 +30,7 @@ from mintrain.models.layers import (
   stack_layers,
 )
 from mintrain.models.loss import cross_entropy, fused_cross_entropy
-from mintrain.models.transformer import collective_matmul, moe
+from mintrain.models.transformer import collective_matmul, mla, moe
 from mintrain.models.transformer.attention import BLD, Attention, KVCache, kv_layout
 from mintrain.models.transformer.config import ACTIVATIONS, TransformerConfig
 from mintrain.models.transformer.context_attention import zigzag_order
@@ -95,7 +95,8 @@ class Block(nnx.Module):
   def __init__(self, cfg: TransformerConfig, placement: Placement, *, rules: AxisRules, rngs: nnx.Rngs,
                moe_layer: bool = False):
     self.attn_norm = norm(cfg, rules, rngs)
-    self.attn = Attention(cfg, placement, rules=rules, rngs=rngs)
+    attention = mla.LatentAttention if cfg.mla else Attention
+    self.attn = attention(cfg, placement, rules=rules, rngs=rngs)
     self.mlp_norm = norm(cfg, rules, rngs)
     self.mlp = (moe.MoE(cfg, rules=rules, rngs=rngs, activation=ACTIVATIONS[cfg.mlp_activation]) if moe_layer
                 else GatedMLP(cfg, rules=rules, rngs=rngs))
@@ -211,9 +212,27 @@ class Transformer(nnx.Module):
     self.cfg.check_window(max_len, f'a KV cache of {max_len} positions (prompt and new tokens)')
     max_len = -(-max_len // self.length_ways) * self.length_ways
     shape = (batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
-    spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(self.kv_layout)
-    return [(jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec))
-            for _ in range(self.cfg.num_layers)]
+    shapes, layout = ((shape, shape), self.kv_layout)
+    if self.cfg.mla:  # The latent and the shared rotary key of each position.
+      shapes, layout = mla.cache_shapes(self.cfg, batch, max_len), mla.LATENT
+    spec = None if jax.sharding.get_abstract_mesh().empty else self.rules.activation_spec(layout)
+    return [tuple(jnp.zeros(s, dtype, out_sharding=spec) for s in shapes) for _ in range(self.cfg.num_layers)]
+
+  def after_step(self, balance: dict[str, jax.Array]) -> nnx.State:
+    """The parameters after the train step's update, with each sigmoid router's balancing bias moved by
+    router_bias_rate towards balance: bias += rate * sign(mean load - load), from `balance['expert_share']`
+    ((MoE layers, E), each expert's share of the step's choices, the same on every mesh)."""
+    cfg = self.cfg
+    share_NE = balance['expert_share']
+    step_NE = cfg.router_bias_rate * jnp.sign(jnp.mean(share_NE, axis=-1, keepdims=True) - share_NE)
+    if cfg.scan_layers:  # Every layer is MoE (`check`): one stacked bias.
+      bias = self.blocks.mlp.router_bias_E
+      bias[...] = bias[...] + step_NE.astype(bias.dtype)
+    else:
+      for n, i in enumerate(i for i in range(cfg.num_layers) if cfg.is_moe(i)):
+        bias = self.blocks[i].mlp.router_bias_E
+        bias[...] = bias[...] + step_NE[n].astype(bias.dtype)
+    return nnx.state(self, nnx.Param)
 
   def _order(self, seq_len: int) -> np.ndarray | None:
     """The positions in the order the sequence is stored: the zigzag for the ring attention over a split
@@ -290,5 +309,7 @@ def moe_statistics(cfg: TransformerConfig, stats: dict[str, jax.Array]) -> dict[
   out |= {f'moe_{name}': value for name, value in mean.items()}
   out['moe_expert_load_max'] = jnp.max(share_E) * cfg.num_experts
   out |= {f'moe_expert_share_{e}': share_E[e] for e in range(cfg.num_experts)}
+  if cfg.router_score == 'sigmoid' and cfg.router_bias_rate:  # Per layer, for `Transformer.after_step`.
+    out['balance'] = {'expert_share': stats['expert_share']}
   return out
 
