@@ -83,8 +83,11 @@ FAMILIES = {
                                                  'moe_intermediate_size': 48, 'norm_topk_prob': False}),
 }
 MOE = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'deepseek_v3')
-# Families whose logits are checked on tp8 and fsdp8 in the slow set only (the default suite's time).
-SLOW_MESHES = {family: ('tp8', 'fsdp8') for family in ('qwen3_moe', 'deepseek_v3', 'deepseek_v3_plain_q')}
+# Families whose logits are checked on tp8 and fsdp8 in the slow set only (the default suite's time); the
+# plain-query DeepSeek-V3 is tested on one device alone outside the slow set.
+SLOW_MESHES = {'qwen3_moe': ('tp8', 'fsdp8'), 'deepseek_v3': ('tp8', 'fsdp8'),
+               'deepseek_v3_plain_q': ('dp4_tp2', 'tp8', 'fsdp8')}
+SLOW_FAMILIES = ('deepseek_v3_plain_q',)
 
 
 def random_model(family, directory, **changes):
@@ -112,14 +115,16 @@ def torch_logits(model, tokens):
     return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
 
 
-@pytest.fixture(scope='module', params=list(FAMILIES))
+@pytest.fixture(scope='module', params=[
+    pytest.param(family, marks=[pytest.mark.slow] if family in SLOW_FAMILIES else []) for family in FAMILIES])
 def reference(request, tmp_path_factory):
   """(directory, tokens, transformers' float32 logits) of one tiny random model."""
   directory = tmp_path_factory.mktemp(request.param)
   return directory, TOKENS, torch_logits(random_model(request.param, directory), TOKENS)
 
 
-@pytest.fixture(scope='module', params=MOE)
+@pytest.fixture(scope='module', params=[  # The newer mixtures' expert splits in the slow set.
+    pytest.param(family, marks=[pytest.mark.slow] if family in SLOW_MESHES else []) for family in MOE])
 def moe_reference(request, tmp_path_factory):
   """As `reference`, of the mixtures of experts alone."""
   directory = tmp_path_factory.mktemp(request.param)

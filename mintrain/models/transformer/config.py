@@ -189,6 +189,9 @@ class TransformerConfig(Costs, ModelConfig):
       raise ConfigError('model.kv_lora_rank > 0 (latent attention) runs with model.attention=einsum and '
                         'model.context_attention=all_gather, without num_kv_heads, qkv_bias, qk_norm or '
                         'sliding_window.')
+    if not self.mla and (self.q_lora_rank or self.qk_nope_head_dim or self.v_head_dim):
+      raise ConfigError('model.q_lora_rank, qk_nope_head_dim and v_head_dim are latent attention\'s; set '
+                        'model.kv_lora_rank > 0 to use them, or leave them 0.')
     if self.num_experts and self.num_experts % self.router_groups:
       raise ConfigError(f'model.router_groups={self.router_groups} must divide model.num_experts='
                         f'{self.num_experts}.')
