@@ -348,7 +348,9 @@ def _write(model: nnx.Module, out: epath.Path, dtype: str | None, max_shard_size
     raise ConfigError(f'{type(cfg).__name__} models have no Hugging Face architecture.')
   out_dtype = np.dtype(dtype or cfg.param_dtype)
   _, params = nnx.split(model, nnx.Param)
-  variables = {train_state.path_str(key): var for key, var in nnx.to_flat_state(params)}
+  names = family.hf.weight_names(cfg)  # A name of None: a parameter of training only, not exported.
+  variables = {train_state.path_str(key): var for key, var in nnx.to_flat_state(params)
+               if names.get(train_state.path_str(key), ()) is not None}
   where = _sources(family.hf, cfg, {path: _shape_and_axes(var) for path, var in variables.items()})
   # Each shard is written once full; its final name needs the shard count, so it is renamed at the end.
   shard: dict[str, np.ndarray] = {}

@@ -106,6 +106,10 @@ class TransformerConfig(Costs, ModelConfig):
   router_bias_rate: float = option(at_least=0)  # Bias += rate * sign(mean load - load) per step; 0: fixed.
   router_z_loss_weight: float = option(at_least=0)  # Of mean(logsumexp(router logits)^2) in the objective.
   load_balance_loss_weight: float = option(at_least=0)  # Of E * sum_e f_e * p_e in the objective.
+  # DeepSeek-V3's multi-token prediction: N more blocks in training, depth k predicting the token k + 1
+  # ahead; their mean loss, times mtp_loss_weight, joins the objective. 0: none.
+  mtp_layers: int = option(at_least=0)
+  mtp_loss_weight: float = option(at_least=0)
 
   @property
   def kv_heads(self) -> int:
@@ -201,6 +205,9 @@ class TransformerConfig(Costs, ModelConfig):
       raise ConfigError(f'model.router_group_topk={self.router_group_topk} of model.router_groups='
                         f'{self.router_groups} groups of at least 2 experts must hold '
                         f'model.experts_per_token={self.experts_per_token} experts.')
+    if self.mtp_layers and (self.context_attention == 'ring' or self.embed_scale or self.scan_layers):
+      raise ConfigError('model.mtp_layers needs model.context_attention=all_gather, no embed_scale and '
+                        'scan_layers=False.')
     if self.num_experts and self.mlp_overlap:
       raise ConfigError('model.mlp_overlap is for dense MLPs; set it False with model.num_experts > 0.')
     if self.loss_chunks > 0 and seq_len % self.loss_chunks:

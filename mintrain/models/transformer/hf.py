@@ -314,37 +314,48 @@ def _deepseek_config(cfg: Any) -> dict[str, Any]:
           'num_nextn_predict_layers': 0, 'attention_bias': False}
 
 
-def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
+def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind] | None]:
   """{mintrain parameter path (unscanned layers): (Hugging Face tensor name, Kind)}; a parameter stacked
-  from several tensors on its first axis (a mixture's experts) has a tuple of names."""
-  names = {'embedding_VD': ('model.embed_tokens.weight', Kind.SAME),
-           'final_norm.scale': ('model.norm.weight', Kind.SAME)}
+  from several tensors on its first axis (a mixture's experts) has a tuple of names. The multi-token
+  prediction layers (training only) map to None: export leaves them out, as transformers drops them."""
+  names: dict[str, Any] = {'embedding_VD': ('model.embed_tokens.weight', Kind.SAME),
+                           'final_norm.scale': ('model.norm.weight', Kind.SAME)}
   if not cfg.tie_embeddings:
     names['unembed_DV'] = ('lm_head.weight', Kind.T)
   for i in range(cfg.num_layers):
-    ours, theirs = f'blocks.{i}', f'model.layers.{i}'
-    names |= {
-        f'{ours}.attn_norm.scale': (f'{theirs}.input_layernorm.weight', Kind.SAME),
-        f'{ours}.mlp_norm.scale': (f'{theirs}.post_attention_layernorm.weight', Kind.SAME),
-        f'{ours}.attn.wo_HKD': (f'{theirs}.self_attn.o_proj.weight', Kind.HEADS_OUT),
-    }
-    names |= _mla_names(cfg, ours, theirs) if cfg.mla else {
-        f'{ours}.attn.wq_DHK': (f'{theirs}.self_attn.q_proj.weight', Kind.IN_HEADS),
-        f'{ours}.attn.wk_DHK': (f'{theirs}.self_attn.k_proj.weight', Kind.IN_HEADS),
-        f'{ours}.attn.wv_DHK': (f'{theirs}.self_attn.v_proj.weight', Kind.IN_HEADS),
-    }
-    names |= _moe_names(cfg, ours, theirs) if cfg.is_moe(i) else {
-        f'{ours}.mlp.wi_gate_DF': (f'{theirs}.mlp.gate_proj.weight', Kind.T),
-        f'{ours}.mlp.wi_up_DF': (f'{theirs}.mlp.up_proj.weight', Kind.T),
-        f'{ours}.mlp.wo_FD': (f'{theirs}.mlp.down_proj.weight', Kind.T),
-    }
-    if cfg.qk_norm:
-      names |= {f'{ours}.attn.q_norm_K': (f'{theirs}.self_attn.q_norm.weight', Kind.SAME),
-                f'{ours}.attn.k_norm_K': (f'{theirs}.self_attn.k_norm.weight', Kind.SAME)}
-    if cfg.qkv_bias:
-      names |= {f'{ours}.attn.bq_HK': (f'{theirs}.self_attn.q_proj.bias', Kind.HEADS),
-                f'{ours}.attn.bk_GK': (f'{theirs}.self_attn.k_proj.bias', Kind.HEADS),
-                f'{ours}.attn.bv_GK': (f'{theirs}.self_attn.v_proj.bias', Kind.HEADS)}
+    names |= _layer_names(cfg, f'blocks.{i}', f'model.layers.{i}', cfg.is_moe(i))
+  for j in range(cfg.mtp_layers):
+    ours = f'mtp.{j}'
+    block = _layer_names(cfg, f'{ours}.block', f'model.layers.{cfg.num_layers + j}', cfg.num_experts > 0)
+    names |= dict.fromkeys([*block, f'{ours}.join_CD',
+                            *(f'{ours}.{n}_norm.scale' for n in ('hidden', 'embed', 'out'))])
+  return names
+
+
+def _layer_names(cfg: Any, ours: str, theirs: str, moe: bool) -> dict[str, Any]:
+  """One block's parameters."""
+  names = {
+      f'{ours}.attn_norm.scale': (f'{theirs}.input_layernorm.weight', Kind.SAME),
+      f'{ours}.mlp_norm.scale': (f'{theirs}.post_attention_layernorm.weight', Kind.SAME),
+      f'{ours}.attn.wo_HKD': (f'{theirs}.self_attn.o_proj.weight', Kind.HEADS_OUT),
+  }
+  names |= _mla_names(cfg, ours, theirs) if cfg.mla else {
+      f'{ours}.attn.wq_DHK': (f'{theirs}.self_attn.q_proj.weight', Kind.IN_HEADS),
+      f'{ours}.attn.wk_DHK': (f'{theirs}.self_attn.k_proj.weight', Kind.IN_HEADS),
+      f'{ours}.attn.wv_DHK': (f'{theirs}.self_attn.v_proj.weight', Kind.IN_HEADS),
+  }
+  names |= _moe_names(cfg, ours, theirs) if moe else {
+      f'{ours}.mlp.wi_gate_DF': (f'{theirs}.mlp.gate_proj.weight', Kind.T),
+      f'{ours}.mlp.wi_up_DF': (f'{theirs}.mlp.up_proj.weight', Kind.T),
+      f'{ours}.mlp.wo_FD': (f'{theirs}.mlp.down_proj.weight', Kind.T),
+  }
+  if cfg.qk_norm:
+    names |= {f'{ours}.attn.q_norm_K': (f'{theirs}.self_attn.q_norm.weight', Kind.SAME),
+              f'{ours}.attn.k_norm_K': (f'{theirs}.self_attn.k_norm.weight', Kind.SAME)}
+  if cfg.qkv_bias:
+    names |= {f'{ours}.attn.bq_HK': (f'{theirs}.self_attn.q_proj.bias', Kind.HEADS),
+              f'{ours}.attn.bk_GK': (f'{theirs}.self_attn.k_proj.bias', Kind.HEADS),
+              f'{ours}.attn.bv_GK': (f'{theirs}.self_attn.v_proj.bias', Kind.HEADS)}
   return names
 
 

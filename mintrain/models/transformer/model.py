@@ -127,6 +127,27 @@ class Block(nnx.Module):
     return self.rules.reshard(x_BLD, BLD), kv
 
 
+class PredictAhead(nnx.Module):
+  """One multi-token prediction depth (DeepSeek-V3's MTP module): the previous depth's hidden states and
+  the embeddings of the tokens k ahead, each normed, joined by one projection and run through one more
+  block; its own norm before the shared output layer predicts the token k + 1 ahead."""
+
+  def __init__(self, cfg: TransformerConfig, placement: Placement, *, rules: AxisRules, rngs: nnx.Rngs):
+    d = cfg.embed_dim
+    self.hidden_norm, self.embed_norm, self.out_norm = (norm(cfg, rules, rngs) for _ in range(3))
+    self.join_CD = param(rngs, nnx.initializers.lecun_normal(), (2 * d, d), (None, 'embed'),
+                         jnp.dtype(cfg.param_dtype), rules)
+    self.block = Block(cfg, placement, rules=rules, rngs=rngs, moe_layer=cfg.num_experts > 0)
+    self.rules = rules
+
+  def __call__(self, h_BLD: jax.Array, e_BLD: jax.Array, key: jax.Array | None, positions_BL: jax.Array,
+               segment_ids_BL: jax.Array | None) -> jax.Array:
+    joined_BLC = jnp.concatenate([self.embed_norm(e_BLD), self.hidden_norm(h_BLD)], axis=-1)
+    h_BLD = jnp.einsum('BLC,CD->BLD', joined_BLC, gather(self.join_CD, self.rules, h_BLD.dtype),
+                       out_sharding=self.rules.activation_spec(BLD, h_BLD.shape[:2]))
+    return self.block(h_BLD, key, positions_BL, segment_ids_BL)[0]
+
+
 class Transformer(nnx.Module):
   """tokens_BL -> logits_BLV (float32), laid out for `placement` (`mintrain.models.family.Placement`)."""
 
@@ -143,6 +164,9 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.unembed_DV = param(rngs, nnx.initializers.lecun_normal(), (cfg.embed_dim, cfg.vocab_size),
                               ('embed', 'vocab'), dtype, rules)
+    if cfg.mtp_layers:  # Training only: `loss` adds their predictions; logits and decoding never run them.
+      self.mtp = nnx.List([PredictAhead(cfg, placement, rules=rules, rngs=rngs)
+                           for _ in range(cfg.mtp_layers)])
     self.cfg, self.rules = cfg, rules
     # How many ways `length` is split (mesh.context), and the key/value (and KV cache) layout.
     self.length_ways, self.kv_layout = placement.ways('length'), kv_layout(cfg.kv_heads_axis(placement))
@@ -181,12 +205,47 @@ class Transformer(nnx.Module):
     weights_BL = self.rules.reshard(weights_BL, ('batch', 'length'))
     table_VD, x_BLD = self._embed(tokens_BL)
     x_BLD, stats = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
+    loss = self._lm_loss(self.final_norm(x_BLD), table_VD, targets_BL, weights_BL)
+    stats = moe_statistics(self.cfg, stats) if stats else {}
+    if self.cfg.mtp_layers:
+      mtp_loss = self._mtp_loss(x_BLD, table_VD, tokens_BL, targets_BL, weights_BL, positions_BL,
+                                segment_ids_BL, dropout_key)
+      stats['mtp_loss'] = mtp_loss
+      stats['aux_loss'] = stats.get('aux_loss', 0.0) + self.cfg.mtp_loss_weight * mtp_loss
+    return loss, jnp.sum(weights_BL), stats
+
+  def _lm_loss(self, h_BLD: jax.Array, table_VD: jax.Array, targets_BL: jax.Array,
+               weights_BL: jax.Array) -> jax.Array:
+    """Mean cross-entropy of the output layer on normed hidden states (fused over chunks if asked)."""
     if self.cfg.loss_chunks <= 0:
-      loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL, weights_BL)
-    else:
-      loss = fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, weights_BL,
-                                 self.rules, self.cfg.loss_chunks)
-    return loss, jnp.sum(weights_BL), moe_statistics(self.cfg, stats) if stats else {}
+      logits_BLV = jnp.einsum('BLD,DV->BLV', h_BLD, self._unembedding(table_VD))
+      logits_BLV = self.rules.reshard(logits_BLV.astype(jnp.float32), ('batch', 'length', 'vocab'))
+      return cross_entropy(logits_BLV, targets_BL, weights_BL)
+    return fused_cross_entropy(h_BLD, self._unembedding(table_VD), targets_BL, weights_BL, self.rules,
+                               self.cfg.loss_chunks)
+
+  def _mtp_loss(self, x_BLD: jax.Array, table_VD: jax.Array, tokens_BL: jax.Array, targets_BL: jax.Array,
+                weights_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array | None,
+                dropout_key: jax.Array | None) -> jax.Array:
+    """The mean over depths k = 1.. of the cross-entropy of predicting the token k + 1 ahead (DeepSeek-V3's
+    multi-token prediction), each depth reading the previous one's hidden states and the tokens k ahead.
+    A position counts where its target k ahead counts and is in the same document; the last k do not."""
+    rules, total = self.rules, 0.0
+    positions_BL = rules.reshard(jnp.broadcast_to(positions_BL, tokens_BL.shape), ('batch', 'length'))
+
+    def ahead(x_BL: jax.Array, k: int) -> jax.Array:  # x at position i + k, zeros past the end.
+      whole_BL = rules.reshard(x_BL, ('batch', None))
+      return rules.reshard(jnp.pad(whole_BL[:, k:], ((0, 0), (0, k))), ('batch', 'length'))
+
+    for k, layer in enumerate(self.mtp, 1):
+      weights_k_BL = ahead(weights_BL, k)
+      if segment_ids_BL is not None:
+        weights_k_BL = weights_k_BL * (ahead(segment_ids_BL, k) == segment_ids_BL)
+      e_BLD = table_VD.at[ahead(tokens_BL, k)].get(out_sharding=rules.activation_spec(BLD, tokens_BL.shape))
+      key = None if dropout_key is None else jax.random.fold_in(dropout_key, self.cfg.num_layers + k)
+      x_BLD = layer(x_BLD, e_BLD, key, positions_BL, segment_ids_BL)
+      total = total + self._lm_loss(layer.out_norm(x_BLD), table_VD, ahead(targets_BL, k), weights_k_BL)
+    return total / len(self.mtp)
 
   @on_params_mesh
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
