@@ -50,11 +50,14 @@ def test_sigmoid_router_picks_by_score_and_bias_within_the_best_groups_and_weigh
 
 def test_the_balancing_bias_moves_by_its_rate_towards_the_mean_load_and_takes_no_gradient():
   result = run('deepseek_v3_ep4_dp2', 'single', 'model.num_layers=2', 'train.steps=1',
-               'model.router_bias_rate=0.01')  # One MoE block: its shares are the logged ones.
+               'model.router_bias_rate=0.01', 'model.mtp_layers=1')  # One MoE block: its shares are logged.
   record = next(r for r in result.records if 'moe_expert_share_0' in r)
+  # Multi-token prediction's loss joins the objective with its weight (no balancing loss here).
+  assert record['mtp_loss'] > 0
+  np.testing.assert_allclose(record['aux_loss'], 0.3 * record['mtp_loss'], rtol=1e-6)
   share = np.array([record[f'moe_expert_share_{e}'] for e in range(8)], np.float32)
   expected = np.float32(0.01) * np.sign(np.mean(share) - share)
-  (bias,) = biases(result)
+  (bias,) = biases(result)  # The main blocks'; the prediction layer's stays as loaded.
   np.testing.assert_array_equal(bias, expected)  # From zeros: the gradient and the optimizer add nothing.
   assert np.count_nonzero(bias) >= 6
 
@@ -67,7 +70,8 @@ def test_a_zero_rate_keeps_the_bias_fixed():
 @pytest.mark.slow  # About 25 s a run here, most of it compiling.
 @pytest.mark.parametrize('mesh', ['expert4_data2', 'expert2_model2_fsdp2'])
 def test_deepseek_losses_and_balancing_biases_on_expert_meshes_equal_one_device(mesh):
-  single, sharded = run('deepseek_v3_ep4_dp2', 'single'), run('deepseek_v3_ep4_dp2', mesh)
+  mtp = 'model.mtp_layers=1'  # Multi-token prediction's loss in the objective too.
+  single, sharded = run('deepseek_v3_ep4_dp2', 'single', mtp), run('deepseek_v3_ep4_dp2', mesh, mtp)
   np.testing.assert_allclose(sharded.losses, single.losses, rtol=1e-4)
   for a, b in zip(biases(sharded), biases(single), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -113,3 +117,15 @@ def test_analytic_flops_of_latent_attention_and_active_experts_agree_with_xla():
 def test_bad_latent_attention_and_router_options_are_one_line_errors(overrides, match):
   with pytest.raises(ConfigError, match=match):
     load_config('deepseek_v3_ep4_dp2', *overrides)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_onto_another_mesh_bit_for_bit_with_its_biases_and_prediction_layers(tmp_path):
+  from test_checkpoint import assert_bitwise_equal, restore_on, train
+  overrides = (*STEPS, 'train.steps=2', 'checkpoint.every_steps=2', 'model.mtp_layers=1')
+  saved = train(load_config('deepseek_v3_ep4_dp2', *overrides), tmp_path)
+  assert any(b.any() for b in biases(saved)) and 'mtp' in saved.state.params
+  target = load_config('deepseek_v3_ep4_dp2', *overrides, *MESHES['expert2_model2_fsdp2'])
+  state, _ = restore_on(target, tmp_path / 'checkpoints' / '2')
+  assert_bitwise_equal(state.params, saved.state.params)
+  assert_bitwise_equal(state.opt_state, saved.state.opt_state)

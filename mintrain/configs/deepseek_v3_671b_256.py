@@ -4,9 +4,10 @@ with show_sharding.py (nothing is allocated):
   python scripts/launch_local.py --num_processes 4 --devices 256 -- python scripts/show_sharding.py \
       --config mintrain/configs/deepseek_v3_671b_256.py
 
-and on 512 with `--devices 512 -- ... --config.mesh.fsdp=64`. Each slice holds fsdp 8 x expert 8 (the
-256 experts 32 to a device); fsdp goes 4 ways across the slices (its all-gathers and reduce-scatters are
-the slower network's traffic). Its 3 dense blocks before the MoE ones rule out scan_layers.
+and on 512 with `--devices 512 -- ... --config.mesh.fsdp=64 --config.train.global_batch_size=512`.
+On 256, each slice holds fsdp 8 x expert 8 (the 256 experts 32 to a device); fsdp goes 4 ways across
+the slices (its all-gathers and reduce-scatters are the slower network's traffic). Its 3 dense blocks
+before the MoE ones rule out scan_layers.
 """
 
 from . import base

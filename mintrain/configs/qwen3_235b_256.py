@@ -4,8 +4,9 @@
   python scripts/launch_local.py --num_processes 4 --devices 256 -- python scripts/show_sharding.py \
       --config mintrain/configs/qwen3_235b_256.py
 
-and on 512 with `--devices 512 -- ... --config.mesh.fsdp=64`. Each slice holds fsdp 8 x expert 8 (the
-128 experts 16 to a device); fsdp goes 4 ways across the slices.
+and on 512 with `--devices 512 -- ... --config.mesh.fsdp=64 --config.train.global_batch_size=512`.
+On 256, each slice holds fsdp 8 x expert 8 (the 128 experts 16 to a device); fsdp goes 4 ways across
+the slices.
 """
 
 from . import base
