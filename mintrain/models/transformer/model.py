@@ -1,5 +1,6 @@
-"""Decoder-only transformer LM: pre-norm blocks of causal attention (RoPE, `attention`) and a gated MLP
-or, every `moe_every`-th block when `num_experts` > 0, a mixture of experts (`moe`).
+"""Decoder-only transformer LM: pre-norm blocks of causal attention (RoPE, `attention`, or latent attention,
+`mla`) and a gated MLP or, every `moe_every`-th block but `dense_layers` when `num_experts` > 0, a mixture
+of experts (`moe`); in training, optional multi-token prediction depths (`PredictAhead`).
 
 `__call__` is the training forward pass; `decode` is the same computation over a per-layer KV cache, so
 each sampled token costs one step instead of a re-run of the prefix. Packed rows' `segment_ids_BL` and
