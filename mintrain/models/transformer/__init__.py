@@ -3,7 +3,8 @@ experts, and DeepSeek-V3.
 
 `config` holds its options and costs, `attention`, `mla` (latent attention) and `model` its modules,
 `moe`, `context_attention` and `collective_matmul` what they use on a mesh, `sampling` its KV-cached
-generation, `hf` its Hugging Face conversion. `FAMILY` is what the rest of mintrain knows of it (`mintrain.models.family`).
+generation, `hf` its Hugging Face conversion. `FAMILY` is what the rest of mintrain knows of it
+(`mintrain.models.family`).
 """
 
 from mintrain.models.family import Family
