@@ -2,6 +2,7 @@
 grouped choice and its balancing bias, the same losses and bias on every mesh, the cost model of latent
 attention and shared experts, and the small Qwen3-MoE config."""
 
+import json
 import math
 
 import jax.numpy as jnp
@@ -129,3 +130,25 @@ def test_a_checkpoint_restores_onto_another_mesh_bit_for_bit_with_its_biases_and
   state, _ = restore_on(target, tmp_path / 'checkpoints' / '2')
   assert_bitwise_equal(state.params, saved.state.params)
   assert_bitwise_equal(state.opt_state, saved.state.opt_state)
+
+
+@pytest.mark.slow
+def test_export_leaves_out_the_prediction_layers_and_transformers_gives_the_same_logits(tmp_path):
+  import jax
+  import torch
+  import transformers
+  from flax import nnx
+  from test_hf import TOKENS, mintrain_logits, torch_logits
+
+  from mintrain import hf
+  from mintrain.mesh import make_mesh
+  config = load_config('deepseek_v3_ep4_dp2', 'model.mtp_layers=1', 'model.vocab_size=256', *MESHES['single'])
+  setup = build(config)
+  with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
+    model = nnx.merge(setup.graphdef, setup.init().params)
+    hf.save_pretrained(model, tmp_path)
+    ours = mintrain_logits(model, TOKENS)
+  assert json.loads((tmp_path / 'config.json').read_text())['num_nextn_predict_layers'] == 0
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+  assert not any('layers.3' in name for name, _ in theirs.named_parameters())
+  assert np.abs(torch_logits(theirs, TOKENS) - ours).max() <= 1e-4
