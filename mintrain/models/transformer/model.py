@@ -219,9 +219,7 @@ class Transformer(nnx.Module):
                weights_BL: jax.Array) -> jax.Array:
     """Mean cross-entropy of the output layer on normed hidden states (fused over chunks if asked)."""
     if self.cfg.loss_chunks <= 0:
-      logits_BLV = jnp.einsum('BLD,DV->BLV', h_BLD, self._unembedding(table_VD))
-      logits_BLV = self.rules.reshard(logits_BLV.astype(jnp.float32), ('batch', 'length', 'vocab'))
-      return cross_entropy(logits_BLV, targets_BL, weights_BL)
+      return cross_entropy(self._vocab_logits(h_BLD, table_VD), targets_BL, weights_BL)
     return fused_cross_entropy(h_BLD, self._unembedding(table_VD), targets_BL, weights_BL, self.rules,
                                self.cfg.loss_chunks)
 
@@ -347,7 +345,11 @@ class Transformer(nnx.Module):
     return table_VD, x_BLD
 
   def _logits(self, x_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
-    logits_BLV = jnp.einsum('BLD,DV->BLV', self.final_norm(x_BLD), self._unembedding(table_VD))
+    return self._vocab_logits(self.final_norm(x_BLD), table_VD)
+
+  def _vocab_logits(self, h_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
+    """float32 logits of normed hidden states (the model's or a prediction depth's)."""
+    logits_BLV = jnp.einsum('BLD,DV->BLV', h_BLD, self._unembedding(table_VD))
     return self.rules.reshard(logits_BLV.astype(jnp.float32), ('batch', 'length', 'vocab'))
 
   def _unembedding(self, table_VD: jax.Array) -> jax.Array:

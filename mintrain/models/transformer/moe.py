@@ -2,8 +2,8 @@
 
 The router scores by softmax (Mixtral, Qwen) or by sigmoid (DeepSeek-V3). A sigmoid router chooses by
 score plus a per-expert bias (`router_bias_E`) that takes no gradient and that the train step moves
-towards balance (`balance_bias`, the auxiliary-loss-free rule), optionally within the best of groups
-of experts, and weights each choice by its score alone.
+towards balance (`Transformer.after_step`, the auxiliary-loss-free rule), optionally within the best of
+groups of experts, and weights each choice by its score alone.
 
 Shape letters: B batch, L length, D embed, E experts, A the top-k choices of a token, C capacity (slots per
 expert per sequence), F expert mlp width.
@@ -167,7 +167,7 @@ class MoE(nnx.Module):
     dtype = jnp.dtype(cfg.param_dtype)
     init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
     self.router_DE = param(rngs, nnx.initializers.lecun_normal(), (d, e), ('embed', None), dtype, rules)
-    if cfg.router_score == 'sigmoid':  # A parameter without gradient, moved by `balance_bias` instead.
+    if cfg.router_score == 'sigmoid':  # A parameter without gradient, moved by `after_step` instead.
       self.router_bias_E = param(rngs, nnx.initializers.zeros, (e,), (None,), jnp.float32, rules, decay=False)
     self.wi_gate_EDF = param(rngs, init, (e, d, f), EXPERT_IN, dtype, rules)
     self.wi_up_EDF = param(rngs, init, (e, d, f), EXPERT_IN, dtype, rules)
