@@ -152,3 +152,13 @@ def test_export_leaves_out_the_prediction_layers_and_transformers_gives_the_same
   theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
   assert not any('layers.3' in name for name, _ in theirs.named_parameters())
   assert np.abs(torch_logits(theirs, TOKENS) - ours).max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_scanned_layers_give_the_same_losses_and_balancing_biases():
+  every_block_moe = ('model.dense_layers=()', 'model.num_layers=2')
+  scanned = run('deepseek_v3_ep4_dp2', 'single', *every_block_moe, 'model.scan_layers=True')
+  unscanned = run('deepseek_v3_ep4_dp2', 'single', *every_block_moe)
+  assert scanned.losses == unscanned.losses
+  np.testing.assert_array_equal(np.asarray(scanned.state.params['blocks']['mlp']['router_bias_E'][...]),
+                                np.stack(biases(unscanned)))
