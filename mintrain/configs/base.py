@@ -115,13 +115,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.router_group_topk = 1  # groups whose two best scores sum highest (DeepSeek's n_group, topk_group).
   c.model.routed_scaling_factor = 1.0  # The routed experts' weights times this.
   c.model.router_bias_rate = 0.0  # Step of the balancing bias (sigmoid router); 0 keeps it as loaded.
+  c.model.router_z_loss_weight = 1e-3  # Weight of the router z-loss, mean(logsumexp(logits)^2), in the loss.
+  c.model.load_balance_loss_weight = 1e-2  # Weight of the balancing loss E * sum_e f_e * p_e (1: balanced).
   # Multi-token prediction (DeepSeek-V3): mtp_layers more blocks, used in training only, depth k predicting
   # the token k + 1 ahead from depth k - 1's hidden states and the embedding of the token k ahead; their
   # mean cross-entropy times mtp_loss_weight joins the objective (metric `mtp_loss`). 0: none.
   c.model.mtp_layers = 0
   c.model.mtp_loss_weight = 0.3
-  c.model.router_z_loss_weight = 1e-3  # Weight of the router z-loss, mean(logsumexp(logits)^2), in the loss.
-  c.model.load_balance_loss_weight = 1e-2  # Weight of the balancing loss E * sum_e f_e * p_e (1: balanced).
 
   c.data = ml_collections.ConfigDict()
   # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of
