@@ -195,8 +195,8 @@ def test_a_scanned_mixture_with_its_experts_split_gives_the_logits_and_saves_bac
 
 
 @pytest.mark.parametrize('reference', [
-    pytest.param(family, marks=[pytest.mark.slow] if family in SLOW_GENERATION else []) for family in FAMILIES],
-    indirect=True)
+    pytest.param(family, marks=[pytest.mark.slow] if family in SLOW_GENERATION else [])
+    for family in FAMILIES], indirect=True)
 def test_greedy_generation_with_the_kv_cache_equals_transformers_generate(reference):
   directory, tokens, _ = reference
   reference_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
