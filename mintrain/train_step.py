@@ -44,7 +44,9 @@ def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, dropout_key
   """(objective, (count, metrics)), as the model family computes them: the objective is its mean loss
   over the batch's counted targets, plus its statistics' `aux_loss` if any (an MoE router's balancing
   losses); the metrics are that mean loss as `loss` and every statistic. Gradients are of `params` alone:
-  `frozen` (LoRA's base) only takes part."""
+  `frozen` (LoRA's base) only takes part. A statistic `balance` (arrays, averaged like the metrics) is not
+  logged: the model's `after_step(balance)` makes the step's parameters from it, an update without gradient
+  (a router's balancing bias)."""
   loss, count, stats = merge(graphdef, params, frozen).loss(batch, dropout_key=dropout_key)
   objective = loss + stats['aux_loss'] if 'aux_loss' in stats else loss
   return objective, (jnp.asarray(count, jnp.float32), {'loss': loss, **stats})
@@ -80,6 +82,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     grads = jax.tree.map(lambda g: g / total, grad_sum)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    balance = model_metrics.pop('balance', None)
+    if balance is not None:
+      params = merge(graphdef, params, state.frozen).after_step(balance)
     metrics = {**model_metrics, 'grad_norm': optax.tree.norm(grads), 'param_norm': optax.tree.norm(params),
                'learning_rate': schedule(state.step)}
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -57,8 +57,39 @@ FAMILIES = {
     'qwen2_moe': ('Qwen2MoeConfig', {'num_key_value_heads': 2, 'num_experts': 4, 'num_experts_per_tok': 2,
                                      'moe_intermediate_size': 48, 'shared_expert_intermediate_size': 80,
                                      'decoder_sparse_step': 2, 'norm_topk_prob': False}),
+    # QK-norm with experts in blocks 1 and 2 (block 0 in mlp_only_layers), top-k renormalised.
+    'qwen3_moe': ('Qwen3MoeConfig', {'num_hidden_layers': 3, 'num_key_value_heads': 2, 'head_dim': 12,
+                                     'num_experts': 4, 'num_experts_per_tok': 2, 'moe_intermediate_size': 48,
+                                     'decoder_sparse_step': 1, 'mlp_only_layers': [0],
+                                     'norm_topk_prob': True}),
+    # Latent attention (low-rank queries, YaRN with mscale_all_dim) and, after one dense block, 8 experts
+    # in 4 groups behind a sigmoid router with its bias, 2 of the best 2 groups' experts per token, and 2
+    # shared experts; the plain variant has a plain query projection and no YaRN.
+    'deepseek_v3': ('DeepseekV3Config', {'num_hidden_layers': 3, 'q_lora_rank': 32, 'kv_lora_rank': 16,
+                                         'qk_rope_head_dim': 8, 'qk_nope_head_dim': 12, 'v_head_dim': 10,
+                                         'n_routed_experts': 8, 'num_experts_per_tok': 2, 'n_group': 4,
+                                         'topk_group': 2, 'first_k_dense_replace': 1, 'n_shared_experts': 2,
+                                         'moe_intermediate_size': 48, 'routed_scaling_factor': 2.5,
+                                         'rope_parameters': {'rope_type': 'yarn', 'rope_theta': 10000.0,
+                                                             'factor': 8.0, 'mscale': 1.0,
+                                                             'mscale_all_dim': 0.8,
+                                                             'original_max_position_embeddings': 16}}),
+    'deepseek_v3_plain_q': ('DeepseekV3Config', {'num_hidden_layers': 2, 'q_lora_rank': None,
+                                                 'kv_lora_rank': 16, 'qk_rope_head_dim': 8,
+                                                 'qk_nope_head_dim': 8, 'v_head_dim': 16,
+                                                 'n_routed_experts': 4, 'num_experts_per_tok': 2,
+                                                 'n_group': 1, 'topk_group': 1, 'first_k_dense_replace': 0,
+                                                 'n_shared_experts': 1,
+                                                 'moe_intermediate_size': 48, 'norm_topk_prob': False}),
 }
-MOE = ('mixtral', 'qwen2_moe')
+MOE = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'deepseek_v3')
+# Families whose logits are checked on tp8 and fsdp8 in the slow set only (the default suite's time); the
+# plain-query DeepSeek-V3 is tested on one device alone outside the slow set.
+SLOW_MESHES = {'qwen3_moe': ('tp8', 'fsdp8'), 'deepseek_v3': ('tp8', 'fsdp8'),
+               'deepseek_v3_plain_q': ('dp4_tp2', 'tp8', 'fsdp8')}
+SLOW_FAMILIES = ('deepseek_v3_plain_q',)
+# Their generation (a compile of every decode shape) is in the slow set; Qwen2-MoE's covers a mixture's.
+SLOW_GENERATION = ('qwen3_moe', 'deepseek_v3', *SLOW_FAMILIES)
 
 
 def random_model(family, directory, **changes):
@@ -71,6 +102,9 @@ def random_model(family, directory, **changes):
     for param_name, param in model.named_parameters():
       if param_name.endswith(('norm.weight', 'bias', '.gate.weight')):  # A router drawn as zeros ties.
         param.add_(0.1 * torch.randn_like(param))
+    for buffer_name, buffer in model.named_buffers():
+      if buffer_name.endswith('e_score_correction_bias'):  # DeepSeek-V3's balancing bias, drawn as zeros.
+        buffer.add_(0.1 * torch.randn_like(buffer))
   model.save_pretrained(directory)
   return model
 
@@ -83,14 +117,16 @@ def torch_logits(model, tokens):
     return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
 
 
-@pytest.fixture(scope='module', params=list(FAMILIES))
+@pytest.fixture(scope='module', params=[
+    pytest.param(family, marks=[pytest.mark.slow] if family in SLOW_FAMILIES else []) for family in FAMILIES])
 def reference(request, tmp_path_factory):
   """(directory, tokens, transformers' float32 logits) of one tiny random model."""
   directory = tmp_path_factory.mktemp(request.param)
   return directory, TOKENS, torch_logits(random_model(request.param, directory), TOKENS)
 
 
-@pytest.fixture(scope='module', params=MOE)
+@pytest.fixture(scope='module', params=[  # The newer mixtures' expert splits in the slow set.
+    pytest.param(family, marks=[pytest.mark.slow] if family in SLOW_MESHES else []) for family in MOE])
 def moe_reference(request, tmp_path_factory):
   """As `reference`, of the mixtures of experts alone."""
   directory = tmp_path_factory.mktemp(request.param)
@@ -112,7 +148,9 @@ def mintrain_logits(model, tokens):
   return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
 
 
-@pytest.mark.parametrize('mesh_name', ['single', 'dp4_tp2', 'tp8', 'fsdp8'])
+@pytest.mark.parametrize(('reference', 'mesh_name'), [
+    pytest.param(family, mesh, marks=[pytest.mark.slow] if mesh in SLOW_MESHES.get(family, ()) else [])
+    for family in FAMILIES for mesh in ('single', 'dp4_tp2', 'tp8', 'fsdp8')], indirect=['reference'])
 def test_a_loaded_checkpoint_gives_the_logits_of_transformers(reference, mesh_name):
   directory, tokens, expected = reference
   config = load_config(mesh_name)
@@ -156,6 +194,9 @@ def test_a_scanned_mixture_with_its_experts_split_gives_the_logits_and_saves_bac
     np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
 
 
+@pytest.mark.parametrize('reference', [
+    pytest.param(family, marks=[pytest.mark.slow] if family in SLOW_GENERATION else [])
+    for family in FAMILIES], indirect=True)
 def test_greedy_generation_with_the_kv_cache_equals_transformers_generate(reference):
   directory, tokens, _ = reference
   reference_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -303,9 +344,17 @@ def test_scanned_qwen3_layers_stack_their_qk_norm_scales_and_give_the_logits_of_
   assert np.abs(logits - torch_logits(reference, TOKENS)).max() <= 1e-4
 
 
-def test_qk_norm_exports_as_dense_qwen3_only():
-  with pytest.raises(ConfigError, match=r'^model.qk_norm has a Hugging Face architecture as dense Qwen3'):
+def test_qk_norm_exports_as_qwen3_or_qwen3_moe_only():
+  with pytest.raises(ConfigError, match=r'^model.qk_norm has a Hugging Face architecture as Qwen3 or Qwen3-'):
     hf_llama.config_json(load_config('single', 'model.qk_norm=True', 'model.qkv_bias=True').model, 'float32')
+  moe = load_config('single', 'model.qk_norm=True', 'model.num_experts=4', 'model.dense_layers=(1,)').model
+  assert hf_llama.config_json(moe, 'float32')['mlp_only_layers'] == [1]
+
+
+def test_qwen2_moe_mlp_only_layers_become_dense_layers():
+  qwen2_moe = {'model_type': 'qwen2_moe', **COMMON, 'num_experts': 4, 'moe_intermediate_size': 48,
+               'shared_expert_intermediate_size': 80, 'mlp_only_layers': [1]}
+  assert hf_llama.model_options(qwen2_moe)['dense_layers'] == (1,)
 
 
 def test_qwen2_sliding_window_applies_to_the_layers_from_max_window_layers_on():
@@ -322,8 +371,8 @@ def test_qwen2_sliding_window_applies_to_the_layers_from_max_window_layers_on():
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
   with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
-                                        r'gemma, gemma2, gemma3_text, llama, mistral, mixtral, qwen2, '
-                                        r'qwen2_moe, qwen3; convert'):
+                                        r'deepseek_v3, gemma, gemma2, gemma3_text, llama, mistral, mixtral, '
+                                        r'qwen2, qwen2_moe, qwen3, qwen3_moe; convert'):
     hf.from_pretrained(tmp_path)
   config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'longrope', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))
@@ -493,7 +542,7 @@ def test_reading_any_slices_of_a_written_tensor_gives_back_those_slices(kind, tm
       indices = [tuple(slice(*sorted(rng.choice(n + 1, 2, replace=False))) for n in ours.shape)
                  for _ in range(rng.integers(1, 4))]
       targets = [(index, np.full([s.stop - s.start for s in index], np.nan, np.float32)) for index in indices]
-      hf_llama.read(kind, file.tensors['w'], targets, head_dim=4)
+      hf_llama.read(kind, file.tensors['w'], targets, ours.shape)
       for index, out in targets:
         np.testing.assert_array_equal(out, ours[index])
 

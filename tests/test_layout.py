@@ -32,6 +32,11 @@ EXPECTED = {
     ('embed', 'kv_heads', 'kv'): P('fsdp', 'model', None),  # Grouped keys and values (qwen3_dp4_tp2).
     ('kv',): P(None),  # QK-norm scales over head_dim.
     ('embed', None, 'kv'): P('fsdp', None, None),  # One key/value head, replicated (gemma3_dp4_tp2).
+    # Latent attention (deepseek_v3_ep4_dp2): low-rank widths stored over `fsdp` where `embed` is not.
+    ('embed', 'latent'): P('fsdp', None),
+    ('latent',): P('fsdp'),
+    ('latent', 'heads', 'kv'): P('fsdp', 'model', None),
+    (None,): P(None),  # A sigmoid router's balancing bias.
 }
 # The shipped configs that fit the tests' 8 devices; a plan for more (mixtral_8x7b_256: 256 devices) is
 # laid out by show_sharding.py under several processes in tests/test_scripts.py.
@@ -40,7 +45,8 @@ CONFIGS = sorted(p.stem for p in (configs.DIR).glob('*.py') if p.stem not in ('b
 
 
 def test_every_shipped_config_is_covered():
-  shipped = {'single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2', 'mlp_dp4_tp2', 'moe_ep4_dp2'}
+  shipped = {'single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2', 'mlp_dp4_tp2', 'moe_ep4_dp2',
+             'qwen3_moe_ep4_dp2', 'deepseek_v3_ep4_dp2'}
   assert shipped <= set(CONFIGS)
 
 

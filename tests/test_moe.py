@@ -238,7 +238,9 @@ def test_scanned_moe_layers_give_the_same_losses():
 
 @pytest.mark.parametrize('overrides,match', [
     (('model.experts_per_token=5',), 'experts_per_token=5 must be at most model.num_experts=4'),
-    (('model.scan_layers=True', 'model.moe_every=2'), 'Set model.moe_every=1 or model.scan_layers=False'),
+    (('model.scan_layers=True', 'model.moe_every=2', 'model.num_layers=2'),
+     'some are dense and some MoE. Set model.scan_layers'),
+    (('model.dense_layers=(5,)',), r'model.dense_layers=\(5,\) names blocks \[5\] of a model with'),
     (('model.mlp_overlap=True',), 'mlp_overlap is for dense MLPs'),
 ])
 def test_bad_moe_options_are_one_line_errors(overrides, match):

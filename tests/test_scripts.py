@@ -114,6 +114,28 @@ def test_show_sharding_prints_one_row_per_parameter_and_totals():
   assert 'per device: parameters' in proc.stdout and 'optimizer state' in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('config,devices,parameters,expert_row', [
+    ('deepseek_v3_671b_256', 256, '671,026,419,200',
+     r'blocks\.3\.mlp\.wi_gate_EDF +\(256, 7168, 2048\) .*\(expert, fsdp, model\)\s+\(32, 224, 2048\)'),
+    ('deepseek_v3_671b_256', 512, '671,026,419,200',
+     r'blocks\.3\.mlp\.wi_gate_EDF +\(256, 7168, 2048\) .*\(expert, fsdp, model\)\s+\(32, 112, 2048\)'),
+    ('qwen3_235b_256', 256, '235,093,634,560',
+     r'blocks\.mlp\.wi_gate_EDF +\(94, 128, 4096, 1536\) .*\(-, expert, fsdp, model\)\s+'
+     r'\(94, 16, 128, 1536\)'),
+])
+def test_show_sharding_plans_deepseek_v3_and_qwen3_moe_sized_models_on_256_and_512_devices(
+    config, devices, parameters, expert_row):
+  fsdp = devices // 8  # expert 8 within each of 4 slices, fsdp the rest.
+  proc = run_script('scripts/launch_local.py', '--num_processes', '4', '--devices', str(devices), '--',
+                    sys.executable, 'scripts/show_sharding.py', '--config', f'mintrain/configs/{config}.py',
+                    f'--config.mesh.fsdp={fsdp}', f'--config.train.global_batch_size={devices}', timeout=900)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  mesh = f'mesh data=1 x fsdp={fsdp} x expert=8 x model=1 ({devices} devices), {parameters} parameters'
+  assert mesh in proc.stdout
+  assert re.search(expert_row, proc.stdout)
+
+
 @pytest.mark.slow  # Four processes of 64 simulated devices each; about 15 s.
 def test_show_sharding_plans_a_mixtral_8x7b_sized_model_on_256_devices_in_4_slices_without_allocating():
   proc = run_script('scripts/launch_local.py', '--num_processes', '4', '--devices', '256', '--',

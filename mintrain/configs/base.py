@@ -30,6 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
       ('heads', 'model'),
       ('kv_heads', 'model'),  # Grouped key/value heads (model.num_kv_heads); replicated if too few.
       ('kv', None),
+      ('latent', None),  # Multi-head latent attention's low-rank widths (model.kv_lora_rank, q_lora_rank).
       ('vocab', 'model'),
       ('expert', 'expert'),  # The experts of a mixture-of-experts layer (model.num_experts).
       ('classes', None),
@@ -37,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
       ('lora_rank', None),  # The rank dimension of LoRA's adapters (lora.rank): small, replicated.
   ]
   # Storage layout of parameters at rest, tried before `rules`: FSDP shards `embed` on `fsdp`.
-  c.partitioning.param_rules = [('embed', 'fsdp')]
+  c.partitioning.param_rules = [('embed', 'fsdp'), ('latent', 'fsdp')]
 
   c.model = ml_collections.ConfigDict()
   c.model.name = 'transformer'  # 'transformer' (decoder-only LM) or 'mlp' (classifier).
@@ -75,6 +76,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.final_softcap = 0.0  # Gemma 2: output logits soft-capped the same way (not in the fused loss).
   c.model.query_scale = 0.0  # Scores times query_scale ** -0.5 (Gemma's query_pre_attn_scalar); 0: head_dim.
   c.model.post_norms = False  # Gemma 2 and 3: RMSNorm of the attention's and MLP's outputs as well.
+  # Multi-head latent attention (DeepSeek-V2/V3, models/transformer/mla.py) when kv_lora_rank > 0: each
+  # head's keys and values come from one shared latent of kv_lora_rank dims (all a KV cache keeps, with one
+  # rotary key); queries and keys are qk_nope_head_dim dims without RoPE, then head_dim with it.
+  c.model.kv_lora_rank = 0  # Width of the key/value latent; 0: ordinary attention.
+  c.model.q_lora_rank = 0  # Queries through a normed latent this wide; 0: one query projection.
+  c.model.qk_nope_head_dim = 0  # Query/key dims per head without RoPE (MLA).
+  c.model.v_head_dim = 0  # Value dims per head (MLA); 0: head_dim.
+  c.model.rope_interleave = True  # DeepSeek's checkpoints order the rotary dims as pairs (MLA).
+  # Under YaRN, scores / sqrt(qk_nope_head_dim + head_dim) also times (0.1 * this * ln(factor) + 1)^2; 0: not.
+  c.model.mla_mscale_all_dim = 0.0
   c.model.mlp_activation = 'silu'  # Gate nonlinearity: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, Gemma).
   c.model.dropout_rate = 0.0  # Dropout on attention and MLP outputs; 0 disables it.
   c.model.param_dtype = 'float32'  # Storage dtype of parameters and optimizer state.
@@ -98,12 +109,27 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.num_experts = 0  # Experts per MoE layer (E); 0: every MLP dense.
   c.model.experts_per_token = 2  # Top-k experts each token goes to.
   c.model.moe_every = 1  # Every N-th block is MoE (1: all; 2: blocks 1, 3, ...), the others dense.
+  c.model.dense_layers = ()  # Blocks kept dense anyway (Qwen-MoE's mlp_only_layers, DeepSeek's first k).
   c.model.expert_mlp_dim = 0  # Hidden width of each expert; 0: mlp_dim.
-  c.model.shared_expert_dim = 0  # Width of a sigmoid-gated expert every token takes (Qwen2-MoE); 0: none.
+  c.model.shared_expert_dim = 0  # Width of an expert every token takes (Qwen2-MoE, DeepSeek); 0: none.
+  c.model.shared_expert_gate = True  # Qwen2-MoE scales its shared expert by a sigmoid gate; DeepSeek not.
   c.model.capacity_factor = 0.0  # Slots per expert: factor * seq_len * k / E (the rest dropped); 0: dropless.
   c.model.router_norm_topk = True  # Top-k router weights renormalised to sum 1 (Mixtral; Qwen2-MoE: False).
+  # DeepSeek-V3's router: sigmoid scores; experts chosen by score + a per-expert bias that takes no gradient
+  # but moves router_bias_rate per step towards balance (bias += rate * sign(mean load - load); the
+  # auxiliary-loss-free balancing); the choices weighted by the scores alone, times routed_scaling_factor.
+  c.model.router_score = 'softmax'  # 'softmax' (Mixtral, Qwen) or 'sigmoid' (DeepSeek-V3).
+  c.model.router_groups = 1  # Experts in this many groups; each token picks from the router_group_topk
+  c.model.router_group_topk = 1  # groups whose two best scores sum highest (DeepSeek's n_group, topk_group).
+  c.model.routed_scaling_factor = 1.0  # The routed experts' weights times this.
+  c.model.router_bias_rate = 0.0  # Step of the balancing bias (sigmoid router); 0 keeps it as loaded.
   c.model.router_z_loss_weight = 1e-3  # Weight of the router z-loss, mean(logsumexp(logits)^2), in the loss.
   c.model.load_balance_loss_weight = 1e-2  # Weight of the balancing loss E * sum_e f_e * p_e (1: balanced).
+  # Multi-token prediction (DeepSeek-V3): mtp_layers more blocks, used in training only, depth k predicting
+  # the token k + 1 ahead from depth k - 1's hidden states and the embedding of the token k ahead; their
+  # mean cross-entropy times mtp_loss_weight joins the objective (metric `mtp_loss`). 0: none.
+  c.model.mtp_layers = 0
+  c.model.mtp_loss_weight = 0.3
 
   c.data = ml_collections.ConfigDict()
   # 'stdlib': this Python's standard library source (~12 MB, no download); 'text': UTF-8 files of

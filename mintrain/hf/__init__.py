@@ -171,7 +171,7 @@ def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | Non
     for var, source, files in _checked(tensors, run, leaves):
       abstract = jax.tree.leaves(var)[0]
       value = _load(run.config.family.hf, source, files, abstract.shape, abstract.dtype,
-                    NamedSharding(mesh, abstract.sharding.spec), run.config.model.head_dim)
+                    NamedSharding(mesh, abstract.sharding.spec))
       loaded.append(var.replace(value) if _is_variable(var) else value)
   return jax.tree_util.tree_unflatten(treedef, loaded)
 
@@ -224,7 +224,7 @@ def _names(unused: set[str], every: Iterable[str]) -> str:
 
 
 def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tensor], shape: tuple[int, ...],
-          dtype: np.dtype, sharding: NamedSharding, head_dim: int) -> jax.Array:
+          dtype: np.dtype, sharding: NamedSharding) -> jax.Array:
   """One parameter, each of this process's devices given its slice; devices that hold the same slice
   (replicas) share its read, and each distinct slice is read in one pass over the tensor's rows."""
   slices: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
@@ -241,7 +241,7 @@ def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tenso
     part = [(index[n:], out[tuple(i - s.start for i, s in zip(at, index))] if n else out)
             for index, out in targets if all(s.start <= i < s.stop for i, s in zip(at, index))]
     if part:
-      conversion.read(source.kind, file, part, head_dim)
+      conversion.read(source.kind, file, part, shape[n:])
   arrays, taken = [], set()
   for device, bounds in devices:  # A replica gets a copy of its own (a device buffer is never shared).
     host = slices[bounds] if bounds not in taken else _copy(slices[bounds])
@@ -349,7 +349,9 @@ def _write(model: nnx.Module, out: epath.Path, dtype: str | None, max_shard_size
     raise ConfigError(f'{type(cfg).__name__} models have no Hugging Face architecture.')
   out_dtype = np.dtype(dtype or cfg.param_dtype)
   _, params = nnx.split(model, nnx.Param)
-  variables = {train_state.path_str(key): var for key, var in nnx.to_flat_state(params)}
+  names = family.hf.weight_names(cfg)  # A name of None: a parameter of training only, not exported.
+  variables = {train_state.path_str(key): var for key, var in nnx.to_flat_state(params)
+               if names.get(train_state.path_str(key), ()) is not None}
   where = _sources(family.hf, cfg, {path: _shape_and_axes(var) for path, var in variables.items()})
   # Each shard is written once full; its final name needs the shard count, so it is renamed at the end.
   shard: dict[str, np.ndarray] = {}

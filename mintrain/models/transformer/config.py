@@ -29,6 +29,7 @@ DTYPES = ('float32', 'bfloat16')
 ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True)}
 # How RoPE's frequencies stretch to longer contexts, as transformers' `rope_type`s (`attention`).
 ROPE_SCALINGS = ('none', 'llama3', 'linear', 'dynamic', 'yarn')
+ROUTER_SCORES = ('softmax', 'sigmoid')
 
 
 def _even(value: int) -> str | None:
@@ -73,6 +74,15 @@ class TransformerConfig(Costs, ModelConfig):
   final_softcap: float = option(at_least=0)  # Gemma 2: the same on the output logits; 0: none.
   query_scale: float = option(at_least=0)  # Scores times query_scale ** -0.5 (Gemma's pre-attn scalar); 0: K.
   post_norms: bool = option()  # Gemma 2 and 3: RMSNorm of the attention's and the MLP's outputs too.
+  # DeepSeek's multi-head latent attention (`mla`) when kv_lora_rank > 0: keys and values from a latent of
+  # that width; head_dim is then the rotary part of each query and key head, qk_nope_head_dim the rest.
+  kv_lora_rank: int = option(at_least=0)
+  q_lora_rank: int = option(at_least=0)  # Queries through a normed latent of this width; 0: one projection.
+  qk_nope_head_dim: int = option(at_least=0)
+  v_head_dim: int = option(at_least=0)  # Of each value head (0: head_dim); MLA only.
+  rope_interleave: bool = option()  # MLA: checkpoints store the rotary dims as interleaved pairs.
+  # MLA under YaRN: scores also times mscale^2 = (0.1 * this * ln(rope_scaling_factor) + 1)^2; 0: not.
+  mla_mscale_all_dim: float = option(at_least=0)
   mlp_activation: str = option(choices=tuple(ACTIVATIONS))
   dropout_rate: float = option(at_least=0, below=1)
   param_dtype: str = option(choices=DTYPES)
@@ -87,12 +97,25 @@ class TransformerConfig(Costs, ModelConfig):
   num_experts: int = option(at_least=0)  # E experts in each MoE layer; 0: every MLP dense.
   experts_per_token: int = option(at_least=1)  # k: experts each token is routed to.
   moe_every: int = option(at_least=1)  # Block i is MoE when (i + 1) % N == 0 (Qwen2-MoE's sparse step).
+  dense_layers: tuple[int, ...] = option()  # Blocks kept dense whatever moe_every says (mlp_only_layers).
   expert_mlp_dim: int = option(at_least=0)  # F of each expert; 0: mlp_dim.
-  shared_expert_dim: int = option(at_least=0)  # Qwen2-MoE's sigmoid-gated shared expert's width; 0: none.
+  shared_expert_dim: int = option(at_least=0)  # Width of an expert every token takes; 0: none.
+  shared_expert_gate: bool = option()  # Qwen2-MoE: the shared expert scaled by a sigmoid gate (DeepSeek not).
   capacity_factor: float = option(at_least=0)  # Slots per expert: factor * L * k / E; 0: dropless.
   router_norm_topk: bool = option()  # Renormalise the top-k probabilities to sum to 1 (Mixtral).
+  # 'softmax' (Mixtral, Qwen) or 'sigmoid' scores (DeepSeek-V3: chosen by score + a balancing bias that
+  # takes no gradient and moves by router_bias_rate per step, weighted by the score alone).
+  router_score: str = option(choices=ROUTER_SCORES)
+  router_groups: int = option(at_least=1)  # DeepSeek-V3: experts in groups; tokens pick from the best...
+  router_group_topk: int = option(at_least=1)  # ... this many groups (by the sum of each one's top two).
+  routed_scaling_factor: float = option(above=0)  # The routed experts' weights times this.
+  router_bias_rate: float = option(at_least=0)  # Bias += rate * sign(mean load - load) per step; 0: fixed.
   router_z_loss_weight: float = option(at_least=0)  # Of mean(logsumexp(router logits)^2) in the objective.
   load_balance_loss_weight: float = option(at_least=0)  # Of E * sum_e f_e * p_e in the objective.
+  # DeepSeek-V3's multi-token prediction: N more blocks in training, depth k predicting the token k + 1
+  # ahead; their mean loss, times mtp_loss_weight, joins the objective. 0: none.
+  mtp_layers: int = option(at_least=0)
+  mtp_loss_weight: float = option(at_least=0)
 
   @property
   def kv_heads(self) -> int:
@@ -122,11 +145,27 @@ class TransformerConfig(Costs, ModelConfig):
     return len({self.window(i) for i in range(self.num_layers)}) > 1
 
   @property
+  def mla(self) -> bool:
+    return self.kv_lora_rank > 0
+
+  @property
+  def mla_softmax_scale(self) -> float:
+    """MLA's softmax scale: 1 / sqrt(N + P), times YaRN's mscale squared (as `yarn_apply_mscale`)."""
+    scale, factor = (self.qk_nope_head_dim + self.head_dim) ** -0.5, self.rope_scaling_factor
+    if self.rope_scaling != 'none' and self.mla_mscale_all_dim and factor > 1:
+      scale *= (0.1 * self.mla_mscale_all_dim * math.log(factor) + 1.0) ** 2
+    return scale
+
+  @property
+  def value_dim(self) -> int:
+    return self.v_head_dim or self.head_dim
+
+  @property
   def expert_dim(self) -> int:
     return self.expert_mlp_dim or self.mlp_dim
 
   def is_moe(self, layer: int) -> bool:
-    return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+    return self.num_experts > 0 and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
 
   @property
   def moe_layers(self) -> int:
@@ -169,9 +208,34 @@ class TransformerConfig(Costs, ModelConfig):
     if self.num_experts and self.experts_per_token > self.num_experts:
       raise ConfigError(f'model.experts_per_token={self.experts_per_token} must be at most model.num_experts='
                         f'{self.num_experts}.')
-    if self.num_experts and self.scan_layers and self.moe_every != 1:
+    if self.num_experts and self.scan_layers and 0 < self.moe_layers < self.num_layers:
       raise ConfigError(f'model.scan_layers needs identical blocks; with model.moe_every={self.moe_every} '
-                        'some are dense and some MoE. Set model.moe_every=1 or model.scan_layers=False.')
+                        f'and model.dense_layers={self.dense_layers} some are dense and some MoE. Set '
+                        'model.scan_layers=False.')
+    outside = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+    if outside:
+      raise ConfigError(f'model.dense_layers={self.dense_layers} names blocks {outside} of a model with '
+                        f'model.num_layers={self.num_layers} (blocks 0..{self.num_layers - 1}).')
+    if self.mla and (self.attention != 'einsum' or self.context_attention != 'all_gather' or self.grouped
+                     or self.qkv_bias or self.qk_norm or self.sliding_window):
+      raise ConfigError('model.kv_lora_rank > 0 (latent attention) runs with model.attention=einsum and '
+                        'model.context_attention=all_gather, without num_kv_heads, qkv_bias, qk_norm or '
+                        'sliding_window.')
+    if not self.mla and (self.q_lora_rank or self.qk_nope_head_dim or self.v_head_dim):
+      raise ConfigError('model.q_lora_rank, qk_nope_head_dim and v_head_dim are latent attention\'s; set '
+                        'model.kv_lora_rank > 0 to use them, or leave them 0.')
+    if self.num_experts and self.num_experts % self.router_groups:
+      raise ConfigError(f'model.router_groups={self.router_groups} must divide model.num_experts='
+                        f'{self.num_experts}.')
+    group = self.num_experts // self.router_groups
+    if self.router_groups > 1 and not (self.router_group_topk <= self.router_groups and group >= 2
+                                       and self.experts_per_token <= self.router_group_topk * group):
+      raise ConfigError(f'model.router_group_topk={self.router_group_topk} of model.router_groups='
+                        f'{self.router_groups} groups of at least 2 experts must hold '
+                        f'model.experts_per_token={self.experts_per_token} experts.')
+    if self.mtp_layers and (self.context_attention == 'ring' or self.embed_scale or self.scan_layers):
+      raise ConfigError('model.mtp_layers needs model.context_attention=all_gather, no embed_scale and '
+                        'scan_layers=False.')
     if self.num_experts and self.mlp_overlap:
       raise ConfigError('model.mlp_overlap is for dense MLPs; set it False with model.num_experts > 0.')
     if self.loss_chunks > 0 and seq_len % self.loss_chunks:

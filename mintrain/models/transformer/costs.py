@@ -15,13 +15,15 @@ class Costs:
   def forward_flops_per_token(self, seq_len: int, *, causal_half: bool = True) -> dict[str, float]:
     """Forward matmul FLOPs per token, by part (all layers summed)."""
     d, f, h, k = self.embed_dim, self.mlp_dim, self.num_heads, self.head_dim
-    # Scores (q.k) and probs @ v: 2*H*K each per query and key it attends to.
+    qk, v = self._qk_dim, self.value_dim
+    # Scores (q.k) and probs @ v: 2*H*(qk + v) per query and key it attends to.
     keys = sum(self._keys_per_query(i, seq_len, causal_half) for i in range(self.num_layers))
     moe_layers = self.moe_layers
     flops = {
-        'qkv': self.num_layers * 2 * d * (h + 2 * self.kv_heads) * k,
-        'attention': 4 * h * k * keys,
-        'out_proj': self.num_layers * 2 * h * k * d,
+        'qkv': self.num_layers * (self._mla_projections() if self.mla
+                                  else 2 * d * (h + 2 * self.kv_heads) * k),
+        'attention': 2 * h * (qk + v) * keys,
+        'out_proj': self.num_layers * 2 * h * v * d,
         'mlp': (self.num_layers - moe_layers) * 2 * d * f * 3,  # Gate, up and down.
         'logits': 2 * d * self.vocab_size,
     }
@@ -29,7 +31,8 @@ class Costs:
       flops['router'] = moe_layers * 2 * d * self.num_experts
       flops['experts'] = moe_layers * self.experts_per_token * 2 * d * self.expert_dim * 3
       if self.shared_expert_dim:
-        flops['shared_expert'] = moe_layers * (2 * d * self.shared_expert_dim * 3 + 2 * d)
+        gate = 2 * d if self.shared_expert_gate else 0
+        flops['shared_expert'] = moe_layers * (2 * d * self.shared_expert_dim * 3 + gate)
     return flops
 
   def _keys_per_query(self, layer: int, seq_len: int, causal_half: bool) -> float:
@@ -43,6 +46,18 @@ class Costs:
       return seq_len / 2
     return window * (seq_len - window / 2) / seq_len
 
+  @property
+  def _qk_dim(self) -> int:
+    """Each query and key head's width: latent attention's N + P, else head_dim."""
+    return self.qk_nope_head_dim + self.head_dim if self.mla else self.head_dim
+
+  def _mla_projections(self) -> int:
+    """Latent attention's matmul FLOPs per token before the scores: the queries (through their latent),
+    the key/value latent and rotary key, and every head's keys and values from the latent."""
+    d, h, q, r = self.embed_dim, self.num_heads, self.q_lora_rank, self.kv_lora_rank
+    queries = 2 * (d * q + q * h * self._qk_dim) if q else 2 * d * h * self._qk_dim
+    return queries + 2 * d * (r + self.head_dim) + 2 * r * h * (self.qk_nope_head_dim + self.value_dim)
+
   def train_flops_per_row(self, seq_len: int, causal_half: bool = True) -> float:
     """Training (forward + backward) FLOPs of one sequence."""
     return 3 * sum(self.forward_flops_per_token(seq_len, causal_half=causal_half).values()) * seq_len
@@ -50,11 +65,15 @@ class Costs:
   def param_count(self) -> int:
     d, f, h, k, v = self.embed_dim, self.mlp_dim, self.num_heads, self.head_dim, self.vocab_size
     block = 2 * d * (h + self.kv_heads) * k + 2 * d  # q, k, v, out; two norms.
+    if self.mla:  # Its projections (`_mla_projections`, one FLOP pair per weight), latent norms and out.
+      q, r = self.q_lora_rank, self.kv_lora_rank
+      block = self._mla_projections() // 2 + (q + r) + h * self.value_dim * d + 2 * d
     block += (h + 2 * self.kv_heads) * k if self.qkv_bias else 0
     block += 2 * k if self.qk_norm else 0  # One scale for the queries', one for the keys' heads.
     # Router, experts' gate, up and down.
     moe_mlp = d * self.num_experts + self.num_experts * 3 * d * self.expert_dim
-    moe_mlp += 3 * d * self.shared_expert_dim + d if self.shared_expert_dim else 0
+    moe_mlp += 3 * d * self.shared_expert_dim + d * self.shared_expert_gate if self.shared_expert_dim else 0
+    moe_mlp += self.num_experts if self.router_score == 'sigmoid' else 0  # Its balancing bias.
     mlps = (self.num_layers - self.moe_layers) * 3 * d * f + self.moe_layers * moe_mlp
     return v * d + self.num_layers * block + mlps + d + (0 if self.tie_embeddings else d * v)
 
@@ -71,8 +90,11 @@ class Costs:
     c, d = np.dtype(self.compute_dtype).itemsize, self.embed_dim
     heads, mlp = self.num_heads / ways('heads'), self.mlp_dim / ways('mlp')
     tokens = rows * seq_len / ways('length')  # This device's queries.
-    per_token_layer = (c * (4 * d + 4 * heads * self.head_dim + 3 * mlp)  # Norms, q/k/v/out, gate/up/product.
-                       + heads * seq_len * (4 + c))  # Attention scores (float32) and probabilities.
+    # Norms, q/k/v/out, gate/up/product; attention scores (float32) and probabilities.
+    per_token_layer = (c * (4 * d + 2 * heads * (self._qk_dim + self.value_dim) + 3 * mlp)
+                       + heads * seq_len * (4 + c))
+    if self.mla:  # The latents: queries', keys' and values' (normed and not), and the rotary key.
+      per_token_layer += c * (2 * self.q_lora_rank + 2 * self.kv_lora_rank + 2 * self.head_dim)
     if self.qk_norm:  # The normed queries and keys, inputs of RoPE (at most as many key heads as queries).
       per_token_layer += c * 2 * heads * self.head_dim
     # An MoE layer instead: float32 router logits and probabilities, and for each of its slots (E x C per

@@ -11,8 +11,14 @@ One table per direction, read by `mintrain.hf`, which knows nothing of any archi
   gemma3_text  Gemma 2 with QK-norm, no soft-caps by default, and its own RoPE for each layer type (local
            layers' base `rope_local_base_freq`, global ones' scaled): `rope_parameters` by layer type
   mixtral    Mistral with a mixture of experts in every block (dropless, top-k renormalised)
-  qwen2_moe  Qwen2 with mixtures of experts every `decoder_sparse_step` blocks, each with a shared expert
-             behind a sigmoid gate; `norm_topk_prob` says whether the top-k weights are renormalised
+  qwen2_moe  Qwen2 with mixtures of experts every `decoder_sparse_step` blocks but those in
+             `mlp_only_layers`, each with a shared expert behind a sigmoid gate; `norm_topk_prob` says
+             whether the top-k weights are renormalised
+  qwen3_moe  Qwen3 (QK-norm) with Qwen2-MoE's placement and routing of experts, without a shared expert
+  deepseek_v3  multi-head latent attention (`mla`); the first `first_k_dense_replace` blocks dense, then
+             experts behind a sigmoid router with its balancing bias (`e_score_correction_bias`), grouped
+             top-k and scaled weights, and ungated shared experts. Its multi-token prediction layers
+             (`num_nextn_predict_layers`), which transformers drops on load, are neither read nor written
 transformers 5.x keeps RoPE settings under `rope_parameters`; older files under `rope_scaling` and
 `rope_theta`. Both are read, with the rope types 'default', 'llama3', 'linear', 'dynamic' and 'yarn'.
 Which layers are local (`layer_types`, or each type's own default) must be every layer, none, or all but
@@ -39,7 +45,8 @@ from mintrain.errors import ConfigError
 MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                'gemma': 'GemmaForCausalLM', 'mixtral': 'MixtralForCausalLM',
                'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3': 'Qwen3ForCausalLM', 'gemma2': 'Gemma2ForCausalLM',
-               'gemma3_text': 'Gemma3ForCausalLM'}
+               'gemma3_text': 'Gemma3ForCausalLM', 'qwen3_moe': 'Qwen3MoeForCausalLM',
+               'deepseek_v3': 'DeepseekV3ForCausalLM'}
 GEMMAS = ('gemma', 'gemma2', 'gemma3_text')
 # transformers' defaults of the Gemma 2 and 3 keys a config.json may leave out.
 GEMMA_DEFAULTS = {
@@ -116,7 +123,7 @@ def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
       'mlp_dim': hf['intermediate_size'], 'tie_embeddings': bool(hf.get('tie_word_embeddings', gemma)),
       'rope_base': float(rope.get('rope_theta', hf.get('rope_theta', 10000.0))),
       'norm_eps': float(hf.get('rms_norm_eps', 1e-6)), 'norm_plus_one': gemma, 'embed_scale': gemma,
-      'qkv_bias': model_type in QKV_BIAS, 'qk_norm': model_type in ('qwen3', 'gemma3_text'),
+      'qkv_bias': model_type in QKV_BIAS, 'qk_norm': model_type in ('qwen3', 'qwen3_moe', 'gemma3_text'),
       'mlp_activation': ACTIVATIONS[activation], 'rope_scaling': 'none',
       'sliding_window': window, 'global_every': global_every, 'post_norms': bool(defaults),
       'rope_local_base': float(local_rope['rope_theta']) if local_rope else 0.0,
@@ -124,8 +131,20 @@ def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
       'attn_softcap': float(hf.get('attn_logit_softcapping', defaults.get('attn_logit_softcapping')) or 0),
       'final_softcap': float(hf.get('final_logit_softcapping', defaults.get('final_logit_softcapping')) or 0),
   }
-  options |= _moe_options(hf)
+  options |= _moe_options(hf) | _mla_options(hf, rope_type, rope)
   return options | _rope_options(hf, rope_type, rope)
+
+
+def _mla_options(hf: Mapping[str, Any], rope_type: str, rope: Mapping[str, Any]) -> dict[str, Any]:
+  """DeepSeek-V3's latent attention: head_dim is the rotary part (as transformers' own config says); the
+  softmax scale grows by YaRN's mscale(factor, mscale_all_dim) squared (`yarn_apply_mscale`)."""
+  if hf['model_type'] != 'deepseek_v3':
+    return {}
+  mscale_all_dim = float(rope.get('mscale_all_dim') or 0) if rope_type != 'default' else 0.0
+  return {'kv_lora_rank': hf['kv_lora_rank'], 'q_lora_rank': hf.get('q_lora_rank') or 0,
+          'qk_nope_head_dim': hf['qk_nope_head_dim'], 'head_dim': hf['qk_rope_head_dim'],
+          'v_head_dim': hf['v_head_dim'], 'num_kv_heads': hf['num_attention_heads'],
+          'rope_interleave': bool(hf.get('rope_interleave', True)), 'mla_mscale_all_dim': mscale_all_dim}
 
 
 def _rope_options(hf: Mapping[str, Any], rope_type: str, rope: Mapping[str, Any]) -> dict[str, Any]:
@@ -162,25 +181,37 @@ def _rope_options(hf: Mapping[str, Any], rope_type: str, rope: Mapping[str, Any]
 
 
 def _moe_options(hf: Mapping[str, Any]) -> dict[str, Any]:
-  """The mixture-of-experts options of a mixtral or qwen2_moe config.json (none for the others). Both are
-  dropless; transformers' balancing loss (`router_aux_loss_coef`) sums over the k choices, so it is k times
-  ours; neither has a z-loss."""
+  """The mixture-of-experts options of a mixtral, qwen2_moe or qwen3_moe config.json (none for the
+  others). All are dropless; transformers' balancing loss (`router_aux_loss_coef`) sums over the k choices,
+  so it is k times ours; none has a z-loss."""
   model_type, k = hf['model_type'], hf.get('num_experts_per_tok', 2)
   common = {'experts_per_token': k, 'capacity_factor': 0.0, 'router_z_loss_weight': 0.0,
             'load_balance_loss_weight': float(hf.get('router_aux_loss_coef', 0.001)) * k}
   if model_type == 'mixtral':
     return {**common, 'num_experts': hf['num_local_experts'], 'moe_every': 1,
             'expert_mlp_dim': hf['intermediate_size'], 'router_norm_topk': True, 'shared_expert_dim': 0}
-  if model_type == 'qwen2_moe':
-    if hf.get('mlp_only_layers'):
-      raise ConfigError(f"config.json: qwen2_moe with mlp_only_layers={hf['mlp_only_layers']} is not "
-                        'supported (mintrain places MoE layers every decoder_sparse_step blocks only).')
-    if not hf.get('shared_expert_intermediate_size'):
+  if model_type == 'deepseek_v3':
+    shared = (hf.get('n_shared_experts') or 0) * hf['moe_intermediate_size']
+    return {**common, 'num_experts': hf['n_routed_experts'], 'moe_every': 1,
+            'dense_layers': tuple(range(hf.get('first_k_dense_replace') or 0)),
+            'expert_mlp_dim': hf['moe_intermediate_size'], 'router_norm_topk': bool(hf.get('norm_topk_prob')),
+            'shared_expert_dim': shared, 'shared_expert_gate': False, 'router_score': 'sigmoid',
+            'router_groups': hf.get('n_group') or 1, 'router_group_topk': hf.get('topk_group') or 1,
+            'routed_scaling_factor': float(hf.get('routed_scaling_factor', 1.0)),
+            'load_balance_loss_weight': 0.0}
+  if model_type in ('qwen2_moe', 'qwen3_moe'):
+    shared = hf.get('shared_expert_intermediate_size', 0) if model_type == 'qwen2_moe' else 0
+    if model_type == 'qwen2_moe' and not shared:
       raise ConfigError('config.json: qwen2_moe without a shared expert (shared_expert_intermediate_size) is '
                         'not supported.')
-    return {**common, 'num_experts': hf['num_experts'], 'moe_every': hf.get('decoder_sparse_step', 1),
-            'expert_mlp_dim': hf['moe_intermediate_size'], 'router_norm_topk': bool(hf.get('norm_topk_prob')),
-            'shared_expert_dim': hf['shared_expert_intermediate_size']}
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts (an alias of num_experts).
+    experts = hf.get('num_experts') or hf.get('num_local_experts', 0)
+    options = {'num_experts': experts, 'moe_every': hf.get('decoder_sparse_step', 1),
+               'dense_layers': tuple(hf.get('mlp_only_layers') or ())}
+    if not experts:  # transformers makes every block dense then.
+      return {'num_experts': 0}
+    return {**common, **options, 'expert_mlp_dim': hf['moe_intermediate_size'],
+            'router_norm_topk': bool(hf.get('norm_topk_prob')), 'shared_expert_dim': shared}
   return {}
 
 
@@ -257,6 +288,16 @@ def _layer_type(layer: int, global_every: int) -> str:
 
 def _model_type(cfg: Any) -> str:
   """The Hugging Face architecture of a transformer-family model config, or a ConfigError."""
+  deepseek = cfg.mla or cfg.router_score == 'sigmoid'
+  if deepseek:
+    if not (cfg.mla and cfg.num_experts and cfg.router_score == 'sigmoid' and cfg.moe_every == 1
+            and cfg.dense_layers == tuple(range(len(cfg.dense_layers))) and not cfg.tie_embeddings
+            and not cfg.shared_expert_gate and cfg.mlp_activation == 'silu' and not cfg.norm_plus_one
+            and not cfg.embed_scale):
+      raise ConfigError('Latent attention (model.kv_lora_rank) and sigmoid routers have a Hugging Face '
+                        'architecture together only, as DeepSeek-V3: experts in every block after the first '
+                        'dense_layers, shared_expert_gate=False, untied embeddings, silu.')
+    return 'deepseek_v3'
   if cfg.post_norms:
     if (not (cfg.norm_plus_one and cfg.embed_scale and cfg.mlp_activation == 'gelu_tanh') or cfg.num_experts
         or cfg.qkv_bias):
@@ -273,19 +314,19 @@ def _model_type(cfg: Any) -> str:
     raise ConfigError(f'model.global_every={cfg.global_every} has a Hugging Face architecture as Gemma 2 '
                       'or 3 only (with model.post_norms).')
   if cfg.qk_norm:
-    if (cfg.num_experts or cfg.qkv_bias or cfg.norm_plus_one or cfg.embed_scale
+    if (cfg.shared_expert_dim or cfg.qkv_bias or cfg.norm_plus_one or cfg.embed_scale
         or cfg.mlp_activation != 'silu'):
-      raise ConfigError('model.qk_norm has a Hugging Face architecture as dense Qwen3 only (num_experts=0, '
-                        "no qkv_bias, norm_plus_one or embed_scale, mlp_activation='silu').")
-    return 'qwen3'
+      raise ConfigError('model.qk_norm has a Hugging Face architecture as Qwen3 or Qwen3-MoE only (no '
+                        "shared_expert_dim, qkv_bias, norm_plus_one or embed_scale, mlp_activation='silu').")
+    return 'qwen3_moe' if cfg.num_experts else 'qwen3'
   if cfg.num_experts:
     if cfg.shared_expert_dim and cfg.qkv_bias:
       return 'qwen2_moe'
-    if (cfg.shared_expert_dim or cfg.qkv_bias or cfg.moe_every != 1 or cfg.expert_dim != cfg.mlp_dim
-        or not cfg.router_norm_topk):
-      raise ConfigError('A mixture of experts has a Hugging Face architecture as Mixtral (moe_every=1, '
-                        'expert_mlp_dim = mlp_dim, router_norm_topk, no shared expert, no qkv_bias) or as '
-                        'Qwen2-MoE (a shared expert and qkv_bias).')
+    if (cfg.shared_expert_dim or cfg.qkv_bias or cfg.moe_every != 1 or cfg.dense_layers
+        or cfg.expert_dim != cfg.mlp_dim or not cfg.router_norm_topk):
+      raise ConfigError('A mixture of experts has a Hugging Face architecture as Mixtral (moe_every=1, no '
+                        'dense_layers, expert_mlp_dim = mlp_dim, router_norm_topk, no shared expert, no '
+                        'qkv_bias), as Qwen2-MoE (a shared expert and qkv_bias) or as Qwen3-MoE (qk_norm).')
     return 'mixtral'
   if cfg.norm_plus_one or cfg.embed_scale or cfg.mlp_activation != 'silu':
     if not (cfg.norm_plus_one and cfg.embed_scale and cfg.mlp_activation == 'gelu_tanh'):
@@ -311,6 +352,8 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
     rope.update(original_max_position_embeddings=cfg.rope_original_max_len, beta_fast=cfg.rope_beta_fast,
                 beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate,
                 attention_factor=cfg.yarn_attention_factor)
+    if cfg.mla_mscale_all_dim:  # DeepSeek's softmax scale reads it (cos and sin take attention_factor).
+      rope['mscale_all_dim'] = cfg.mla_mscale_all_dim
   if model_type == 'gemma3_text':
     local = {'rope_type': 'default', 'rope_theta': cfg.rope_local_base or cfg.rope_base}
     rope = {'full_attention': rope, 'sliding_attention': local}
@@ -333,20 +376,28 @@ def config_json(cfg: Any, dtype: str) -> dict[str, Any]:
                             for i in range(cfg.num_layers)]}
   if cfg.rope_scaling == 'dynamic':  # The length past which it stretches; transformers reads it here.
     out['max_position_embeddings'] = cfg.rope_original_max_len
-  if model_type == 'qwen3':
+  if model_type in ('qwen3', 'qwen3_moe'):
     out |= {'attention_bias': False, 'use_sliding_window': False}
   k = cfg.experts_per_token
+  if model_type == 'deepseek_v3':
+    out |= _deepseek_config(cfg)
   if model_type == 'mixtral':
     out |= {'num_local_experts': cfg.num_experts, 'num_experts_per_tok': k, 'sliding_window': None,
             'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
   if model_type == 'qwen2_moe':
     out |= {'num_experts': cfg.num_experts, 'num_experts_per_tok': k, 'moe_intermediate_size': cfg.expert_dim,
             'shared_expert_intermediate_size': cfg.shared_expert_dim, 'decoder_sparse_step': cfg.moe_every,
-            'norm_topk_prob': cfg.router_norm_topk, 'mlp_only_layers': [], 'qkv_bias': True,
-            'use_sliding_window': False, 'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
+            'norm_topk_prob': cfg.router_norm_topk, 'mlp_only_layers': list(cfg.dense_layers),
+            'qkv_bias': True, 'use_sliding_window': False,
+            'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
+  if model_type == 'qwen3_moe':
+    out |= {'num_experts': cfg.num_experts, 'num_experts_per_tok': k,
+            'moe_intermediate_size': cfg.expert_dim, 'decoder_sparse_step': cfg.moe_every,
+            'norm_topk_prob': cfg.router_norm_topk, 'mlp_only_layers': list(cfg.dense_layers),
+            'router_aux_loss_coef': cfg.load_balance_loss_weight / k}
   if cfg.sliding_window and model_type not in GEMMA_DEFAULTS:  # On every layer (global_every=0).
     out['sliding_window'] = cfg.sliding_window
-    if model_type in (*QKV_BIAS, 'qwen3'):  # Qwen2, Qwen2-MoE and Qwen3: the window on every layer.
+    if model_type in (*QKV_BIAS, 'qwen3', 'qwen3_moe'):  # Qwen2 and Qwen3 (MoE too): on every layer.
       out |= {'use_sliding_window': True, 'max_window_layers': 0}
   return out
 
@@ -356,40 +407,83 @@ def _number(value: float) -> int | float:
   return int(value) if float(value).is_integer() else value
 
 
-def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
+def _deepseek_config(cfg: Any) -> dict[str, Any]:
+  """DeepSeek-V3's own keys; num_nextn_predict_layers 0: no multi-token prediction layers are written."""
+  width = cfg.expert_dim
+  if cfg.shared_expert_dim % width:
+    raise ConfigError(f'model.shared_expert_dim={cfg.shared_expert_dim} must be a multiple of '
+                      f'model.expert_mlp_dim={width} (DeepSeek-V3 counts shared experts).')
+  return {'head_dim': cfg.head_dim, 'qk_rope_head_dim': cfg.head_dim,
+          'qk_nope_head_dim': cfg.qk_nope_head_dim, 'v_head_dim': cfg.value_dim,
+          'kv_lora_rank': cfg.kv_lora_rank, 'q_lora_rank': cfg.q_lora_rank or None,
+          'rope_interleave': cfg.rope_interleave, 'n_routed_experts': cfg.num_experts,
+          'num_experts_per_tok': cfg.experts_per_token, 'moe_intermediate_size': width,
+          'n_shared_experts': cfg.shared_expert_dim // width, 'first_k_dense_replace': len(cfg.dense_layers),
+          'n_group': cfg.router_groups, 'topk_group': cfg.router_group_topk,
+          'routed_scaling_factor': cfg.routed_scaling_factor, 'norm_topk_prob': cfg.router_norm_topk,
+          'num_nextn_predict_layers': 0, 'attention_bias': False}
+
+
+def weight_names(cfg: Any) -> dict[str, tuple[str | tuple[str, ...], Kind] | None]:
   """{mintrain parameter path (unscanned layers): (Hugging Face tensor name, Kind)}; a parameter stacked
-  from several tensors on its first axis (a mixture's experts) has a tuple of names."""
-  names = {'embedding_VD': ('model.embed_tokens.weight', Kind.SAME),
-           'final_norm.scale': ('model.norm.weight', Kind.SAME)}
+  from several tensors on its first axis (a mixture's experts) has a tuple of names. The multi-token
+  prediction layers (training only) map to None: export leaves them out, as transformers drops them."""
+  names: dict[str, Any] = {'embedding_VD': ('model.embed_tokens.weight', Kind.SAME),
+                           'final_norm.scale': ('model.norm.weight', Kind.SAME)}
   if not cfg.tie_embeddings:
     names['unembed_DV'] = ('lm_head.weight', Kind.T)
   for i in range(cfg.num_layers):
-    ours, theirs = f'blocks.{i}', f'model.layers.{i}'
-    names |= {
-        f'{ours}.attn_norm.scale': (f'{theirs}.input_layernorm.weight', Kind.SAME),
-        f'{ours}.mlp_norm.scale': (f'{theirs}.{"pre_feedforward" if cfg.post_norms else "post_attention"}'
-                                   '_layernorm.weight', Kind.SAME),
-        f'{ours}.attn.wq_DHK': (f'{theirs}.self_attn.q_proj.weight', Kind.IN_HEADS),
-        f'{ours}.attn.wk_DHK': (f'{theirs}.self_attn.k_proj.weight', Kind.IN_HEADS),
-        f'{ours}.attn.wv_DHK': (f'{theirs}.self_attn.v_proj.weight', Kind.IN_HEADS),
-        f'{ours}.attn.wo_HKD': (f'{theirs}.self_attn.o_proj.weight', Kind.HEADS_OUT),
-    }
-    names |= _moe_names(cfg, ours, theirs) if cfg.is_moe(i) else {
-        f'{ours}.mlp.wi_gate_DF': (f'{theirs}.mlp.gate_proj.weight', Kind.T),
-        f'{ours}.mlp.wi_up_DF': (f'{theirs}.mlp.up_proj.weight', Kind.T),
-        f'{ours}.mlp.wo_FD': (f'{theirs}.mlp.down_proj.weight', Kind.T),
-    }
-    if cfg.post_norms:
-      names |= {f'{ours}.attn_post_norm.scale': (f'{theirs}.post_attention_layernorm.weight', Kind.SAME),
-                f'{ours}.mlp_post_norm.scale': (f'{theirs}.post_feedforward_layernorm.weight', Kind.SAME)}
-    if cfg.qk_norm:
-      names |= {f'{ours}.attn.q_norm_K': (f'{theirs}.self_attn.q_norm.weight', Kind.SAME),
-                f'{ours}.attn.k_norm_K': (f'{theirs}.self_attn.k_norm.weight', Kind.SAME)}
-    if cfg.qkv_bias:
-      names |= {f'{ours}.attn.bq_HK': (f'{theirs}.self_attn.q_proj.bias', Kind.HEADS),
-                f'{ours}.attn.bk_GK': (f'{theirs}.self_attn.k_proj.bias', Kind.HEADS),
-                f'{ours}.attn.bv_GK': (f'{theirs}.self_attn.v_proj.bias', Kind.HEADS)}
+    names |= _layer_names(cfg, f'blocks.{i}', f'model.layers.{i}', cfg.is_moe(i))
+  for j in range(cfg.mtp_layers):
+    ours = f'mtp.{j}'
+    block = _layer_names(cfg, f'{ours}.block', f'model.layers.{cfg.num_layers + j}', cfg.num_experts > 0)
+    names |= dict.fromkeys([*block, f'{ours}.join_CD',
+                            *(f'{ours}.{n}_norm.scale' for n in ('hidden', 'embed', 'out'))])
   return names
+
+
+def _layer_names(cfg: Any, ours: str, theirs: str, moe: bool) -> dict[str, Any]:
+  """One block's parameters."""
+  names = {
+      f'{ours}.attn_norm.scale': (f'{theirs}.input_layernorm.weight', Kind.SAME),
+      f'{ours}.mlp_norm.scale': (f'{theirs}.{"pre_feedforward" if cfg.post_norms else "post_attention"}'
+                                 '_layernorm.weight', Kind.SAME),
+      f'{ours}.attn.wo_HKD': (f'{theirs}.self_attn.o_proj.weight', Kind.HEADS_OUT),
+  }
+  names |= _mla_names(cfg, ours, theirs) if cfg.mla else {
+      f'{ours}.attn.wq_DHK': (f'{theirs}.self_attn.q_proj.weight', Kind.IN_HEADS),
+      f'{ours}.attn.wk_DHK': (f'{theirs}.self_attn.k_proj.weight', Kind.IN_HEADS),
+      f'{ours}.attn.wv_DHK': (f'{theirs}.self_attn.v_proj.weight', Kind.IN_HEADS),
+  }
+  names |= _moe_names(cfg, ours, theirs) if moe else {
+      f'{ours}.mlp.wi_gate_DF': (f'{theirs}.mlp.gate_proj.weight', Kind.T),
+      f'{ours}.mlp.wi_up_DF': (f'{theirs}.mlp.up_proj.weight', Kind.T),
+      f'{ours}.mlp.wo_FD': (f'{theirs}.mlp.down_proj.weight', Kind.T),
+  }
+  if cfg.post_norms:
+    names |= {f'{ours}.attn_post_norm.scale': (f'{theirs}.post_attention_layernorm.weight', Kind.SAME),
+              f'{ours}.mlp_post_norm.scale': (f'{theirs}.post_feedforward_layernorm.weight', Kind.SAME)}
+  if cfg.qk_norm:
+    names |= {f'{ours}.attn.q_norm_K': (f'{theirs}.self_attn.q_norm.weight', Kind.SAME),
+              f'{ours}.attn.k_norm_K': (f'{theirs}.self_attn.k_norm.weight', Kind.SAME)}
+  if cfg.qkv_bias:
+    names |= {f'{ours}.attn.bq_HK': (f'{theirs}.self_attn.q_proj.bias', Kind.HEADS),
+              f'{ours}.attn.bk_GK': (f'{theirs}.self_attn.k_proj.bias', Kind.HEADS),
+              f'{ours}.attn.bv_GK': (f'{theirs}.self_attn.v_proj.bias', Kind.HEADS)}
+  return names
+
+
+def _mla_names(cfg: Any, ours: str, theirs: str) -> dict[str, tuple[str, Kind]]:
+  """One latent attention's projections and norms (DeepSeek-V3)."""
+  attn = f'{theirs}.self_attn'
+  names = {f'{ours}.attn.wkv_a_DC': (f'{attn}.kv_a_proj_with_mqa.weight', Kind.T),
+           f'{ours}.attn.kv_norm_R': (f'{attn}.kv_a_layernorm.weight', Kind.SAME),
+           f'{ours}.attn.wkv_b_RHK': (f'{attn}.kv_b_proj.weight', Kind.IN_HEADS)}
+  if not cfg.q_lora_rank:
+    return names | {f'{ours}.attn.wq_DHK': (f'{attn}.q_proj.weight', Kind.IN_HEADS)}
+  return names | {f'{ours}.attn.wq_a_DQ': (f'{attn}.q_a_proj.weight', Kind.T),
+                  f'{ours}.attn.q_norm_Q': (f'{attn}.q_a_layernorm.weight', Kind.SAME),
+                  f'{ours}.attn.wq_b_QHK': (f'{attn}.q_b_proj.weight', Kind.IN_HEADS)}
 
 
 def _moe_names(cfg: Any, ours: str, theirs: str) -> dict[str, tuple[str | tuple[str, ...], Kind]]:
@@ -402,11 +496,18 @@ def _moe_names(cfg: Any, ours: str, theirs: str) -> dict[str, tuple[str | tuple[
             f'{ours}.mlp.wi_up_EDF': (tuple(f'{moe}.experts.{e}.w3.weight' for e in experts), Kind.T),
             f'{ours}.mlp.wo_EFD': (tuple(f'{moe}.experts.{e}.w2.weight' for e in experts), Kind.T)}
   moe = f'{theirs}.mlp'
-  names = {f'{ours}.mlp.router_DE': (f'{moe}.gate.weight', Kind.T),
-           f'{ours}.mlp.shared_gate_D1': (f'{moe}.shared_expert_gate.weight', Kind.T),
-           f'{ours}.mlp.shared_wi_gate_DF': (f'{moe}.shared_expert.gate_proj.weight', Kind.T),
-           f'{ours}.mlp.shared_wi_up_DF': (f'{moe}.shared_expert.up_proj.weight', Kind.T),
-           f'{ours}.mlp.shared_wo_FD': (f'{moe}.shared_expert.down_proj.weight', Kind.T)}
+  names = {f'{ours}.mlp.router_DE': (f'{moe}.gate.weight', Kind.T)}
+  if cfg.router_score == 'sigmoid':
+    names[f'{ours}.mlp.router_bias_E'] = (f'{moe}.gate.e_score_correction_bias', Kind.SAME)
+  if cfg.shared_expert_dim and not cfg.shared_expert_gate:  # DeepSeek's.
+    names |= {f'{ours}.mlp.shared_wi_gate_DF': (f'{moe}.shared_experts.gate_proj.weight', Kind.T),
+              f'{ours}.mlp.shared_wi_up_DF': (f'{moe}.shared_experts.up_proj.weight', Kind.T),
+              f'{ours}.mlp.shared_wo_FD': (f'{moe}.shared_experts.down_proj.weight', Kind.T)}
+  elif cfg.shared_expert_dim:
+    names |= {f'{ours}.mlp.shared_gate_D1': (f'{moe}.shared_expert_gate.weight', Kind.T),
+              f'{ours}.mlp.shared_wi_gate_DF': (f'{moe}.shared_expert.gate_proj.weight', Kind.T),
+              f'{ours}.mlp.shared_wi_up_DF': (f'{moe}.shared_expert.up_proj.weight', Kind.T),
+              f'{ours}.mlp.shared_wo_FD': (f'{moe}.shared_expert.down_proj.weight', Kind.T)}
   for path, proj in (('wi_gate_EDF', 'gate_proj'), ('wi_up_EDF', 'up_proj'), ('wo_EFD', 'down_proj')):
     names[f'{ours}.mlp.{path}'] = (tuple(f'{moe}.experts.{e}.{proj}.weight' for e in experts), Kind.T)
   return names
@@ -458,11 +559,13 @@ def _place(kind: Kind, rows: np.ndarray, offset: int, index: tuple[slice, ...], 
 
 
 def read(kind: Kind, tensor: Any, targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
-         head_dim: int) -> None:
+         shape: tuple[int, ...]) -> None:
   """Fills each target's array with our parameter's slice `index` (slices with explicit bounds) of
   `targets` [(index, array)], read from `tensor` (`safetensors_reader.Tensor`) in one pass over the rows
   that any of them needs, a block at a time: the devices of a process share each read, and nothing but
-  the targets is slice-sized. Rows of heads are read whole heads at a time."""
+  the targets is slice-sized. Rows of heads are read whole heads at a time. `shape` is our whole
+  parameter's, whose head size (latent attention's differ by projection) says how rows form heads."""
+  head_dim = shape[1] if kind is Kind.HEADS_OUT else shape[-1]
   wanted = [(their_index(kind, index, head_dim), index, out) for index, out in targets]
   columns = ()
   if len(tensor.shape) == 2:

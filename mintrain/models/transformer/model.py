@@ -1,5 +1,6 @@
-"""Decoder-only transformer LM: pre-norm blocks of causal attention (RoPE, `attention`) and a gated MLP
-or, every `moe_every`-th block when `num_experts` > 0, a mixture of experts (`moe`).
+"""Decoder-only transformer LM: pre-norm blocks of causal attention (RoPE, `attention`, or latent attention,
+`mla`) and a gated MLP or, every `moe_every`-th block but `dense_layers` when `num_experts` > 0, a mixture
+of experts (`moe`); in training, optional multi-token prediction depths (`PredictAhead`).
 
 `__call__` is the training forward pass; `decode` is the same computation over a per-layer KV cache, so
 each sampled token costs one step instead of a re-run of the prefix. Packed rows' `segment_ids_BL` and
@@ -33,7 +34,7 @@ from mintrain.models.layers import (
   stack_layers,
 )
 from mintrain.models.loss import cross_entropy, fused_cross_entropy
-from mintrain.models.transformer import collective_matmul, moe
+from mintrain.models.transformer import collective_matmul, mla, moe
 from mintrain.models.transformer.attention import BLD, Attention, KVCache, kv_layout
 from mintrain.models.transformer.config import ACTIVATIONS, TransformerConfig
 from mintrain.models.transformer.context_attention import zigzag_order
@@ -103,7 +104,8 @@ class Block(nnx.Module):
   def __init__(self, cfg: TransformerConfig, placement: Placement, *, rules: AxisRules, rngs: nnx.Rngs,
                moe_layer: bool = False, window: int = 0):
     self.attn_norm = norm(cfg, rules, rngs)
-    self.attn = Attention(cfg, placement, rules=rules, rngs=rngs, window=window)
+    self.attn = (mla.LatentAttention(cfg, placement, rules=rules, rngs=rngs) if cfg.mla
+                 else Attention(cfg, placement, rules=rules, rngs=rngs, window=window))
     if cfg.post_norms:
       self.attn_post_norm = norm(cfg, rules, rngs)
     self.mlp_norm = norm(cfg, rules, rngs)
@@ -145,6 +147,27 @@ class Block(nnx.Module):
     return self.rules.reshard(x_BLD, BLD), kv
 
 
+class PredictAhead(nnx.Module):
+  """One multi-token prediction depth (DeepSeek-V3's MTP module): the previous depth's hidden states and
+  the embeddings of the tokens k ahead, each normed, joined by one projection and run through one more
+  block; its own norm before the shared output layer predicts the token k + 1 ahead."""
+
+  def __init__(self, cfg: TransformerConfig, placement: Placement, *, rules: AxisRules, rngs: nnx.Rngs):
+    d = cfg.embed_dim
+    self.hidden_norm, self.embed_norm, self.out_norm = (norm(cfg, rules, rngs) for _ in range(3))
+    self.join_CD = param(rngs, nnx.initializers.lecun_normal(), (2 * d, d), (None, 'embed'),
+                         jnp.dtype(cfg.param_dtype), rules)
+    self.block = Block(cfg, placement, rules=rules, rngs=rngs, moe_layer=cfg.num_experts > 0)
+    self.rules = rules
+
+  def __call__(self, h_BLD: jax.Array, e_BLD: jax.Array, key: jax.Array | None, positions_BL: jax.Array,
+               segment_ids_BL: jax.Array | None) -> jax.Array:
+    joined_BLC = jnp.concatenate([self.embed_norm(e_BLD), self.hidden_norm(h_BLD)], axis=-1)
+    h_BLD = jnp.einsum('BLC,CD->BLD', joined_BLC, gather(self.join_CD, self.rules, h_BLD.dtype),
+                       out_sharding=self.rules.activation_spec(BLD, h_BLD.shape[:2]))
+    return self.block(h_BLD, key, positions_BL, segment_ids_BL)[0]
+
+
 class Transformer(nnx.Module):
   """tokens_BL -> logits_BLV (float32), laid out for `placement` (`mintrain.models.family.Placement`)."""
 
@@ -161,6 +184,9 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.unembed_DV = param(rngs, nnx.initializers.lecun_normal(), (cfg.embed_dim, cfg.vocab_size),
                               ('embed', 'vocab'), dtype, rules)
+    if cfg.mtp_layers:  # Training only: `loss` adds their predictions; logits and decoding never run them.
+      self.mtp = nnx.List([PredictAhead(cfg, placement, rules=rules, rngs=rngs)
+                           for _ in range(cfg.mtp_layers)])
     self.cfg, self.rules = cfg, rules
     # How many ways `length` is split (mesh.context), and the key/value (and KV cache) layout.
     self.length_ways, self.kv_layout = placement.ways('length'), kv_layout(cfg.kv_heads_axis(placement))
@@ -199,12 +225,45 @@ class Transformer(nnx.Module):
     weights_BL = self.rules.reshard(weights_BL, ('batch', 'length'))
     table_VD, x_BLD = self._embed(tokens_BL)
     x_BLD, stats = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
+    loss = self._lm_loss(self.final_norm(x_BLD), table_VD, targets_BL, weights_BL)
+    stats = moe_statistics(self.cfg, stats) if stats else {}
+    if self.cfg.mtp_layers:
+      mtp_loss = self._mtp_loss(x_BLD, table_VD, tokens_BL, targets_BL, weights_BL, positions_BL,
+                                segment_ids_BL, dropout_key)
+      stats['mtp_loss'] = mtp_loss
+      stats['aux_loss'] = stats.get('aux_loss', 0.0) + self.cfg.mtp_loss_weight * mtp_loss
+    return loss, jnp.sum(weights_BL), stats
+
+  def _lm_loss(self, h_BLD: jax.Array, table_VD: jax.Array, targets_BL: jax.Array,
+               weights_BL: jax.Array) -> jax.Array:
+    """Mean cross-entropy of the output layer on normed hidden states (fused over chunks if asked)."""
     if self.cfg.loss_chunks <= 0:
-      loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL, weights_BL)
-    else:
-      loss = fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, weights_BL,
-                                 self.rules, self.cfg.loss_chunks)
-    return loss, jnp.sum(weights_BL), moe_statistics(self.cfg, stats) if stats else {}
+      return cross_entropy(self._vocab_logits(h_BLD, table_VD), targets_BL, weights_BL)
+    return fused_cross_entropy(h_BLD, self._unembedding(table_VD), targets_BL, weights_BL, self.rules,
+                               self.cfg.loss_chunks)
+
+  def _mtp_loss(self, x_BLD: jax.Array, table_VD: jax.Array, tokens_BL: jax.Array, targets_BL: jax.Array,
+                weights_BL: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array | None,
+                dropout_key: jax.Array | None) -> jax.Array:
+    """The mean over depths k = 1.. of the cross-entropy of predicting the token k + 1 ahead (DeepSeek-V3's
+    multi-token prediction), each depth reading the previous one's hidden states and the tokens k ahead.
+    A position counts where its target k ahead counts and is in the same document; the last k do not."""
+    rules, total = self.rules, 0.0
+    positions_BL = rules.reshard(jnp.broadcast_to(positions_BL, tokens_BL.shape), ('batch', 'length'))
+
+    def ahead(x_BL: jax.Array, k: int) -> jax.Array:  # x at position i + k, zeros past the end.
+      whole_BL = rules.reshard(x_BL, ('batch', None))
+      return rules.reshard(jnp.pad(whole_BL[:, k:], ((0, 0), (0, k))), ('batch', 'length'))
+
+    for k, layer in enumerate(self.mtp, 1):
+      weights_k_BL = ahead(weights_BL, k)
+      if segment_ids_BL is not None:
+        weights_k_BL = weights_k_BL * (ahead(segment_ids_BL, k) == segment_ids_BL)
+      e_BLD = table_VD.at[ahead(tokens_BL, k)].get(out_sharding=rules.activation_spec(BLD, tokens_BL.shape))
+      key = None if dropout_key is None else jax.random.fold_in(dropout_key, self.cfg.num_layers + k)
+      x_BLD = layer(x_BLD, e_BLD, key, positions_BL, segment_ids_BL)
+      total = total + self._lm_loss(layer.out_norm(x_BLD), table_VD, ahead(targets_BL, k), weights_k_BL)
+    return total / len(self.mtp)
 
   @on_params_mesh
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
@@ -227,9 +286,14 @@ class Transformer(nnx.Module):
     """Zero keys and values for `max_len` positions in every layer, laid out (under a mesh) as the
     attention's keys and values (batch, length, kv heads, kv), so it is split like what fills it. Its
     length is rounded up to split evenly over `context`; the slots beyond are never visible. A local
-    layer's holds only its window (a rolling buffer), whole along its length on every device."""
+    layer's holds only its window (a rolling buffer), whole along its length on every device; latent
+    attention's, each position's latent and shared rotary key."""
     cfg, rules, mesh = self.cfg, self.rules, jax.sharding.get_abstract_mesh()
     padded = -(-max_len // self.length_ways) * self.length_ways
+    if cfg.mla:
+      spec = None if mesh.empty else rules.activation_spec(mla.LATENT)
+      return [tuple(jnp.zeros(s, dtype, out_sharding=spec) for s in mla.cache_shapes(cfg, batch, padded))
+              for _ in range(cfg.num_layers)]
     cache = []
     for i in range(cfg.num_layers):
       window = cfg.window(i)
@@ -238,6 +302,22 @@ class Transformer(nnx.Module):
       spec = None if mesh.empty else rules.activation_spec(layout)
       cache.append((jnp.zeros(shape, dtype, out_sharding=spec), jnp.zeros(shape, dtype, out_sharding=spec)))
     return cache
+
+  def after_step(self, balance: dict[str, jax.Array]) -> nnx.State:
+    """The parameters after the train step's update, with each sigmoid router's balancing bias moved by
+    router_bias_rate towards balance: bias += rate * sign(mean load - load), from `balance['expert_share']`
+    ((MoE layers, E), each expert's share of the step's choices, the same on every mesh)."""
+    cfg = self.cfg
+    share_NE = balance['expert_share']
+    step_NE = cfg.router_bias_rate * jnp.sign(jnp.mean(share_NE, axis=-1, keepdims=True) - share_NE)
+    if cfg.scan_layers:  # Every layer is MoE (`check`): one stacked bias.
+      bias = self.blocks.mlp.router_bias_E
+      bias[...] = bias[...] + step_NE.astype(bias.dtype)
+    else:
+      for n, i in enumerate(i for i in range(cfg.num_layers) if cfg.is_moe(i)):
+        bias = self.blocks[i].mlp.router_bias_E
+        bias[...] = bias[...] + step_NE[n].astype(bias.dtype)
+    return nnx.state(self, nnx.Param)
 
   def _order(self, seq_len: int) -> np.ndarray | None:
     """The positions in the order the sequence is stored: the zigzag for the ring attention over a split
@@ -292,8 +372,12 @@ class Transformer(nnx.Module):
 
   def _logits(self, x_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
     """float32 logits, soft-capped to cap * tanh(logits / cap) with `final_softcap` (Gemma 2)."""
-    logits_BLV = jnp.einsum('BLD,DV->BLV', self.final_norm(x_BLD), self._unembedding(table_VD))
-    logits_BLV = logits_BLV.astype(jnp.float32)
+    return self._vocab_logits(self.final_norm(x_BLD), table_VD)
+
+  def _vocab_logits(self, h_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
+    """float32 logits of normed hidden states (the model's or a prediction depth's), soft-capped as
+    `_logits` says."""
+    logits_BLV = jnp.einsum('BLD,DV->BLV', h_BLD, self._unembedding(table_VD)).astype(jnp.float32)
     if cap := self.cfg.final_softcap:
       logits_BLV = cap * jnp.tanh(logits_BLV / cap)
     return self.rules.reshard(logits_BLV, ('batch', 'length', 'vocab'))
@@ -317,5 +401,7 @@ def moe_statistics(cfg: TransformerConfig, stats: dict[str, jax.Array]) -> dict[
   out |= {f'moe_{name}': value for name, value in mean.items()}
   out['moe_expert_load_max'] = jnp.max(share_E) * cfg.num_experts
   out |= {f'moe_expert_share_{e}': share_E[e] for e in range(cfg.num_experts)}
+  if cfg.router_score == 'sigmoid' and cfg.router_bias_rate:  # Per layer, for `Transformer.after_step`.
+    out['balance'] = {'expert_share': stats['expert_share']}
   return out
 

@@ -1,4 +1,9 @@
-"""Mixture-of-experts MLP: a top-k softmax router over E gated-MLP experts, experts split over a mesh axis.
+"""Mixture-of-experts MLP: a top-k router over E gated-MLP experts, experts split over a mesh axis.
+
+The router scores by softmax (Mixtral, Qwen) or by sigmoid (DeepSeek-V3). A sigmoid router chooses by
+score plus a per-expert bias (`router_bias_E`) that takes no gradient and that the train step moves
+towards balance (`Transformer.after_step`, the auxiliary-loss-free rule), optionally within the best of
+groups of experts, and weights each choice by its score alone.
 
 Shape letters: B batch, L length, D embed, E experts, A the top-k choices of a token, C capacity (slots per
 expert per sequence), F expert mlp width.
@@ -37,13 +42,28 @@ def capacity(seq_len: int, num_experts: int, k: int, capacity_factor: float) -> 
   return min(seq_len, max(1, math.ceil(capacity_factor * seq_len * k / num_experts)))
 
 
-def route(logits_BLE: jax.Array, k: int, norm_topk: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(probs_BLE, weights_BLA, experts_BLA): softmax probabilities, the top k's weights and indices."""
-  probs_BLE = jax.nn.softmax(logits_BLE, axis=-1)
-  weights_BLA, experts_BLA = jax.lax.top_k(probs_BLE, k)
+def route(logits_BLE: jax.Array, k: int, norm_topk: bool, *, bias_E: jax.Array | None = None,
+          groups: int = 1, group_topk: int = 1, scale: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(probs_BLE, weights_BLA, experts_BLA): the scores (softmax; sigmoid when `bias_E` is given), the top
+  k's weights and indices, as transformers' Mixtral/Qwen and DeepSeek-V3 routers compute them."""
+  if bias_E is None:
+    probs_BLE = jax.nn.softmax(logits_BLE, axis=-1)
+    choice_BLE = probs_BLE
+  else:
+    probs_BLE = jax.nn.sigmoid(logits_BLE)
+    choice_BLE = probs_BLE + jax.lax.stop_gradient(bias_E)
+  if groups > 1:  # Only the experts of the group_topk groups whose two best choices sum highest.
+    b, length, e = choice_BLE.shape
+    group_BLG = jnp.sum(jax.lax.top_k(choice_BLE.reshape(b, length, groups, e // groups), 2)[0], axis=-1)
+    kept_BLG = jnp.sum(jax.nn.one_hot(jax.lax.top_k(group_BLG, group_topk)[1], groups, dtype=bool), axis=-2)
+    kept_BLE = jnp.repeat(kept_BLG, e // groups, axis=-1)
+    choice_BLE = jnp.where(kept_BLE, choice_BLE, -jnp.inf)
+  _, experts_BLA = jax.lax.top_k(choice_BLE, k)
+  weights_BLA = jnp.take_along_axis(probs_BLE, experts_BLA, axis=-1)
   if norm_topk:
-    weights_BLA = weights_BLA / jnp.sum(weights_BLA, axis=-1, keepdims=True)
-  return probs_BLE, weights_BLA, experts_BLA
+    tiny = 0.0 if bias_E is None else 1e-20  # DeepSeek's guard against a zero sum.
+    weights_BLA = weights_BLA / (jnp.sum(weights_BLA, axis=-1, keepdims=True) + tiny)
+  return probs_BLE, weights_BLA * scale if scale != 1.0 else weights_BLA, experts_BLA
 
 
 def slots(experts_BLA: jax.Array, num_experts: int, cap: int,
@@ -147,13 +167,16 @@ class MoE(nnx.Module):
     dtype = jnp.dtype(cfg.param_dtype)
     init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
     self.router_DE = param(rngs, nnx.initializers.lecun_normal(), (d, e), ('embed', None), dtype, rules)
+    if cfg.router_score == 'sigmoid':  # A parameter without gradient, moved by `after_step` instead.
+      self.router_bias_E = param(rngs, nnx.initializers.zeros, (e,), (None,), jnp.float32, rules, decay=False)
     self.wi_gate_EDF = param(rngs, init, (e, d, f), EXPERT_IN, dtype, rules)
     self.wi_up_EDF = param(rngs, init, (e, d, f), EXPERT_IN, dtype, rules)
     self.wo_EFD = param(rngs, init, (e, f, d), EXPERT_OUT, dtype, rules)
-    if cfg.shared_expert_dim:  # Qwen2-MoE: one more gated MLP every token takes, scaled by a sigmoid gate.
+    if cfg.shared_expert_dim:  # One more gated MLP every token takes (Qwen2-MoE: scaled by a sigmoid gate).
       s = cfg.shared_expert_dim
       dense = nnx.initializers.lecun_normal()
-      self.shared_gate_D1 = param(rngs, dense, (d, 1), ('embed', None), dtype, rules)
+      if cfg.shared_expert_gate:
+        self.shared_gate_D1 = param(rngs, dense, (d, 1), ('embed', None), dtype, rules)
       self.shared_wi_gate_DF = param(rngs, dense, (d, s), ('embed', 'mlp'), dtype, rules)
       self.shared_wi_up_DF = param(rngs, dense, (d, s), ('embed', 'mlp'), dtype, rules)
       self.shared_wo_FD = param(rngs, dense, (s, d), ('mlp', 'embed'), dtype, rules)
@@ -173,7 +196,10 @@ class MoE(nnx.Module):
     e, k, length = cfg.num_experts, cfg.experts_per_token, x_BLD.shape[1]
     logits_BLE = jnp.einsum('BLD,DE->BLE', x_BLD, gather(self.router_DE, rules, dtype),
                             preferred_element_type=jnp.float32)
-    probs_BLE, weights_BLA, experts_BLA = route(logits_BLE, k, cfg.router_norm_topk)
+    bias_E = gather(self.router_bias_E, rules, jnp.float32) if cfg.router_score == 'sigmoid' else None
+    probs_BLE, weights_BLA, experts_BLA = route(logits_BLE, k, cfg.router_norm_topk, bias_E=bias_E,
+                                                groups=cfg.router_groups, group_topk=cfg.router_group_topk,
+                                                scale=cfg.routed_scaling_factor)
     cap = capacity(length, e, k, 0.0 if dropless else cfg.capacity_factor)
     slot_BLA, kept_BLA = slots(experts_BLA, e, cap, tokens_BL)
     tokens, w_in, w_out, expert_axes, mlp_axes = expert_layout(rules)
@@ -200,5 +226,7 @@ class MoE(nnx.Module):
     h_BLF = rules.reshard(self.activation(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
     y_BLD = plus(jnp.einsum('BLF,FD->BLD', h_BLF, w_down_FD, out_sharding=rules.activation_spec(BLD)), down,
                  h_BLF)
+    if not self.cfg.shared_expert_gate:
+      return y_BLD
     gate_BL1 = jax.nn.sigmoid(jnp.einsum('BLD,DO->BLO', x_BLD, gather(self.shared_gate_D1, rules, dtype)))
     return y_BLD * gate_BL1
