@@ -21,7 +21,7 @@ from mintrain.errors import ConfigError
     ('train.steps=0', r'train.steps=0 must be an integer >= 1'),
     ('train.grad_accum_steps=3', r'train.global_batch_size=32 is not divisible by train.grad_accum_steps=3'),
     ('data.source=csv', r"data.source='csv'; choose one of \('stdlib', 'text', 'tokens', 'synthetic', "
-     r"'jsonl', 'parquet', 'arrayrecord', 'mixture'\)"),
+     r"'jsonl', 'parquet', 'arrayrecord', 'hf_datasets', 'mixture'\)"),
     ('data.eval_fraction=1.0', r'data.eval_fraction=1.0 must be in \[0, 1\)'),
     ('data.device_prefetch=-1', r'data.device_prefetch=-1 must be an integer >= 0'),
     ('eval.steps=-1', r'eval.steps=-1 must be an integer >= 0'),

@@ -59,8 +59,9 @@ class LatentAttention(Attention):
     self.scale = cfg.mla_softmax_scale
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array,
-               segment_ids_BL: jax.Array | None = None) -> jax.Array:
-    """As `Attention.__call__` (its einsum path and the `context` split's all-gather of keys)."""
+               segment_ids_BL: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
+    """As `Attention.__call__` (its einsum path and the `context` split's all-gather of keys). LoRA adapters
+    on its projections apply merged, without lora.dropout (`key` is not used)."""
     q_BLHK, latent_BL1R, k_rot_BL1P = self._latent(x_BLD, positions_BL)
     k_BMHK, v_BMHU = self._expand(latent_BL1R, k_rot_BL1P)
     k_positions_BM = self._gather_length(q_BLHK, positions_BL)
