@@ -224,17 +224,18 @@ class Evaluate:
     return info.last or bool(self.every and info.step % self.every == 0)
 
   def __call__(self, info: StepInfo) -> None:
-    self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token)
+    self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token,
+                         info.state.reference)
     self.log(info.step, self.last)
 
 
 def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
-             bytes_per_token: float | None = None) -> dict[str, float]:
+             bytes_per_token: float | None = None, reference=None) -> dict[str, float]:
   """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
   time), perplexity, the family's own figures, and bits per byte where bytes per token are known."""
   steps = run.config.eval.steps
   batches.set_state(start_state)
-  sums, counts = zip(*to_host([run.eval_step(params, next(batches)) for _ in range(steps)]))
+  sums, counts = zip(*to_host([run.eval_step(params, next(batches), reference) for _ in range(steps)]))
   loss = float(sum(sums) / sum(counts))
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
   if bytes_per_token:

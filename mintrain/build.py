@@ -45,7 +45,8 @@ class Run:
   init: Callable[[], TrainState]  # Jitted; call under the mesh.
   from_params: Callable[[nnx.State], TrainState]  # Jitted: fresh optimizer state and step 0 around params.
   train_step: Callable  # Jitted, state donated: (state, batch) -> (state, metrics).
-  eval_step: Callable  # Jitted: (params, batch) -> (summed loss, count) over its counted targets.
+  # Jitted: (params, batch, reference=None) -> (summed loss, count) over its counted targets (or pairs).
+  eval_step: Callable
   plan: report.MemoryPlan
 
   def batches(self, tok: Tokenizer, split: str = 'train') -> GlobalBatches:
@@ -74,17 +75,20 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   layout = train_state.param_layout(abstract, rules, mesh)
   graphdef, _ = nnx.split(abstract, nnx.Param)
   tx = make_optimizer(config.optimizer, config.train.steps)
-  init, from_params = train_state.make_init(make, tx, config.seed)
+  objective = config.objective
+  init, from_params = train_state.make_init(make, tx, config.seed, objective.keeps_reference(config))
   init = jax.jit(init)
   with jax.set_mesh(mesh):
     abstract_state = _concrete(jax.eval_shape(init), mesh)
   from_params = jax.jit(from_params, out_shardings=jax.tree.map(lambda x: x.sharding, abstract_state),
                         donate_argnums=0)
   # Every step gets dropout keys; a model without dropout never reads them, and XLA drops their math.
-  train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True)
+  loss_fn = objective.make_loss(config)
+  train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True,
+                               loss_fn=loss_fn)
   plan = report.plan(config, rules, mesh, layout, abstract_state)
   return Run(config, mesh, rules, placement, notes, layout, graphdef, tx, abstract_state, init, from_params,
-             train_step, make_eval_step(graphdef), plan)
+             train_step, make_eval_step(graphdef, loss_fn), plan)
 
 
 def _concrete(tree, mesh: Mesh):

@@ -23,7 +23,7 @@ from typing import Any
 
 import ml_collections
 
-from mintrain import configs, fields, models
+from mintrain import configs, fields, models, objectives
 from mintrain import mesh as mesh_lib
 from mintrain.actions import EvalConfig, ProfileConfig
 from mintrain.checkpoint.checkpoints import CheckpointConfig
@@ -33,6 +33,7 @@ from mintrain.errors import ConfigError
 from mintrain.fields import option
 from mintrain.mesh import MeshConfig
 from mintrain.metrics import MetricsConfig
+from mintrain.objectives.dpo import DPOConfig
 from mintrain.optimizer import OptimizerConfig
 from mintrain.partitioning import PartitioningConfig
 from mintrain.train_step import TrainConfig
@@ -48,7 +49,8 @@ class InitConfig:
 
 SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,
             'train': TrainConfig, 'metrics': MetricsConfig, 'profile': ProfileConfig,
-            'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig, 'init': InitConfig}
+            'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig, 'init': InitConfig,
+            'dpo': DPOConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +70,15 @@ class Config:
   metrics: MetricsConfig
   profile: ProfileConfig
   init: InitConfig
+  dpo: DPOConfig
 
   @property
   def family(self) -> models.Family:
     return models.family(self.model_name)
+
+  @property
+  def objective(self) -> objectives.Objective:
+    return objectives.OBJECTIVES[self.train.objective]
 
   def to_dict(self) -> dict[str, Any]:
     """The options as plain values: what a checkpoint saves and `validate` reads back."""
@@ -102,8 +109,10 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
   model = dict(values['model'])
   sections = {key: fields.build(cls, values[key], key) for key, cls in SECTIONS.items()}
   name = model.pop('name', None)
-  return Config(seed=seed, model_name=name, model=fields.build(models.family(name).config, model, 'model'),
-                **sections)
+  config = Config(seed=seed, model_name=name, model=fields.build(models.family(name).config, model, 'model'),
+                  **sections)
+  config.objective.check(config)
+  return config
 
 
 def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:

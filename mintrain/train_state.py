@@ -16,6 +16,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
 from mintrain import partitioning
+from mintrain.objectives import objective
 from mintrain.partitioning import AxisRules
 
 # Keys are drawn and wrapped with this implementation whatever `jax_default_prng_impl` says: a saved key's
@@ -33,6 +34,9 @@ class TrainState:
   params: nnx.State  # nnx.Param variables, in their storage sharding.
   opt_state: optax.OptState  # Same sharding as the params they track.
   rng: jax.Array  # uint32[2] base key; per-step keys are folded from it.
+  # The objective's frozen reference model (`objectives.objective.reference`): the initial parameters, laid
+  # out as `params`, never trained; None for objectives without one.
+  reference: nnx.State | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +101,17 @@ def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[Par
   return rows
 
 
-def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
-              seed: int) -> tuple[Callable[[], TrainState], Callable[[nnx.State], TrainState]]:
+def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation, seed: int,
+              keeps_reference: bool = False
+              ) -> tuple[Callable[[], TrainState], Callable[[nnx.State], TrainState]]:
   """(init, from_params): the whole state drawn from the seed, or built around given parameters
-  (a fresh optimizer state, step 0). Call them under `jit` on the mesh."""
+  (a fresh optimizer state, step 0, and with `keeps_reference` a frozen copy of them). Call them under
+  `jit` on the mesh."""
 
   def from_params(params: nnx.State) -> TrainState:
     rng = jax.random.key_data(key(seed + 1))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
+                      reference=objective.reference(keeps_reference, params))
 
   def init() -> TrainState:
     _, params = nnx.split(make(nnx.Rngs(params=key(seed))), nnx.Param)

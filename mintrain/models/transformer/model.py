@@ -29,7 +29,7 @@ from mintrain.models.layers import (
   split_layers,
   stack_layers,
 )
-from mintrain.models.loss import cross_entropy, fused_cross_entropy
+from mintrain.models.loss import cross_entropy, fused_cross_entropy, token_losses
 from mintrain.models.transformer import collective_matmul, moe
 from mintrain.models.transformer.attention import BLD, Attention, KVCache, kv_layout
 from mintrain.models.transformer.config import ACTIVATIONS, TransformerConfig
@@ -170,6 +170,28 @@ class Transformer(nnx.Module):
     them every target counts and a row is one sequence. A mean over tokens: the order they are stored
     in (the ring's zigzag) does not matter.
     """
+    x_BLD, table_VD, targets_BL, weights_BL, stats = self._hidden(batch, dropout_key)
+    if self.cfg.loss_chunks <= 0:
+      loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL, weights_BL)
+    else:
+      loss = fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, weights_BL,
+                                 self.rules, self.cfg.loss_chunks)
+    return loss, jnp.sum(weights_BL), moe_statistics(self.cfg, stats) if stats else {}
+
+  @on_params_mesh
+  def sequence_log_probs(self, batch: dict[str, jax.Array], *, dropout_key: jax.Array | None = None
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(B,) float32 summed log-probability of each row's counted targets (weighted by 'target_weights'),
+    and the statistics of `loss`: what preference objectives score a response by. Through the logits, not
+    the fused loss: each row needs its own sum."""
+    x_BLD, table_VD, targets_BL, weights_BL, stats = self._hidden(batch, dropout_key)
+    logp_BL = -token_losses(self._logits(x_BLD, table_VD), targets_BL)
+    return jnp.sum(logp_BL * weights_BL, axis=1), moe_statistics(self.cfg, stats) if stats else {}
+
+  def _hidden(self, batch: dict[str, jax.Array], dropout_key: jax.Array | None
+              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(x_BLD before the final norm, table_VD, targets_BL, weights_BL, the blocks' statistics) of a batch
+    (`loss`), in storage order."""
     order_L = self._order(batch['inputs'].shape[1])
     positions_BL = self._positions(batch.get('positions'), batch['inputs'].shape[1], order_L)
     keys = ('inputs', 'targets', 'target_weights', 'segment_ids')
@@ -180,12 +202,7 @@ class Transformer(nnx.Module):
     weights_BL = self.rules.reshard(weights_BL, ('batch', 'length'))
     table_VD, x_BLD = self._embed(tokens_BL)
     x_BLD, stats = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
-    if self.cfg.loss_chunks <= 0:
-      loss = cross_entropy(self._logits(x_BLD, table_VD), targets_BL, weights_BL)
-    else:
-      loss = fused_cross_entropy(self.final_norm(x_BLD), self._unembedding(table_VD), targets_BL, weights_BL,
-                                 self.rules, self.cfg.loss_chunks)
-    return loss, jnp.sum(weights_BL), moe_statistics(self.cfg, stats) if stats else {}
+    return x_BLD, table_VD, targets_BL, weights_BL, stats
 
   @on_params_mesh
   def decode(self, tokens_BL: jax.Array, cache: KVCache,
