@@ -89,7 +89,7 @@ def torch_dpo(policy, reference, cfg, tokens, weights):
   loss = (-torch.nn.functional.logsigmoid(cfg.beta * logits) * (1 - cfg.label_smoothing)
           - torch.nn.functional.logsigmoid(-cfg.beta * logits) * cfg.label_smoothing).mean()
   loss.backward()
-  return float(loss)
+  return float(loss.detach())
 
 
 def test_loss_and_gradient_equal_trls_on_transformers_log_probabilities(tmp_path):
