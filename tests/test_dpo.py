@@ -207,3 +207,42 @@ def test_an_objective_without_its_data_is_a_one_line_config_error_before_anythin
     train_loop.run(load_config('single', *TINY, *overrides), tmp_path / 'run', print_fn=quiet)
   assert message in str(e.value) and '\n' not in str(e.value)
   assert not (tmp_path / 'run').exists()
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_conversational_pairs_are_trls_render_by_transformers_chat_template(tmp_path):
+  """Prompt: apply_chat_template with add_generation_prompt; response: what the template adds after it."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  bpe = Tokenizer(models.BPE())
+  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = decoders.ByteLevel()
+  special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
+  bpe.train_from_iterator([json.dumps(PAIRS)] * 3, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=CHATML,
+                                                eos_token='<|im_end|>', pad_token='<|endoftext|>')
+  theirs.save_pretrained(tmp_path / 'tok')
+  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / 'tok')
+  records = [{'prompt': [{'role': 'user', 'content': p['prompt']}],
+              'chosen': [{'role': 'assistant', 'content': p['chosen']}],
+              'rejected': [{'role': 'assistant', 'content': p['rejected']}]} for p in PAIRS[:4]]
+  path = write_pairs(tmp_path / 'chats.jsonl', records)
+  config = load_config('single', *TINY, *dpo_overrides(path, f'data.tokenizer={tmp_path / "tok"}'))
+  batch = next(pipeline.make_iterator(config.data, tokenizer.load(str(tmp_path / 'tok')), split='train',
+                                      seq_len=40, global_batch_size=4, micro_batch_size=4, rows=np.arange(4),
+                                      seed=0))
+  prompts = {r['prompt'][0]['content']: theirs.apply_chat_template(r['prompt'], add_generation_prompt=True,
+                                                                    tokenize=False) for r in records}
+  for inputs, targets, weights in zip(batch['inputs'], batch['targets'], batch['target_weights']):
+    prompt_ids = list(inputs[0, :int(np.argmax(weights[0] > 0)) + 1])
+    [(content, prompt)] = [(c, p) for c, p in prompts.items()
+                           if theirs(p, add_special_tokens=False)['input_ids'] == prompt_ids]
+    record = next(r for r in records if r['prompt'][0]['content'] == content)
+    for k, field in enumerate(('chosen', 'rejected')):
+      full = theirs.apply_chat_template(record['prompt'] + record[field], tokenize=False)
+      response = theirs(full[len(prompt):], add_special_tokens=False)['input_ids']
+      assert list(targets[k][weights[k] > 0]) == response and response[-2] == theirs.eos_token_id
