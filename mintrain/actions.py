@@ -225,17 +225,18 @@ class Evaluate:
 
   def __call__(self, info: StepInfo) -> None:
     self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token,
-                         frozen=info.state.frozen)
+                         frozen=info.state.frozen, reference=info.state.reference)
     self.log(info.step, self.last)
 
 
 def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
-             bytes_per_token: float | None = None, frozen=None) -> dict[str, float]:
+             bytes_per_token: float | None = None, frozen=None, reference=None) -> dict[str, float]:
   """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
   time), perplexity, the family's own figures, and bits per byte where bytes per token are known."""
   steps = run.config.eval.steps
   batches.set_state(start_state)
-  sums, counts = zip(*to_host([run.eval_step(params, next(batches), frozen) for _ in range(steps)]))
+  sums, counts = zip(*to_host([run.eval_step(params, next(batches), frozen, reference)
+                               for _ in range(steps)]))
   loss = float(sum(sums) / sum(counts))
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
   if bytes_per_token:

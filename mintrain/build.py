@@ -46,7 +46,8 @@ class Run:
   init: Callable[[], TrainState]  # Jitted; call under the mesh.
   from_params: Callable[[nnx.State], TrainState]  # Jitted: fresh optimizer state and step 0 around params.
   train_step: Callable  # Jitted, state donated: (state, batch) -> (state, metrics).
-  eval_step: Callable  # Jitted: (params, batch) -> (summed loss, count) over its counted targets.
+  # Jitted: (params, batch, reference=None) -> (summed loss, count) over its counted targets (or pairs).
+  eval_step: Callable
   plan: report.MemoryPlan
   # The parameters of the model without LoRA (ShapeDtypeStructs in Variables, with shardings of `mesh`): what
   # a Hugging Face checkpoint fills. Without LoRA, `abstract_state.params`.
@@ -87,7 +88,8 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   layout = train_state.param_layout(abstract, rules, mesh)
   graphdef, _, _ = nnx.split(abstract, nnx.Param, Frozen)
   tx = make_optimizer(config.optimizer, config.train.steps)
-  init, from_params = train_state.make_init(make, tx, config.seed)
+  objective = config.objective
+  init, from_params = train_state.make_init(make, tx, config.seed, objective.keeps_reference(config))
   init = jax.jit(init)
   with jax.set_mesh(mesh):
     abstract_state = _concrete(jax.eval_shape(init), mesh)
@@ -107,10 +109,12 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   from_params = jax.jit(from_params, out_shardings=shardings, donate_argnums=0)
   from_base = jax.jit(from_base, out_shardings=shardings, donate_argnums=0)
   # Every step gets dropout keys; a model without dropout never reads them, and XLA drops their math.
-  train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True)
+  loss_fn = objective.make_loss(config)
+  train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True,
+                               loss_fn=loss_fn)
   plan = report.plan(config, rules, mesh, layout, abstract_state)
   return Run(config, mesh, rules, placement, notes, layout, graphdef, tx, abstract_state, init, from_params,
-             train_step, make_eval_step(graphdef), plan, base_params, from_base, frozen_from_seed)
+             train_step, make_eval_step(graphdef, loss_fn), plan, base_params, from_base, frozen_from_seed)
 
 
 def _concrete(tree, mesh: Mesh):

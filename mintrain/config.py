@@ -23,7 +23,7 @@ from typing import Any
 
 import ml_collections
 
-from mintrain import configs, fields, models
+from mintrain import configs, fields, models, objectives
 from mintrain import mesh as mesh_lib
 from mintrain.actions import EvalConfig, ProfileConfig
 from mintrain.checkpoint.checkpoints import CheckpointConfig
@@ -34,6 +34,7 @@ from mintrain.fields import option
 from mintrain.lora import LoraConfig
 from mintrain.mesh import MeshConfig
 from mintrain.metrics import MetricsConfig
+from mintrain.objectives.dpo import DPOConfig
 from mintrain.optimizer import OptimizerConfig
 from mintrain.partitioning import PartitioningConfig
 from mintrain.train_step import TrainConfig
@@ -51,7 +52,7 @@ class InitConfig:
 SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,
             'train': TrainConfig, 'metrics': MetricsConfig, 'profile': ProfileConfig,
             'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig, 'init': InitConfig,
-            'lora': LoraConfig}
+            'lora': LoraConfig, 'dpo': DPOConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +73,15 @@ class Config:
   profile: ProfileConfig
   init: InitConfig
   lora: LoraConfig
+  dpo: DPOConfig
 
   @property
   def family(self) -> models.Family:
     return models.family(self.model_name)
+
+  @property
+  def objective(self) -> objectives.Objective:
+    return objectives.OBJECTIVES[self.train.objective]
 
   def to_dict(self) -> dict[str, Any]:
     """The options as plain values: what a checkpoint saves and `validate` reads back."""
@@ -108,7 +114,9 @@ def validate(config: ml_collections.ConfigDict | Mapping[str, Any]) -> Config:
   name = model.pop('name', None)
   family = models.family(name)
   sections['lora'].check(family.lora_targets, name)
-  return Config(seed=seed, model_name=name, model=fields.build(family.config, model, 'model'), **sections)
+  config = Config(seed=seed, model_name=name, model=fields.build(family.config, model, 'model'), **sections)
+  config.objective.check(config)
+  return config
 
 
 def resolve(config: Config) -> tuple[Config, tokenizer.Tokenizer]:

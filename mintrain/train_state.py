@@ -17,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mintrain import partitioning
 from mintrain.models.layers import Frozen
+from mintrain.objectives import objective
 from mintrain.partitioning import AxisRules
 
 # Keys are drawn and wrapped with this implementation whatever `jax_default_prng_impl` says: a saved key's
@@ -37,6 +38,9 @@ class TrainState:
   # `layers.Frozen` variables (LoRA's base): no gradients, no optimizer state, never checkpointed. None or
   # empty without LoRA.
   frozen: nnx.State | None = None
+  # The objective's frozen reference model (`objectives.objective.reference`): the initial parameters, laid
+  # out as `params`, never trained; None for objectives without one.
+  reference: nnx.State | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,15 +108,18 @@ def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[Par
   return rows
 
 
-def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
-              seed: int) -> tuple[Callable[[], TrainState], Callable[[nnx.State], TrainState]]:
+def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation, seed: int,
+              keeps_reference: bool = False
+              ) -> tuple[Callable[[], TrainState], Callable[[nnx.State], TrainState]]:
   """(init, from_params): the whole state drawn from the seed, or built around given parameters (and
-  frozen ones; a fresh optimizer state, step 0). Call them under `jit` on the mesh."""
+  frozen ones; a fresh optimizer state, step 0, and with `keeps_reference` a frozen copy of the trained
+  parameters). Call them under `jit` on the mesh."""
 
   def from_params(params: nnx.State, frozen: nnx.State | None = None) -> TrainState:
     rng = jax.random.key_data(key(seed + 1))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
-                      frozen=frozen if frozen is not None else nnx.State({}))
+                      frozen=frozen if frozen is not None else nnx.State({}),
+                      reference=objective.reference(keeps_reference, params))
 
   def init() -> TrainState:
     _, params, frozen = nnx.split(make(nnx.Rngs(params=key(seed))), nnx.Param, Frozen)

@@ -14,6 +14,8 @@ from flax import nnx
 
 from mintrain.errors import ConfigError
 from mintrain.fields import option
+from mintrain.objectives import OBJECTIVES, lm
+from mintrain.objectives.objective import LossFn
 from mintrain.train_state import PRNG_IMPL, TrainState, merge
 
 
@@ -25,6 +27,7 @@ class TrainConfig:
   grad_accum_steps: int = option(at_least=1)
   log_every: int = option(at_least=1)
   hang_timeout_s: float = option(above=0)
+  objective: str = option(choices=tuple(OBJECTIVES))
 
   def __post_init__(self):
     if self.global_batch_size % self.grad_accum_steps:
@@ -39,22 +42,13 @@ class TrainConfig:
 Batch = dict[str, jax.Array]
 
 
-def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, dropout_key: jax.Array | None,
-            frozen: nnx.State | None = None) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
-  """(objective, (count, metrics)), as the model family computes them: the objective is its mean loss
-  over the batch's counted targets, plus its statistics' `aux_loss` if any (an MoE router's balancing
-  losses); the metrics are that mean loss as `loss` and every statistic. Gradients are of `params` alone:
-  `frozen` (LoRA's base) only takes part. A statistic `balance` (arrays, averaged like the metrics) is not
-  logged: the model's `after_step(balance)` makes the step's parameters from it, an update without gradient
-  (a router's balancing bias)."""
-  loss, count, stats = merge(graphdef, params, frozen).loss(batch, dropout_key=dropout_key)
-  objective = loss + stats['aux_loss'] if 'aux_loss' in stats else loss
-  return objective, (jnp.asarray(count, jnp.float32), {'loss': loss, **stats})
-
-
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, use_dropout: bool) -> Callable[[TrainState, Batch], tuple]:
-  """The jitted step, with the state donated."""
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    use_dropout: bool, loss_fn: LossFn = lm.loss) -> Callable[[TrainState, Batch], tuple]:
+  """The jitted step of the objective's `loss_fn` (`mintrain.objectives`), with the state donated. Gradients
+  are of `params` alone: the state's `frozen` variables (LoRA's base) and reference model, if any, are read
+  and carried along untouched. A statistic `balance` (arrays, averaged like the metrics) is not logged: the
+  model's `after_step(balance)` makes the step's parameters from it, an update without gradient (a
+  router's balancing bias)."""
 
   def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=PRNG_IMPL), state.step)
@@ -64,7 +58,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       metric_sum, count_sum, grad_sum = carry
       index, micro_batch = xs
       key = jax.random.fold_in(step_key, index) if use_dropout else None
-      (_, (count, metrics)), grads = grad_fn(state.params, graphdef, micro_batch, key, state.frozen)
+      (_, (count, metrics)), grads = grad_fn(state.params, graphdef, micro_batch, key, state.frozen,
+                                              state.reference)
       grad_sum = jax.tree.map(lambda total, g: total + g * count, grad_sum, grads)
       metric_sum = jax.tree.map(lambda total, m: total + m * count, metric_sum, metrics)
       return (metric_sum, count_sum + count, grad_sum), None
@@ -73,8 +68,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     first = jax.tree.map(lambda x: x[0], batch)
     metric_zeros = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype),
-                                jax.eval_shape(loss_fn, state.params, graphdef, first, None,
-                                                               state.frozen)[1][1])
+                                jax.eval_shape(loss_fn, state.params, graphdef, first, None, state.frozen,
+                                               state.reference)[1][1])
     (metric_sum, count, grad_sum), _ = jax.lax.scan(
         micro_step, (metric_zeros, jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), batch))
     total = jnp.where(count > 0, count, 1.0)  # A step without a counted target: zero loss and gradients.
@@ -93,13 +88,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   return jax.jit(step_fn, donate_argnums=0)
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """Jitted (summed loss, count) of params (and frozen ones) over the counted targets of one (accum, micro,
-  ...) batch; no gradients, no dropout. Summed, so that batches with fewer counted targets weigh less."""
-  def eval_fn(params: nnx.State, batch: Batch,
-              frozen: nnx.State | None = None) -> tuple[jax.Array, jax.Array]:
+def make_eval_step(graphdef: nnx.GraphDef,
+                   loss_fn: LossFn = lm.loss) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  """Jitted (summed loss, count) of params (with the frozen ones, against the objective's `reference` model,
+  if any) over the counted units of one (accum, micro, ...) batch; no gradients, no dropout. Summed, so
+  that batches with fewer counted units weigh less."""
+  def eval_fn(params: nnx.State, batch: Batch, frozen: nnx.State | None = None,
+              reference: nnx.State | None = None) -> tuple[jax.Array, jax.Array]:
     def micro(micro_batch: Batch) -> tuple[jax.Array, jax.Array]:
-      _, (count, metrics) = loss_fn(params, graphdef, micro_batch, None, frozen)
+      _, (count, metrics) = loss_fn(params, graphdef, micro_batch, None, frozen, reference)
       return metrics['loss'], count
     losses, counts = jax.lax.map(micro, batch)
     return jnp.sum(losses * counts), jnp.sum(counts)

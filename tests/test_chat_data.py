@@ -16,7 +16,7 @@ from mintrain import loop as train_loop
 from mintrain.data import pipeline, records, streaming, tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError, DataError
-from mintrain.train_step import loss_fn
+from mintrain.objectives.lm import loss as loss_fn
 
 SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
 # ChatML (Qwen's, without tools), its assistant turns marked with {% generation %}; unknown roles refused.

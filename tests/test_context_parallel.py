@@ -20,7 +20,7 @@ from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.models.transformer import sampling
 from mintrain.models.transformer.context_attention import ring_attention, visible, zigzag_order
-from mintrain.train_step import loss_fn
+from mintrain.objectives.lm import loss as loss_fn
 
 SMALL = (*helpers.SMALL, 'model.vocab_size=128', 'data.source=synthetic', 'train.global_batch_size=8')
 MESHES = {  # Meshes with `context`, beside the config file's data 2 x context 2 x model 2.

@@ -30,10 +30,10 @@ from mintrain.models.layers import MATMUL, linear
 from mintrain.models.transformer import collective_matmul
 from mintrain.models.transformer.attention import attention_kernel
 from mintrain.models.transformer.config import REMAT_OPTIONS
+from mintrain.objectives.lm import loss as loss_fn
 from mintrain.optimizer import decay_mask
 from mintrain.partitioning import AxisRules
 from mintrain.report import format_report
-from mintrain.train_step import loss_fn
 
 SMALL = (*helpers.SMALL, 'model.num_layers=2', 'model.vocab_size=128', 'data.source=synthetic',
          'train.global_batch_size=8', 'train.log_every=1', 'optimizer.warmup_steps=1')

@@ -17,9 +17,10 @@ from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
 from mintrain.models.transformer import moe
+from mintrain.objectives.lm import loss as loss_fn
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
-from mintrain.train_step import loss_fn, make_train_step
+from mintrain.train_step import make_train_step
 
 # One block whose MLP has 4 experts, 2 per token; 8 rows of 16 tokens.
 TINY = ('model.num_experts=4', 'model.experts_per_token=2', 'model.expert_mlp_dim=64', 'model.num_layers=1',

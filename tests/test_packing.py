@@ -19,8 +19,8 @@ from mintrain import loop as train_loop
 from mintrain.data import pipeline, segments, sources, tokenizer
 from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
+from mintrain.objectives.lm import loss as loss_fn
 from mintrain.partitioning import AxisRules
-from mintrain.train_step import loss_fn
 
 BYTES = segments.Separators.of(tokenizer.BYTES)  # The byte tokenizer's: BOS starts a document.
 

@@ -14,9 +14,10 @@ from mintrain.data import tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import NonFiniteLossError
 from mintrain.mesh import make_mesh
+from mintrain.objectives.lm import loss as loss_fn
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
-from mintrain.train_step import loss_fn, make_train_step
+from mintrain.train_step import make_train_step
 
 INVARIANCE = ('train.steps=5', 'train.log_every=5', 'train.global_batch_size=8')
 

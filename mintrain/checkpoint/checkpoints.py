@@ -106,8 +106,10 @@ def versions() -> dict[str, str]:
 
 
 def state_tree(state: TrainState) -> dict[str, Any]:
-  """The saved form of a state: a plain dict, so that parts of it can be restored alone."""
-  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state, 'rng': state.rng}
+  """The saved form of a state: a plain dict, so that parts of it can be restored alone (the objective's
+  reference model only where it keeps one)."""
+  tree = {'step': state.step, 'params': state.params, 'opt_state': state.opt_state, 'rng': state.rng}
+  return tree if state.reference is None else {**tree, 'reference': state.reference}
 
 
 def _leaves(tree: Any) -> dict[str, Any]:

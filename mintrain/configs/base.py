@@ -173,6 +173,11 @@ def get_config() -> ml_collections.ConfigDict:
   # tokenizer's own chat template (a Hugging Face tokenizer's chat_template.jinja or tokenizer_config.json).
   # Packed conversations are document-masked and one runs on into the next row when longer than
   # train.seq_len; with data.packing='pad' one longer than train.seq_len + 1 tokens is truncated.
+  # 'preference' (train.objective='dpo'; jsonl or parquet, data.packing='pad'): records of `prompt`, `chosen`
+  # and `rejected`, strings, or the prompt a list of messages (rendered by the chat template with the
+  # assistant's turn opened) and each response a list of assistant messages (TRL's format). Each pair is
+  # two padded rows of one batch row, prompt + chosen and prompt + rejected, truncated to train.seq_len + 1
+  # tokens; only the response tokens count.
   c.data.format = 'text'
   c.data.messages_field = 'messages'  # The JSONL field or Parquet column holding a chat record's messages.
   # Which chat tokens the loss counts: 'assistant' the spans the template marks with {% generation %}, or
@@ -203,6 +208,25 @@ def get_config() -> ml_collections.ConfigDict:
   # the stacks of all its threads to WORKDIR/logs/hang.log and says on the console where it is stuck; the
   # run goes on (a slow step may yet finish). Generous, so a long compile or save is not taken for a hang.
   c.train.hang_timeout_s = 1800.0
+  # What the run learns (mintrain/objectives/): 'lm' the model family's own loss (next-token cross-entropy
+  # over the counted targets); 'dpo' preference tuning from data.format='preference' pairs (the dpo section).
+  c.train.objective = 'lm'
+
+  # train.objective='dpo': TRL's DPO losses on the summed log-probabilities of each pair's response tokens,
+  # against a reference model: the initial weights (init.hf_checkpoint's, or the seed's), frozen, laid out as
+  # the trained ones and saved in checkpoints (so a resume is bit-exact); it costs a second copy of
+  # the parameters and a forward pass per micro-batch. train.global_batch_size then counts pairs (two
+  # sequences each). Metrics: loss, dpo_reward_accuracy (chosen reward > rejected), dpo_reward_margin,
+  # dpo_chosen_reward, dpo_rejected_reward (beta times the policy's log-ratio over the reference),
+  # dpo_chosen_logp and dpo_rejected_logp (the policy's summed log-probabilities), averaged over the pairs.
+  c.dpo = ml_collections.ConfigDict()
+  c.dpo.beta = 0.1  # How far the policy may move from the reference: the reward scale (TRL's beta).
+  # 'sigmoid' (DPO), 'ipo' (squared loss on length-averaged log-ratios, as TRL), 'hinge' (SLiC), or
+  # 'simpo' (reference-free, length-averaged log-probabilities, target margin dpo.gamma; no reference model).
+  c.dpo.loss = 'sigmoid'
+  # Conservative DPO: the assumed chance that a pair's labels are swapped (sigmoid and simpo), in [0, 0.5).
+  c.dpo.label_smoothing = 0.0
+  c.dpo.gamma = 0.5  # SimPO's target reward margin (dpo.loss='simpo').
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0  # Peak TFLOP/s per device for MFU; 0: the device table, or a CPU calibration.

@@ -14,6 +14,8 @@ from mintrain.fields import option
 STREAMED_SOURCES = ('jsonl', 'parquet', 'arrayrecord', 'hf_datasets')
 # Sources whose records may hold a conversation (data.format='chat').
 CHAT_SOURCES = ('jsonl', 'parquet', 'hf_datasets')
+# Sources whose records may hold preference pairs (data.format='preference').
+PREFERENCE_SOURCES = ('jsonl', 'parquet')
 # What each source of a mixture may set; the rest (threads, prefetch) belongs to the whole mixture.
 MIXTURE_KEYS = ('source', 'path', 'eval_path', 'eval_fraction', 'token_dtype', 'text_field', 'record_format',
                 'block_bytes', 'shuffle_window', 'skip_bad_records', 'format', 'messages_field', 'loss_on',
@@ -41,7 +43,7 @@ class DataConfig:
   on_corpus_change: str = option(choices=('continue', 'restart'))
   hf_split: str = option()
   hf_config: str = option()
-  format: str = option(choices=('text', 'chat'))
+  format: str = option(choices=('text', 'chat', 'preference'))
   messages_field: str = option()
   loss_on: str = option(choices=('assistant', 'all'))
   chat_template: str = option()  # A template file; '' the tokenizer's.
@@ -57,6 +59,12 @@ class DataConfig:
       if fmt == 'chat' and source not in CHAT_SOURCES:
         raise ConfigError(f"{where}data.format='chat' reads conversations from records of {CHAT_SOURCES}, "
                           f'not data.source={source!r}; use one of those or data.format=text.')
+      if fmt == 'preference' and (entries or source not in PREFERENCE_SOURCES):
+        raise ConfigError(f"{where}data.format='preference' reads pairs from the records of one source of "
+                          f'{PREFERENCE_SOURCES}, not data.source={source!r}; use one of those.')
+    if self.format == 'preference' and self.packing != 'pad':
+      raise ConfigError("data.format='preference' lays each pair out padded, one sequence per row; set "
+                        "data.packing='pad'.")
 
   def _formats(self) -> list[tuple[str, str, str]]:
     """(where, source, format) of each source: the mixture's (a source's own format, else data.format)."""

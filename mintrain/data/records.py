@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mintrain.data import sources, tokenizer
-from mintrain.errors import DataError
+from mintrain.data import preference, sources, tokenizer
+from mintrain.errors import ConfigError, DataError
 from mintrain.runtime.lazy import lazy_import
 
 grain = lazy_import('grain')
@@ -55,7 +55,15 @@ class Conversation:
   weights: np.ndarray  # float32 (n,)
 
 
-Document = str | np.ndarray | Conversation
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """A preference record (`data.format='preference'`, `mintrain.data.preference`): prompt + chosen and
+  prompt + rejected, each weighted on its response alone."""
+  chosen: Conversation
+  rejected: Conversation
+
+
+Document = str | np.ndarray | Conversation | Pair
 _log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 _OPEN_ARRAY_RECORDS = 16  # ArrayRecord files kept open per process.
 
@@ -113,12 +121,15 @@ class Reader:
     if data_cfg.source not in FORMATS:
       raise DataError(f'data.source={data_cfg.source!r} is not a streamed format; choose one of {FORMATS}.')
     self.kind, self.chat = data_cfg.source, data_cfg.format == 'chat'
+    self.preference = data_cfg.format == 'preference'
     self.field = data_cfg.messages_field if self.chat else data_cfg.text_field
     self.option = 'data.messages_field' if self.chat else 'data.text_field'
     if self.chat:
       from mintrain.data import chat  # jinja2 only for chat data.
       template = chat.run_template(tok, data_cfg.chat_template)
       self._render = functools.partial(chat.encode, tok, template=template, loss_on=data_cfg.loss_on)
+    if self.preference:
+      self._pair = functools.partial(preference.encode, tok, render=_pair_render(tok, data_cfg.chat_template))
     self.block_bytes = data_cfg.block_bytes
     self.tokens = self.kind == 'arrayrecord' and data_cfg.record_format == 'tokens'
     self.dtype = np.dtype(data_cfg.token_dtype)
@@ -171,10 +182,11 @@ class Reader:
         self.bad(f'data.path: {path} is not a readable Parquet file ({_first_line(e)})')
         return None
       names = meta.schema_arrow.names
-      if self.field not in names:
-        self.bad(f'data.path: {path} has no column {self.field!r} ({self.option}; its columns: '
-                 f'{", ".join(names)})')
-        return None
+      for column in preference.FIELDS if self.preference else [self.field]:
+        if column not in names:
+          option = 'a preference record' if self.preference else self.option
+          self.bad(f'data.path: {path} has no column {column!r} ({option}; its columns: {", ".join(names)})')
+          return None
       return [(g, g + 1) for g in range(meta.metadata.num_row_groups)]
     try:
       count = len(self._array_records(path))
@@ -316,6 +328,8 @@ class Reader:
       record = json.loads(line)
     except ValueError as e:
       return f'not valid JSON ({_first_line(e)})'
+    if self.preference:
+      return self._preference(record, docs)
     if not isinstance(record, dict) or self.field not in record:
       return f'no field {self.field!r} ({self.option})'
     if self.chat:
@@ -337,7 +351,18 @@ class Reader:
     docs.append(Conversation(ids, weights))
     return None
 
+  def _preference(self, record: Any, docs: list[Document]) -> str | None:
+    """Appends the record's pair, or says what is wrong with it."""
+    try:
+      chosen, rejected = self._pair(record)
+    except DataError as e:
+      return str(e).rstrip('.')
+    docs.append(Pair(Conversation(*chosen), Conversation(*rejected)))
+    return None
+
   def _read_parquet(self, path: pathlib.Path, group: int) -> list[Document]:
+    if self.preference:
+      return self._read_parquet_pairs(path, group)
     try:
       file = _parquet_file(path)
       tools = self.chat and TOOLS_FIELD in file.schema_arrow.names
@@ -360,6 +385,19 @@ class Reader:
       else:
         what = 'is null' if doc is None else f'is {type(doc).__name__}, not a string'
         self.bad(f'{path} row group {group} row {row}: column {self.field!r} {what}')
+    return kept
+
+  def _read_parquet_pairs(self, path: pathlib.Path, group: int) -> list[Document]:
+    try:
+      rows = _parquet_file(path).read_row_group(group, columns=list(preference.FIELDS)).to_pylist()
+    except Exception as e:  # Corrupt pages, a missing or changed column, I/O errors.
+      self.bad(f'{path} row group {group}: cannot be read ({_first_line(e)})')
+      return []
+    kept: list[Document] = []
+    for row, record in enumerate(rows):
+      problem = self._preference(record, kept)
+      if problem:
+        self.bad(f'{path} row group {group} row {row}: {problem}')
     return kept
 
   def _read_array_records(self, path: pathlib.Path, start: int, end: int) -> list[Document]:
@@ -389,6 +427,21 @@ class Reader:
           self.bad(f'{path} record {index}: not UTF-8 text (byte 0x{record[e.start]:02x} at offset '
                    f"{e.start}); for token records set data.record_format='tokens'")
     return docs
+
+
+def _pair_render(tok: tokenizer.Tokenizer, template_file: str) -> Any:
+  """`mintrain.data.chat.render` with the run's template for conversational preference records, or None
+  where the tokenizer has no chat template (string records need none); a template file must load."""
+  if not template_file and not isinstance(tok, tokenizer.HFTokenizer):
+    return None
+  from mintrain.data import chat  # jinja2 only for chat data.
+  try:
+    template = chat.run_template(tok, template_file)
+  except ConfigError:
+    if template_file:
+      raise
+    return None
+  return functools.partial(chat.render, tok, template=template)
 
 
 def _line_number(path: pathlib.Path, offset: int) -> int:

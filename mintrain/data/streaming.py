@@ -58,6 +58,8 @@ def encode_document(doc: records.Document, tok: tokenizer.Tokenizer) -> np.ndarr
   conversations (rendered by the chat template) already hold theirs."""
   if isinstance(doc, records.Conversation):
     return doc.ids
+  if isinstance(doc, records.Pair):  # Both sequences, for the statistics of the tokens read.
+    return np.concatenate([doc.chosen.ids, doc.rejected.ids])
   return doc if isinstance(doc, np.ndarray) else tok.document(doc)
 
 
@@ -315,6 +317,11 @@ class RowStream:
     window, doc, _ = self.position
     while True:
       window, doc = self._find(window, doc)
+      document = self._docs(window)[doc]
+      if isinstance(document, records.Pair):  # (2, seq_len + 1): chosen, then rejected.
+        self.position = (window, doc + 1, 0)
+        parts = [_padded(c.ids, c.weights, self.seq_len) for c in (document.chosen, document.rejected)]
+        return tuple(np.stack(x) for x in zip(*parts))
       ids, weights = self._doc_tokens(window, doc)
       doc += 1
       if weights is None:
@@ -323,11 +330,16 @@ class RowStream:
         weights = np.ones(len(ids), np.float32)
       if len(ids) >= 2:
         self.position = (window, doc, 0)
-        padded = np.zeros(self.seq_len + 1, np.float32)
-        padded[:min(len(weights), self.seq_len + 1)] = weights[:self.seq_len + 1]
-        starts = np.zeros(self.seq_len + 1, bool)
-        starts[0] = True
-        return segments.padded_window(ids, self.seq_len), padded, starts
+        return _padded(ids, weights, self.seq_len)
+
+
+def _padded(ids: np.ndarray, weights: np.ndarray, seq_len: int) -> Window:
+  """A document alone in its (seq_len + 1,) window: ids, weights (0 past its end) and starts."""
+  padded = np.zeros(seq_len + 1, np.float32)
+  padded[:min(len(weights), seq_len + 1)] = weights[:seq_len + 1]
+  starts = np.zeros(seq_len + 1, bool)
+  starts[0] = True
+  return segments.padded_window(ids, seq_len), padded, starts
 
 
 def mixture_choices(weights: Sequence[float], seed: int, step: int, num_rows: int) -> np.ndarray:
@@ -357,7 +369,8 @@ class RowsIterator:
     self.splits, self.on_corpus_change = splits, on_corpus_change
     self.weights, self.rows, self.num_rows, self.seed = weights, rows, num_rows, seed
     self.separators, self.padded = separators, padded
-    self.chat = any(split.reader.chat for split in splits)  # Conversations mark where documents start.
+    # Conversations and preference pairs mark where documents start.
+    self.chat = any(split.reader.chat or split.reader.preference for split in splits)
     self.streams = {int(g): [RowStream(s, int(g), num_rows, seq_len) for s in splits] for g in rows}
     self.step = 0
 
@@ -368,10 +381,13 @@ class RowsIterator:
     choice = mixture_choices(self.weights, self.seed, self.step, self.num_rows)
     streams = [self.streams[int(g)][choice[g]] for g in self.rows]
     parts = [s.next_document(self.separators) if self.padded else s.next_sequence() for s in streams]
-    windows_BL, weights_BL, starts_BL = (np.stack(x) for x in zip(*parts))
+    windows, weights, starts = (np.stack(x) for x in zip(*parts))
     self.step += 1
-    return segments.split_inputs_targets(windows_BL, self.separators, weights_BL,
-                                         starts_BL if self.chat else None)
+    size = windows.shape[-1]  # Pairs' (B, 2, seq_len + 1) are split as 2B rows.
+    windows_BL, weights_BL, starts_BL = (x.reshape(-1, size) for x in (windows, weights, starts))
+    out = segments.split_inputs_targets(windows_BL, self.separators, weights_BL,
+                                        starts_BL if self.chat else None)
+    return {key: value.reshape(*windows.shape[:-1], size - 1) for key, value in out.items()}
 
   def get_state(self) -> dict[str, Any]:
     return {'step': self.step,

@@ -16,13 +16,18 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
   """Mean token cross-entropy in float32 over the targets that count: `weights` (the targets' shape)
   weigh each target's term, 0 leaving it out (padding); None counts every target. The vocab axis may
   be sharded."""
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
-  losses = log_z - jnp.sum(logits * one_hot, axis=-1)
+  losses = token_losses(logits, targets)
   if weights is None:
     return jnp.mean(losses)
   return jnp.sum(losses * weights) / counted(weights)
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Each target's cross-entropy (-log p) in float32, the shape of `targets`; vocab may be sharded."""
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+  return log_z - jnp.sum(logits * one_hot, axis=-1)
 
 
 def counted(weights: jax.Array) -> jax.Array:

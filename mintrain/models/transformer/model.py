@@ -12,6 +12,8 @@ meaning in mintrain/configs/base.py) computes the same function as the default.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +35,7 @@ from mintrain.models.layers import (
   split_layers,
   stack_layers,
 )
-from mintrain.models.loss import cross_entropy, fused_cross_entropy
+from mintrain.models.loss import cross_entropy, fused_cross_entropy, token_losses
 from mintrain.models.transformer import collective_matmul, mla, moe
 from mintrain.models.transformer.attention import BLD, Attention, KVCache, kv_layout
 from mintrain.models.transformer.config import ACTIVATIONS, TransformerConfig
@@ -215,6 +217,30 @@ class Transformer(nnx.Module):
     them every target counts and a row is one sequence. A mean over tokens: the order they are stored
     in (the ring's zigzag) does not matter.
     """
+    h = self._hidden(batch, dropout_key)
+    x_BLD, table_VD, targets_BL, weights_BL = h['x'], h['table'], h['targets'], h['weights']
+    loss = self._lm_loss(self.final_norm(x_BLD), table_VD, targets_BL, weights_BL)
+    stats = moe_statistics(self.cfg, h['stats']) if h['stats'] else {}
+    if self.cfg.mtp_layers:
+      mtp_loss = self._mtp_loss(x_BLD, table_VD, h['tokens'], targets_BL, weights_BL, h['positions'],
+                                h['segment_ids'], dropout_key)
+      stats['mtp_loss'] = mtp_loss
+      stats['aux_loss'] = stats.get('aux_loss', 0.0) + self.cfg.mtp_loss_weight * mtp_loss
+    return loss, jnp.sum(weights_BL), stats
+
+  @on_params_mesh
+  def sequence_log_probs(self, batch: dict[str, jax.Array], *, dropout_key: jax.Array | None = None
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(B,) float32 summed log-probability of each row's counted targets (weighted by 'target_weights'),
+    and the statistics of `loss`: what preference objectives score a response by. Through the logits, not
+    the fused loss: each row needs its own sum."""
+    h = self._hidden(batch, dropout_key)
+    logp_BL = -token_losses(self._logits(h['x'], h['table']), h['targets'])
+    return jnp.sum(logp_BL * h['weights'], axis=1), moe_statistics(self.cfg, h['stats']) if h['stats'] else {}
+
+  def _hidden(self, batch: dict[str, jax.Array], dropout_key: jax.Array | None) -> dict[str, Any]:
+    """A batch through the blocks, in storage order: the hidden states `x` (before the final norm), the
+    embedding `table`, `tokens`, `targets`, `weights`, `positions`, `segment_ids` and the blocks' `stats`."""
     order_L = self._order(batch['inputs'].shape[1])
     positions_BL = self._positions(batch.get('positions'), batch['inputs'].shape[1], order_L)
     keys = ('inputs', 'targets', 'target_weights', 'segment_ids')
@@ -225,14 +251,8 @@ class Transformer(nnx.Module):
     weights_BL = self.rules.reshard(weights_BL, ('batch', 'length'))
     table_VD, x_BLD = self._embed(tokens_BL)
     x_BLD, stats = self._run_blocks(x_BLD, dropout_key, positions_BL, segment_ids_BL)
-    loss = self._lm_loss(self.final_norm(x_BLD), table_VD, targets_BL, weights_BL)
-    stats = moe_statistics(self.cfg, stats) if stats else {}
-    if self.cfg.mtp_layers:
-      mtp_loss = self._mtp_loss(x_BLD, table_VD, tokens_BL, targets_BL, weights_BL, positions_BL,
-                                segment_ids_BL, dropout_key)
-      stats['mtp_loss'] = mtp_loss
-      stats['aux_loss'] = stats.get('aux_loss', 0.0) + self.cfg.mtp_loss_weight * mtp_loss
-    return loss, jnp.sum(weights_BL), stats
+    return {'x': x_BLD, 'table': table_VD, 'tokens': tokens_BL, 'targets': targets_BL, 'weights': weights_BL,
+            'positions': positions_BL, 'segment_ids': segment_ids_BL, 'stats': stats}
 
   def _lm_loss(self, h_BLD: jax.Array, table_VD: jax.Array, targets_BL: jax.Array,
                weights_BL: jax.Array) -> jax.Array:

@@ -1,0 +1,38 @@
+"""What a training objective gives the train step, so that nothing outside `mintrain/objectives/` asks which
+objective runs (as a model family's bundle, `mintrain.models.family`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+Batch = dict[str, jax.Array]
+# (params, graphdef, batch, dropout_key, frozen, reference) -> (objective, (count, metrics)): the value to
+# differentiate, how many units (targets, pairs) it averages over, and scalar metrics that hold `loss`.
+# Micro-batches are weighted by their counts. `frozen` are the state's frozen variables (LoRA's base) and
+# `reference` its reference model (or None each).
+LossFn = Callable[[nnx.State, nnx.GraphDef, Batch, jax.Array | None, nnx.State | None, nnx.State | None],
+                  tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  # (config) -> None: a ConfigError for options the objective cannot train with (`mintrain.config.Config`,
+  # read before any file or device is touched).
+  check: Callable[[Any], None]
+  # (config) -> its LossFn.
+  make_loss: Callable[[Any], LossFn]
+  # (config) -> whether the state keeps a frozen reference model beside the trained parameters.
+  keeps_reference: Callable[[Any], bool] = lambda config: False
+
+
+def reference(keeps: bool, params: nnx.State) -> nnx.State | None:
+  """The frozen reference model a fresh state starts with: the initial parameters themselves (copied, so
+  that donating the state never frees them), or None. The one place that says what the reference is."""
+  if not keeps:
+    return None
+  return jax.tree.map(lambda x: x.copy(), params)

@@ -1,0 +1,248 @@
+"""DPO (train.objective='dpo'): preference records become pairs of padded rows, the loss is TRL's on
+transformers' own log-probabilities, the same on every mesh, and a run resumes bit-exactly."""
+
+import json
+import signal
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import TINY, build, load_config, mesh_devices, quiet
+
+from mintrain import hf
+from mintrain import loop as train_loop
+from mintrain.data import pipeline, tokenizer
+from mintrain.data.batches import make_batches
+from mintrain.errors import ConfigError, DataError
+from mintrain.objectives import dpo
+
+PAIRS = [{'prompt': f'{a}+{b}=', 'chosen': str(a + b), 'rejected': str(a + b + 1 + a % 3)}
+         for a in range(8) for b in range(6)]
+
+
+def write_pairs(path, records, bad_lines=()):
+  lines = [json.dumps(r) for r in records]
+  for index, line in bad_lines:
+    lines.insert(index, line)
+  path.write_text('\n'.join(lines) + '\n')
+  return path
+
+
+def dpo_overrides(path, *extra):
+  return ('train.objective=dpo', 'data.format=preference', 'data.source=jsonl', f'data.path={path}',
+          'data.packing=pad', 'data.tokenizer=byte', 'data.eval_fraction=0.0', 'data.prefetch=0',
+          'data.block_bytes=256', *extra)
+
+
+@pytest.fixture(scope='module')
+def pairs_file(tmp_path_factory):
+  return write_pairs(tmp_path_factory.mktemp('pairs') / 'pairs.jsonl', PAIRS)
+
+
+def test_pairs_are_prompt_plus_response_rows_weighted_on_the_response_alone(pairs_file):
+  config = load_config('single', *TINY, *dpo_overrides(pairs_file))
+  tok = tokenizer.load('byte')
+  batch = next(pipeline.make_iterator(config.data, tok, split='train', seq_len=16, global_batch_size=4,
+                                      micro_batch_size=4, rows=np.arange(4), seed=0))
+  assert batch['inputs'].shape == (4, 2, 16)
+  for inputs, targets, weights in zip(batch['inputs'], batch['targets'], batch['target_weights']):
+    chosen, rejected = (bytes(t[w > 0].astype(np.uint8)).decode() for t, w in zip(targets, weights))
+    prompt = bytes(inputs[0, 1:int(np.argmax(weights[0] > 0)) + 1].astype(np.uint8)).decode()
+    a, b = map(int, prompt.rstrip('=').split('+'))
+    assert (chosen, rejected) == (str(a + b), str(a + b + 1 + a % 3))
+    assert inputs[0, 0] == inputs[1, 0] == tokenizer.BOS
+
+
+def test_the_loss_at_step_0_with_the_reference_equal_to_the_policy_is_ln_2(pairs_file):
+  config = load_config('single', *TINY, *dpo_overrides(pairs_file))
+  run = build(config)
+  with jax.set_mesh(run.mesh):
+    state = run.init()
+    _, metrics = run.train_step(state, next(run.batches(tokenizer.load('byte'))))
+  np.testing.assert_allclose(float(metrics['loss']), np.log(2), rtol=1e-6)
+  assert float(metrics['dpo_reward_margin']) == 0 and float(metrics['dpo_chosen_logp']) < 0
+
+
+def tiny_llama(directory, seed):
+  torch.manual_seed(seed)
+  config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    tie_word_embeddings=False)
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+  model.save_pretrained(directory)
+  return model
+
+
+def torch_dpo(policy, reference, cfg, tokens, weights):
+  """TRL's sigmoid DPO loss on transformers' summed response log-probabilities, (P, 2, L) pairs."""
+  def logps(model):
+    rows = torch.from_numpy(tokens.reshape(-1, tokens.shape[-1]).astype(np.int64))
+    logits = model(rows).logits[:, :-1].float()
+    per_token = torch.gather(logits.log_softmax(-1), 2, rows[:, 1:, None])[..., 0]
+    return (per_token * torch.from_numpy(weights.reshape(-1, weights.shape[-1])[:, 1:])).sum(-1).view(-1, 2)
+  pi = logps(policy)
+  with torch.no_grad():
+    ref = logps(reference)
+  logits = (pi[:, 0] - pi[:, 1]) - (ref[:, 0] - ref[:, 1])
+  loss = (-torch.nn.functional.logsigmoid(cfg.beta * logits) * (1 - cfg.label_smoothing)
+          - torch.nn.functional.logsigmoid(-cfg.beta * logits) * cfg.label_smoothing).mean()
+  loss.backward()
+  return float(loss.detach())
+
+
+def test_loss_and_gradient_equal_trls_on_transformers_log_probabilities(tmp_path):
+  policy, reference = tiny_llama(tmp_path / 'policy', 0), tiny_llama(tmp_path / 'reference', 1)
+  rng = np.random.RandomState(0)
+  tokens = rng.randint(0, 256, (4, 2, 17)).astype(np.int32)
+  tokens[:, 1, :6] = tokens[:, 0, :6]  # A shared prompt of 6 tokens.
+  weights = np.zeros(tokens.shape, np.float32)
+  weights[:, :, 6:] = 1.0
+  weights[1, 1, 12:] = 0.0  # A shorter rejected response (padding).
+  config = load_config('single', *TINY, 'train.objective=dpo', 'data.format=preference', 'data.source=jsonl',
+                       'data.packing=pad', 'dpo.beta=0.5', 'dpo.label_smoothing=0.1',
+                       f'init.hf_checkpoint={tmp_path / "policy"}', 'data.tokenizer=byte',
+                       'model.param_dtype=float32', 'model.compute_dtype=float32', 'model.loss_chunks=0')
+  run = build(config)
+  expected = torch_dpo(policy, reference, config.dpo, tokens, weights)
+  batch = {'inputs': tokens[..., :-1], 'targets': tokens[..., 1:], 'target_weights': weights[..., 1:]}
+  with jax.set_mesh(run.mesh):
+    params = hf.load_params(tmp_path / 'policy', run)
+    ref_params = hf.load_params(tmp_path / 'reference', run)
+    loss_fn = config.objective.make_loss(config)
+    (loss, (count, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, run.graphdef, jax.tree.map(np.asarray, batch), None, None, ref_params)
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-4)
+  assert float(count) == 4
+  got = {'model.embed_tokens.weight': np.asarray(grads['embedding_VD'][...]),
+         'lm_head.weight': np.asarray(grads['unembed_DV'][...]).T}
+  for name, grad in got.items():
+    want = dict(policy.named_parameters())[name].grad.numpy()
+    np.testing.assert_allclose(grad, want, atol=1e-4 * np.abs(want).max(), err_msg=name)
+
+
+@pytest.mark.parametrize('loss', dpo.LOSSES)
+def test_each_loss_is_trls_formula(loss):
+  cfg = dpo.DPOConfig(beta=0.5, loss=loss, label_smoothing=0.0, gamma=0.3)
+  c, r, rc, rr = (np.array(x, np.float32) for x in ([-3., -8.], [-5., -6.], [-4., -7.], [-4., -7.]))
+  lc, lr = np.array([2., 4.], np.float32), np.array([1., 3.], np.float32)
+  losses, _, _ = dpo.pair_losses(cfg, c, r, rc, rr, lc, lr)
+  if loss in ('sigmoid', 'hinge'):
+    logits = (c - r) - (rc - rr)
+  else:
+    logits = (c / lc - r / lr) - (0 if loss == 'simpo' else rc / lc - rr / lr)
+  want = {'sigmoid': np.log1p(np.exp(-0.5 * logits)), 'hinge': np.maximum(0, 1 - 0.5 * logits),
+          'ipo': (logits - 1 / (2 * 0.5)) ** 2, 'simpo': np.log1p(np.exp(-(0.5 * logits - 0.3)))}[loss]
+  np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
+
+
+def train_losses(name, pairs_file, steps=2, *extra):
+  config = load_config(name, *TINY, *dpo_overrides(pairs_file, f'train.steps={steps}', 'train.log_every=1',
+                                                   *extra))
+  return train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet).losses
+
+
+def test_the_same_losses_on_one_device_and_on_dp4_tp2(pairs_file):
+  np.testing.assert_allclose(train_losses('dp4_tp2', pairs_file), train_losses('single', pairs_file),
+                             rtol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['fsdp8', 'tp8'])
+def test_the_same_losses_on_fsdp8_and_tp8(pairs_file, name):
+  np.testing.assert_allclose(train_losses(name, pairs_file), train_losses('single', pairs_file), rtol=2e-5)
+
+
+def test_a_run_stopped_by_sigterm_resumes_bit_exactly(pairs_file, tmp_path):
+  config = load_config('single', *TINY, *dpo_overrides(pairs_file, 'train.steps=4', 'train.log_every=1',
+                                                       'checkpoint.every_steps=2'))
+
+  def run(workdir, stop_at=None):
+    def print_fn(line):
+      if stop_at is not None and line.startswith(f'step {stop_at - 1}/'):
+        signal.raise_signal(signal.SIGTERM)
+    return train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=print_fn)
+
+  straight = run(tmp_path / 'straight')
+  first = run(tmp_path / 'stopped', stop_at=2)
+  assert first.stopped_by == 'SIGTERM' and int(first.state.step) == 2
+  resumed = run(tmp_path / 'stopped')
+  assert first.losses + resumed.losses == straight.losses and all(np.isfinite(straight.losses))
+  for a, b in zip(jax.tree.leaves((resumed.state.params, resumed.state.reference)),
+                  jax.tree.leaves((straight.state.params, straight.state.reference))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('record, problem', [
+    ({'prompt': 'a', 'chosen': 'b'}, "no field 'rejected'"),
+    ({'prompt': 'a', 'chosen': 'b', 'rejected': 3}, "field 'rejected' is int, not a string"),
+    ([1, 2], 'a preference record is a JSON object'),
+])
+def test_a_bad_preference_record_is_one_line_naming_file_and_line_or_a_counted_skip(tmp_path, record,
+                                                                                        problem):
+  path = write_pairs(tmp_path / 'pairs.jsonl', PAIRS[:8], bad_lines=[(3, json.dumps(record))])
+  config = load_config('single', *TINY, *dpo_overrides(path))
+  run = build(config)
+  with jax.set_mesh(run.mesh), pytest.raises(DataError) as e:
+    next(make_batches(config, run.mesh, run.rules, tokenizer.load('byte')))
+  assert f'{path}:4: {problem}' in str(e.value) and '\n' not in str(e.value)
+  skipping = load_config('single', *TINY, *dpo_overrides(path, 'data.skip_bad_records=True'))
+  with jax.set_mesh(run.mesh):
+    batch = next(make_batches(skipping, run.mesh, run.rules, tokenizer.load('byte')))
+  assert batch['inputs'].shape == (1, 8, 2, 16)
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (('train.objective=dpo',), "train.objective='dpo' learns from (prompt, chosen, rejected) records; "
+                               "data.format='text' has none"),
+    (('data.format=preference', 'data.source=jsonl', 'data.packing=pad'),
+     "data.format='preference' holds (chosen, rejected) pairs, which train.objective='lm' cannot learn from"),
+    (('train.objective=dpo', 'data.format=preference', 'data.source=jsonl'),
+     "data.format='preference' lays each pair out padded"),
+])
+def test_an_objective_without_its_data_is_a_one_line_config_error_before_anything_is_written(
+    tmp_path, overrides, message):
+  with pytest.raises(ConfigError) as e:
+    train_loop.run(load_config('single', *TINY, *overrides), tmp_path / 'run', print_fn=quiet)
+  assert message in str(e.value) and '\n' not in str(e.value)
+  assert not (tmp_path / 'run').exists()
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_conversational_pairs_are_trls_render_by_transformers_chat_template(tmp_path):
+  """Prompt: apply_chat_template with add_generation_prompt; response: what the template adds after it."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  bpe = Tokenizer(models.BPE())
+  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = decoders.ByteLevel()
+  special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
+  bpe.train_from_iterator([json.dumps(PAIRS)] * 3, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=CHATML,
+                                                eos_token='<|im_end|>', pad_token='<|endoftext|>')
+  theirs.save_pretrained(tmp_path / 'tok')
+  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / 'tok')
+  records = [{'prompt': [{'role': 'user', 'content': p['prompt']}],
+              'chosen': [{'role': 'assistant', 'content': p['chosen']}],
+              'rejected': [{'role': 'assistant', 'content': p['rejected']}]} for p in PAIRS[:4]]
+  path = write_pairs(tmp_path / 'chats.jsonl', records)
+  config = load_config('single', *TINY, *dpo_overrides(path, f'data.tokenizer={tmp_path / "tok"}'))
+  batch = next(pipeline.make_iterator(config.data, tokenizer.load(str(tmp_path / 'tok')), split='train',
+                                      seq_len=40, global_batch_size=4, micro_batch_size=4, rows=np.arange(4),
+                                      seed=0))
+  prompts = {r['prompt'][0]['content']: theirs.apply_chat_template(r['prompt'], add_generation_prompt=True,
+                                                                    tokenize=False) for r in records}
+  for inputs, targets, weights in zip(batch['inputs'], batch['targets'], batch['target_weights']):
+    prompt_ids = list(inputs[0, :int(np.argmax(weights[0] > 0)) + 1])
+    [(content, prompt)] = [(c, p) for c, p in prompts.items()
+                           if theirs(p, add_special_tokens=False)['input_ids'] == prompt_ids]
+    record = next(r for r in records if r['prompt'][0]['content'] == content)
+    for k, field in enumerate(('chosen', 'rejected')):
+      full = theirs.apply_chat_template(record['prompt'] + record[field], tokenize=False)
+      response = theirs(full[len(prompt):], add_special_tokens=False)['input_ids']
+      assert list(targets[k][weights[k] > 0]) == response and response[-2] == theirs.eos_token_id
