@@ -20,7 +20,7 @@ from mintrain.data.batches import GlobalBatches, make_batches
 from mintrain.data.tokenizer import Tokenizer
 from mintrain.errors import ConfigError
 from mintrain.models.family import Placement
-from mintrain.models.layers import Frozen
+from mintrain.models.layers import Frozen, merge
 from mintrain.optimizer import make_optimizer, schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState
@@ -64,7 +64,7 @@ class Run:
 
   def model(self, params: nnx.State, frozen: nnx.State | None = None) -> nnx.Module:
     """The model module with these parameters (e.g. restored ones) and frozen ones, to call or sample from."""
-    return train_state.merge(self.graphdef, params, frozen)
+    return merge(self.graphdef, params, frozen)
 
 
 def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:

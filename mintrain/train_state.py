@@ -128,11 +128,6 @@ def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransfor
   return init, from_params
 
 
-def merge(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None) -> nnx.Module:
-  """The model of `graphdef` with its trainable and (None: no) frozen variables."""
-  return nnx.merge(graphdef, params, *([] if frozen is None else [frozen]))
-
-
 def state_bytes_per_device(tree) -> int:
   """Bytes per device of a tree of arrays or ShapeDtypeStructs with shardings."""
   total = 0

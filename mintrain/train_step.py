@@ -14,9 +14,10 @@ from flax import nnx
 
 from mintrain.errors import ConfigError
 from mintrain.fields import option
+from mintrain.models.layers import merge
 from mintrain.objectives import OBJECTIVES, lm
 from mintrain.objectives.objective import LossFn
-from mintrain.train_state import PRNG_IMPL, TrainState, merge
+from mintrain.train_state import PRNG_IMPL, TrainState
 
 
 @dataclasses.dataclass(frozen=True)

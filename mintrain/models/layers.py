@@ -224,3 +224,8 @@ def on_params_mesh(function: Callable) -> Callable:
     return function(module, *args, **kwargs)
 
   return wrapped
+
+
+def merge(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None) -> nnx.Module:
+  """The model of `graphdef` with its trainable and (None: no) `Frozen` variables."""
+  return nnx.merge(graphdef, params, *([] if frozen is None else [frozen]))

@@ -19,8 +19,8 @@ from flax import nnx
 
 from mintrain.errors import ConfigError
 from mintrain.fields import option
+from mintrain.models.layers import merge
 from mintrain.objectives.objective import Batch, LossFn, Objective
-from mintrain.train_state import merge
 
 LOSSES = ('sigmoid', 'ipo', 'hinge', 'simpo')
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mintrain.errors import ConfigError
+from mintrain.models.layers import merge
 from mintrain.objectives.objective import Batch, LossFn, Objective
-from mintrain.train_state import merge
 
 
 def check(config) -> None:
