@@ -262,6 +262,10 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
           f'starting data.source={config.data.source!r} from its beginning.')
     if config.data.source != 'synthetic' and workdir is not None and is_main:  # For sampling and export.
       tok.save(workdir / tokenizer.RUN_DIR)
+    if config.init.hf_checkpoint and workdir is not None and is_main:  # Its special ids, for export.
+      from mintrain import hf
+
+      hf.save_sources(config.init.hf_checkpoint, workdir)
     run_log.open()  # Every check has passed: the run writes from here on.
     actions.start_writing()
     first_step = int(to_host(state.step))

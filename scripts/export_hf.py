@@ -83,8 +83,11 @@ def main() -> int:
           frozen = loop.frozen_base(run)
         model = run.model(params, frozen)
         model = peft.merged(model, run.rules) if lora_run else model
+        source = directory.parent / hf.RUN_SOURCE  # The run's copy of its HF source's configs, if any.
         files = hf.save_pretrained(model, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                   tokenizer=tok, overwrite=args.overwrite)
+                                   tokenizer=tok, overwrite=args.overwrite,
+                                   source=source if source.exists() else None,
+                                   context_length=saved.train.seq_len)
   except errors.MintrainError as e:
     startup.fail(str(e))
   print(f'Wrote step {step} of {directory} to {args.out}: {", ".join(files)}.')

@@ -5,10 +5,13 @@ import shutil
 
 import numpy as np
 import pytest
+import test_hf
+import test_sliding_window
 from helpers import run_script
 from test_hf import TOKENS, mintrain_logits, on_mesh, random_model
 
 from mintrain import hf
+from mintrain.data import tokenizer
 from mintrain.errors import ConfigError, StorageError
 
 
@@ -101,3 +104,49 @@ def test_a_directory_that_mixes_two_exports_or_has_a_damaged_index_is_a_one_line
       with pytest.raises(ConfigError, match=says) as e:
         hf.from_pretrained(tmp_path / 'sharded')
       assert '\n' not in str(e.value)
+
+
+# Every family of both parity tables: (name, its random_model). The default suite checks two.
+EXPORTED_FAMILIES = {**{f: test_hf.random_model for f in test_hf.FAMILIES},
+                     **{f'windowed_{f}': test_sliding_window.random_model
+                        for f in test_sliding_window.FAMILIES}}
+EXPORT_FAST = ('llama3', 'windowed_gemma3')
+
+
+@pytest.mark.parametrize('family', [
+    pytest.param(f, marks=[] if f in EXPORT_FAST else [pytest.mark.slow]) for f in EXPORTED_FAMILIES])
+def test_an_export_carries_the_special_ids_and_generate_stops_at_eos(family, tmp_path):
+  """The source's eos_token_id is the token greedy decoding picks first, so `generate` on the export stops
+  after one token exactly when the export carried it (config.json and generation_config.json alike)."""
+  import torch
+  import transformers
+
+  source = EXPORTED_FAMILIES[family](family.removeprefix('windowed_'), tmp_path / 'source', bos_token_id=1,
+                                     pad_token_id=0, max_position_embeddings=96)
+  prompt = torch.tensor(TOKENS[:1, :6].astype(np.int64))
+  with torch.no_grad():
+    first = int(source(prompt).logits[0, -1].argmax())
+  config = json.loads((tmp_path / 'source' / 'config.json').read_text())
+  (tmp_path / 'source' / 'config.json').write_text(json.dumps({**config, 'eos_token_id': first}))
+  (tmp_path / 'source' / 'generation_config.json').write_text(json.dumps(
+      {'bos_token_id': 1, 'eos_token_id': first, 'pad_token_id': 0}))
+  with on_mesh('single'):
+    model = hf.from_pretrained(tmp_path / 'source')
+    files = hf.save_pretrained(model, tmp_path / 'out', source=tmp_path / 'source')
+  assert 'generation_config.json' in files
+  exported = json.loads((tmp_path / 'out' / 'config.json').read_text())
+  assert (exported['bos_token_id'], exported['eos_token_id'], exported['pad_token_id'],
+          exported['max_position_embeddings']) == (1, first, 0, 96)
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'out', dtype=torch.float32)
+  with torch.no_grad():
+    generated = loaded.generate(prompt, max_new_tokens=8, do_sample=False)
+  assert generated.shape[1] == prompt.shape[1] + 1 and int(generated[0, -1]) == first
+
+
+def test_an_export_without_a_source_takes_the_tokenizers_ids_and_the_context_length(llama, tmp_path):
+  model, _ = llama
+  hf.save_pretrained(model, tmp_path / 'out', tokenizer=tokenizer.BYTES, context_length=64)
+  config = json.loads((tmp_path / 'out' / 'config.json').read_text())
+  assert (config['bos_token_id'], config['max_position_embeddings']) == (tokenizer.BYTES.bos_id, 64)
+  assert json.loads((tmp_path / 'out' / 'generation_config.json').read_text()) == {
+      'bos_token_id': tokenizer.BYTES.bos_id}

@@ -70,8 +70,8 @@ def test_every_exit_finishes_the_save_closes_the_trace_and_flushes_the_metrics(p
   if patched == 'batches':
     action = (lambda: signal.raise_signal(signal.SIGTERM)) if path == 'signal' else raise_error
     make = Run.batches
-    monkeypatch.setattr(Run, 'batches', lambda self, split='train': (
-        Trigger(make(self, split), action) if split == 'train' else make(self, split)))
+    monkeypatch.setattr(Run, 'batches', lambda self, tok, split='train': (
+        Trigger(make(self, tok, split), action) if split == 'train' else make(self, tok, split)))
   if patched == 'check':
     monkeypatch.setattr(train_loop, 'check_finite', non_finite_at_step_4(train_loop.check_finite))
   handler = signal.getsignal(signal.SIGTERM)

@@ -326,21 +326,73 @@ def _replacing(out: epath.Path) -> Iterator[epath.Path]:
     old.rmtree()
 
 
+SOURCE_FILES = ('config.json', 'generation_config.json')  # What an export carries from the model it began as.
+RUN_SOURCE = 'hf_source'  # WORKDIR/hf_source: a run's copy of its init.hf_checkpoint's SOURCE_FILES.
+# Keys of an older config.json that the exported `rope_parameters` replace.
+LEGACY_ROPE = ('rope_scaling', 'rope_theta', 'rope_local_base_freq')
+
+
+def save_sources(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> None:
+  """Copies `hf_dir`'s config.json and generation_config.json into the run (`RUN_SOURCE`), so an export
+  carries their special token ids and other fields even after the source has moved."""
+  target = epath.Path(run_dir) / RUN_SOURCE
+  target.mkdir(parents=True, exist_ok=True)
+  for name in SOURCE_FILES:
+    if (epath.Path(hf_dir) / name).exists():
+      (target / name).write_text((epath.Path(hf_dir) / name).read_text())
+
+
+def _source_json(source: str | os.PathLike | None, name: str) -> dict[str, Any]:
+  path = None if source is None else epath.Path(source) / name
+  if path is None or not path.exists():
+    return {}
+  try:
+    loaded = json.loads(path.read_text())
+  except ValueError:
+    return {}
+  return loaded if isinstance(loaded, dict) else {}
+
+
+def config_files(ours: dict[str, Any], source: str | os.PathLike | None, tokenizer: Any,
+                 context_length: int | None) -> dict[str, dict[str, Any]]:
+  """config.json and generation_config.json of an export: the family's own keys, over every other field of
+  the config.json the model began as (`source`: special token ids, max_position_embeddings, ...); without
+  one, the ids from `tokenizer` and `context_length`; generation_config.json the source's, else its ids
+  (none without any)."""
+  original = _source_json(source, 'config.json')
+  carried = {k: v for k, v in original.items()
+             if k not in ours and not (k in LEGACY_ROPE and 'rope_parameters' in ours) and k != 'torch_dtype'}
+  config = {**carried, **ours}
+  ids = {'bos_token_id': getattr(tokenizer, 'bos_id', None),
+         'eos_token_id': getattr(tokenizer, 'eos_id', None)}
+  for key, value in ids.items():
+    if config.get(key) is None and value is not None:
+      config[key] = value
+  if 'max_position_embeddings' not in config and context_length:
+    config['max_position_embeddings'] = context_length
+  special = ('bos_token_id', 'eos_token_id', 'pad_token_id')
+  generation = _source_json(source, 'generation_config.json') or {
+      key: config[key] for key in special if config.get(key) is not None}
+  return {'config.json': config, **({'generation_config.json': generation} if generation else {})}
+
+
 def save_pretrained(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str | None = None,
-                    max_shard_size: int = 2**30, tokenizer: Any = None, overwrite: bool = False) -> list[str]:
+                    max_shard_size: int = 2**30, tokenizer: Any = None, overwrite: bool = False,
+                    source: str | os.PathLike | None = None, context_length: int | None = None) -> list[str]:
   """Writes `model` (and `tokenizer`'s files) as a Hugging Face directory that `transformers` loads, in
-  place of what `out_dir` held (`check_out_dir`); returns the files written.
+  place of what `out_dir` held (`check_out_dir`); returns the files written. Its config.json and
+  generation_config.json carry what the directory `source` (the model it began as) says (`config_files`).
 
   Every process must call it (a sharded parameter is gathered collectively); process 0 writes.
   """
   is_main = jax.process_index() == 0
   out = check_out_dir(out_dir, overwrite=overwrite)
   with _replacing(out) if is_main else contextlib.nullcontext(out) as staging:
-    return _write(model, staging, dtype, max_shard_size, tokenizer, is_main)
+    return _write(model, staging, dtype, max_shard_size, tokenizer, is_main, source, context_length)
 
 
 def _write(model: nnx.Module, out: epath.Path, dtype: str | None, max_shard_size: int, tokenizer: Any,
-           is_main: bool) -> list[str]:
+           is_main: bool, source_dir: str | os.PathLike | None, context_length: int | None) -> list[str]:
   from safetensors.numpy import save_file
 
   cfg = model.cfg
@@ -390,7 +442,9 @@ def _write(model: nnx.Module, out: epath.Path, dtype: str | None, max_shard_size
     weight_map = {name: file for file, names_in in zip(files, shard_names) for name in names_in}
     (out / INDEX).write_text(json.dumps({'metadata': {'total_size': total}, 'weight_map': weight_map},
                                         indent=2))
-  (out / 'config.json').write_text(json.dumps(family.hf.config_json(cfg, str(out_dtype)), indent=2))
+  written = config_files(family.hf.config_json(cfg, str(out_dtype)), source_dir, tokenizer, context_length)
+  for name, content in written.items():
+    (out / name).write_text(json.dumps(content, indent=2))
   tokenizer_files = tokenizer.save(out) if tokenizer is not None else []
-  return files + ([INDEX] if len(files) > 1 else []) + ['config.json'] + tokenizer_files
+  return files + ([INDEX] if len(files) > 1 else []) + list(written) + tokenizer_files
 
