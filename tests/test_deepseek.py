@@ -49,6 +49,7 @@ def test_sigmoid_router_picks_by_score_and_bias_within_the_best_groups_and_weigh
   np.testing.assert_allclose(normed[0, 0], [0.8 / 1.25, 0.45 / 1.25], rtol=1e-6)
 
 
+@pytest.mark.slow  # ~25 s; the default suite keeps the router tests.
 def test_the_balancing_bias_moves_by_its_rate_towards_the_mean_load_and_takes_no_gradient():
   result = run('deepseek_v3_ep4_dp2', 'single', 'model.num_layers=2', 'train.steps=1',
                'model.router_bias_rate=0.01', 'model.mtp_layers=1')  # One MoE block: its shares are logged.

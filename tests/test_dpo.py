@@ -143,6 +143,7 @@ def train_losses(name, pairs_file, steps=2, *extra):
   return train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet).losses
 
 
+@pytest.mark.slow  # ~13 s: the default suite time; the slow set has the other meshes too.
 def test_the_same_losses_on_one_device_and_on_dp4_tp2(pairs_file):
   np.testing.assert_allclose(train_losses('dp4_tp2', pairs_file), train_losses('single', pairs_file),
                              rtol=2e-5)

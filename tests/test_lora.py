@@ -292,6 +292,7 @@ def test_an_adapter_of_another_rank_is_a_one_line_config_error(tmp_path):
     lora_peft.load_adapter(tmp_path / 'missing', config, r.layout, r.abstract_state.params)
 
 
+@pytest.mark.slow  # ~12 s: the default suite time.
 def test_lora_dropout_drops_the_adapters_input_only_given_a_key():
   from mintrain.train_state import key
   options = ('lora.targets=q,o,down', 'model.num_kv_heads=2')

@@ -152,6 +152,7 @@ def test_show_sharding_plans_a_mixtral_8x7b_sized_model_on_256_devices_in_4_slic
   assert not re.search(r'^\[[123]\] ', proc.stdout, re.M)  # Process 0 prints the plan.
 
 
+@pytest.mark.slow  # three runs of train.py (~25 s); tests/test_data.py checks the splits in process.
 def test_a_one_file_corpus_trains_without_eval_and_evaluates_on_an_eval_path(tmp_path):
   (tmp_path / 'train.txt').write_text('the quick brown fox jumps over the lazy dog. ' * 200)
   (tmp_path / 'held.txt').write_text('a held out sentence about a lazy dog. ' * 50)
@@ -169,6 +170,7 @@ def test_a_one_file_corpus_trains_without_eval_and_evaluates_on_an_eval_path(tmp
   assert [r['step'] for r in records if 'eval_loss' in r] == [2]
 
 
+@pytest.mark.slow  # ~15 s; tests/test_streaming.py reads saved datasets in process.
 def test_training_reads_a_hugging_face_dataset_saved_to_disk(tmp_path):
   import datasets
   texts = [f'document {i}: ' + 'the lazy dog sleeps in the sun. ' * (5 + i % 7) for i in range(200)]
