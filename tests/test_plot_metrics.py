@@ -1,6 +1,5 @@
 """scripts/plot_metrics.py turns runs' metrics.jsonl into one PNG, or fails with one clear line."""
 
-import importlib.util
 import json
 import math
 import shutil
@@ -10,10 +9,7 @@ import sys
 from helpers import REPO, load_config, mesh_devices
 
 from mintrain import loop
-
-_spec = importlib.util.spec_from_file_location('plot_metrics', REPO / 'scripts' / 'plot_metrics.py')
-plot_metrics = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plot_metrics)
+from mintrain.cli import plot_metrics
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import pathlib
 import pty
 import re
 import subprocess
@@ -61,7 +62,8 @@ def test_show_config_prints_every_key_with_its_value_and_meaning_and_trains_noth
   assert not (tmp_path / 'run').exists()
 
 
-FAST_HELP = ['train', 'show_sharding', 'inspect_checkpoint', 'evaluate', 'plot_metrics', 'launch_local']
+FAST_HELP = ['train', 'show_sharding', 'inspect_checkpoint', 'evaluate', 'plot_metrics', 'launch_local',
+             'sample', 'export_hf', 'tokenize_corpus']
 
 
 @pytest.mark.parametrize('script', FAST_HELP)
@@ -77,6 +79,22 @@ def test_help_answers_before_jax_is_imported(script):
                         text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr
   assert 'usage:' in proc.stdout and proc.stdout.rstrip().endswith('jax imported: False')
+
+
+def test_the_installed_commands_run_outside_a_checkout(tmp_path):
+  """pyproject's console scripts: a shipped config by name, from a directory that is no checkout."""
+  bin_dir = pathlib.Path(sys.executable).parent
+  commands = ['mintrain-train', 'mintrain-export', 'mintrain-sample', 'mintrain-eval', 'mintrain-tokenize',
+              'mintrain-show-sharding', 'mintrain-inspect', 'mintrain-plot', 'mintrain-launch']
+  for command in commands:
+    proc = subprocess.run([bin_dir / command, '--help'], capture_output=True, text=True, cwd=tmp_path,
+                          env=script_env(), timeout=60)
+    assert proc.returncode == 0 and 'usage:' in proc.stdout, (command, proc.stderr)
+  proc = subprocess.run([bin_dir / 'mintrain-train', '--config', 'single', '--workdir', 'run',
+                         *script_flags(*TINY, 'train.steps=2')], capture_output=True, text=True, cwd=tmp_path,
+                        env=script_env(), timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  assert (tmp_path / 'run' / 'metrics.jsonl').exists() and 'done: steps 0..2' in proc.stdout
 
 
 def test_unknown_config_key_is_a_one_line_error_with_close_matches():
