@@ -155,3 +155,17 @@ def stdlib_texts(max_bytes: int = TOKENIZER_CORPUS_BYTES) -> list[str]:
     texts.append(path.read_text(encoding='utf-8'))
     total += len(texts[-1])
   return texts
+
+
+def train_in_process(config: config_lib.Config, workdir, *, stop_at: int | None = None, **kwargs):
+  """`loop.run` of `config` on its devices; `stop_at` raises SIGTERM while step `stop_at - 1` is logged, as a
+  preemption: the loop then finishes step `stop_at`, saves and stops."""
+  import signal
+
+  from mintrain import loop
+
+  def print_fn(line: str) -> None:
+    if stop_at is not None and line.startswith(f'step {stop_at - 1}/'):
+      signal.raise_signal(signal.SIGTERM)
+
+  return loop.run(config, workdir, devices=mesh_devices(config), print_fn=print_fn, **kwargs)

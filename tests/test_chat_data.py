@@ -4,13 +4,12 @@ ids, assistant weights as target_weights, conversations as documents, bad record
 import functools
 import json
 import re
-import signal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY, build, load_config, mesh_devices, quiet, run_script, script_flags
+from helpers import TINY, build, load_config, mesh_devices, quiet, run_script, script_flags, train_in_process
 
 from mintrain import loop as train_loop
 from mintrain.data import pipeline, records, streaming, tokenizer
@@ -299,16 +298,10 @@ def test_training_on_chats_resumes_bit_exactly(marked, tmp_path):
   config = load_config('single', *TINY, 'train.steps=4', 'train.log_every=1', 'checkpoint.every_steps=2',
                        *chat_overrides(tmp_path, marked[1], eval_fraction=0.3, block_bytes=512))
 
-  def run(workdir, stop_at=None):
-    def print_fn(line):
-      if stop_at is not None and line.startswith(f'step {stop_at - 1}/'):
-        signal.raise_signal(signal.SIGTERM)
-    return train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=print_fn)
-
-  straight = run(tmp_path / 'straight')
-  first = run(tmp_path / 'stopped', stop_at=2)
+  straight = train_in_process(config, tmp_path / 'straight')
+  first = train_in_process(config, tmp_path / 'stopped', stop_at=2)
   assert first.stopped_by == 'SIGTERM' and int(first.state.step) == 2
-  resumed = run(tmp_path / 'stopped')
+  resumed = train_in_process(config, tmp_path / 'stopped')
   assert first.losses + resumed.losses == straight.losses and all(np.isfinite(straight.losses))
   for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -2,14 +2,13 @@
 transformers' own log-probabilities, the same on every mesh, and a run resumes bit-exactly."""
 
 import json
-import signal
 
 import jax
 import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import TINY, build, load_config, mesh_devices, quiet
+from helpers import TINY, build, load_config, mesh_devices, quiet, train_in_process
 
 from mintrain import hf
 from mintrain import loop as train_loop
@@ -159,16 +158,10 @@ def test_a_run_stopped_by_sigterm_resumes_bit_exactly(pairs_file, tmp_path):
   config = load_config('single', *TINY, *dpo_overrides(pairs_file, 'train.steps=4', 'train.log_every=1',
                                                        'checkpoint.every_steps=2'))
 
-  def run(workdir, stop_at=None):
-    def print_fn(line):
-      if stop_at is not None and line.startswith(f'step {stop_at - 1}/'):
-        signal.raise_signal(signal.SIGTERM)
-    return train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=print_fn)
-
-  straight = run(tmp_path / 'straight')
-  first = run(tmp_path / 'stopped', stop_at=2)
+  straight = train_in_process(config, tmp_path / 'straight')
+  first = train_in_process(config, tmp_path / 'stopped', stop_at=2)
   assert first.stopped_by == 'SIGTERM' and int(first.state.step) == 2
-  resumed = run(tmp_path / 'stopped')
+  resumed = train_in_process(config, tmp_path / 'stopped')
   assert first.losses + resumed.losses == straight.losses and all(np.isfinite(straight.losses))
   for a, b in zip(jax.tree.leaves((resumed.state.params, resumed.state.reference)),
                   jax.tree.leaves((straight.state.params, straight.state.reference))):

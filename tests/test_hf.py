@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import hf_reference
 import jax
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from helpers import (
   script_env,
   stdlib_texts,
 )
+from hf_reference import mintrain_logits, torch_logits
 from safetensors.numpy import load_file, save_file
 
 from mintrain import config as config_lib
@@ -94,27 +96,10 @@ SLOW_GENERATION = ('qwen3_moe', 'deepseek_v3', *SLOW_FAMILIES)
 
 def random_model(family, directory, **changes):
   """A tiny random `transformers` model of `family` (FAMILIES), saved in `directory`."""
-  name, options = FAMILIES[family]
-  torch.manual_seed(0)
-  config = getattr(transformers, name)(**{**COMMON, **options, **changes})
-  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-  with torch.no_grad():  # Norm weights are drawn as ones (zeros for Gemma); make them matter.
-    for param_name, param in model.named_parameters():
-      if param_name.endswith(('norm.weight', 'bias', '.gate.weight')):  # A router drawn as zeros ties.
-        param.add_(0.1 * torch.randn_like(param))
-    for buffer_name, buffer in model.named_buffers():
-      if buffer_name.endswith('e_score_correction_bias'):  # DeepSeek-V3's balancing bias, drawn as zeros.
-        buffer.add_(0.1 * torch.randn_like(buffer))
-  model.save_pretrained(directory)
-  return model
+  return hf_reference.random_model(FAMILIES, COMMON, family, directory, **changes)
 
 
 TOKENS = np.random.RandomState(1).randint(0, 256, (8, 24)).astype(np.int32)
-
-
-def torch_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
 
 
 @pytest.fixture(scope='module', params=[
@@ -141,11 +126,6 @@ def base(*overrides):
 def on_mesh(name):
   config = load_config(name)
   return jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config)))
-
-
-def mintrain_logits(model, tokens):
-  graphdef, params = nnx.split(model)
-  return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
 
 
 @pytest.mark.parametrize(('reference', 'mesh_name'), [

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from flax import nnx
 from helpers import load_config, mesh_devices, quiet
+from hf_reference import mintrain_logits, torch_logits
 
 from mintrain import hf
 from mintrain import loop as train_loop
@@ -35,16 +35,6 @@ ROPES = {
                     'beta_fast': 4.0, 'beta_slow': 0.5, 'truncate': False},
 }
 TOKENS = np.random.RandomState(1).randint(0, 256, (8, 24)).astype(np.int32)
-
-
-def torch_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-
-
-def mintrain_logits(model, tokens):
-  graphdef, params = nnx.split(model)
-  return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
 
 
 def on_mesh(name):

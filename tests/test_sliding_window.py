@@ -7,13 +7,14 @@ same on every mesh; config.json values the family cannot honour are one-line err
 import copy
 import json
 
+import hf_reference
 import jax
 import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from flax import nnx
 from helpers import load_config, mesh_devices, quiet
+from hf_reference import mintrain_logits, torch_logits
 from safetensors.numpy import load_file
 
 from mintrain import config as config_lib
@@ -47,26 +48,7 @@ TOKENS = np.random.RandomState(1).randint(0, 256, (8, 24)).astype(np.int32)  # L
 
 def random_model(family, directory, **changes):
   """A tiny random `transformers` model of `family` (FAMILIES), saved in `directory`."""
-  name, options = FAMILIES[family]
-  torch.manual_seed(0)
-  config = getattr(transformers, name)(**{**COMMON, **options, **changes})
-  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-  with torch.no_grad():  # Norm weights are drawn as ones (zeros for Gemma); make them matter.
-    for param_name, param in model.named_parameters():
-      if param_name.endswith('norm.weight'):
-        param.add_(0.1 * torch.randn_like(param))
-  model.save_pretrained(directory)
-  return model
-
-
-def torch_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-
-
-def mintrain_logits(model, tokens):
-  graphdef, params = nnx.split(model)
-  return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
+  return hf_reference.random_model(FAMILIES, COMMON, family, directory, **changes)
 
 
 def base(*overrides):
