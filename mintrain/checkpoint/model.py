@@ -60,8 +60,11 @@ def restore_model(workdir: str | os.PathLike, *, step: int | None = None,
     if step not in steps:
       raise CheckpointError(f'{workdir}: no complete checkpoint of step {step} (it has: '
                             f'{", ".join(map(str, steps)) or "none"}).')
-    config = config_lib.upgrade(checkpoints.metadata(step)['config'])
-    config.init.hf_checkpoint = ''  # The saved model section is complete; the source may be gone.
+    metadata = checkpoints.metadata(step)
+    config = config_lib.upgrade(metadata['config'])
+    if not config.lora.rank:
+      config.init.hf_checkpoint = ''  # The saved model section is complete; the source may be gone.
+    config.init.lora_adapter = ''  # A LoRA run's adapters are the checkpoint's; its base is read below.
     config.mesh.update(layout.mesh.to_dict())  # The saved section's other keys (dcn_*) stay.
     if 'partitioning' in layout:
       config.partitioning = layout.partitioning
@@ -78,5 +81,11 @@ def restore_model(workdir: str | os.PathLike, *, step: int | None = None,
     checkpoints.close()
   tok = tokenizer.for_run(directory.parent, run.config.data.tokenizer or 'byte')
   with jax.set_mesh(run.mesh):
-    model = run.model(params)
+    frozen = None
+    if run.config.lora.enabled:  # Its base, from where the run read it (refused if it changed).
+      from mintrain import loop
+
+      loop.check_lora_base(run, metadata.get('lora_base'))
+      frozen = loop.frozen_base(run)
+    model = run.model(params, frozen)
   return RestoredModel(model, run.config, tok, run.mesh, step, directory)
