@@ -54,7 +54,7 @@ def test_grouped_attention_is_multi_head_attention_with_each_kv_head_repeated_fo
 
 
 @pytest.mark.parametrize('overrides,meshes', [
-    ((), ('dp4_tp2', 'tp8')),  # Split kv heads, and replicated ones.
+    pytest.param((), ('dp4_tp2', 'tp8'), marks=pytest.mark.slow),  # Split kv heads, and replicated ones.
     pytest.param(('model.num_kv_heads=1',), ('tp8',), marks=pytest.mark.slow),  # As Gemma's parity.
     pytest.param((), ('fsdp4_tp2', 'fsdp8'), marks=pytest.mark.slow),
 ], ids=['grouped', 'multi-query', 'grouped-fsdp'])

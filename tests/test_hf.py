@@ -452,6 +452,7 @@ def test_train_script_with_a_hf_checkpoint_without_tokenizer_exits_2_unless_told
   assert not any(workdir.iterdir())
 
 
+@pytest.mark.slow  # ~25 s; the fine-tune end to end of tests/test_fine_tune_chat.py is slow too.
 def test_fine_tune_with_the_checkpoint_tokenizer_and_scanned_layers_then_export_gives_transformers_the_model(
     tmp_path, bpe_tokenizer):
   """The directory brings its tokenizer (a transformers tokenizer of the BPE trained in conftest.py): the run

@@ -96,6 +96,7 @@ INTERLEAVED = ['--config.mesh.data=2', '--config.mesh.fsdp=2', '--config.mesh.mo
                "('layers', None)]"]
 
 
+@pytest.mark.slow  # a multi-process job (~16 s): the default suite keeps one.
 def test_each_process_reads_the_rows_its_devices_hold_whatever_the_batch_rule(tmp_path):
   code, out = run_launch(2, tmp_path / 'two', *INTERLEAVED, '--config.train.steps=3',
                          '--config.checkpoint.keep=0', '--config.train.grad_accum_steps=2')

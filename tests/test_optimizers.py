@@ -37,7 +37,8 @@ def restore_and_continue(tmp_path, name, source_mesh, target_mesh, *overrides, t
   return first.losses, continued.losses
 
 
-@pytest.mark.parametrize('name', ['muon', pytest.param('adafactor', marks=pytest.mark.slow)])
+@pytest.mark.parametrize('name', [pytest.param('muon', marks=pytest.mark.slow),
+                                  pytest.param('adafactor', marks=pytest.mark.slow)])
 def test_an_optimizer_trains_and_continues_on_another_mesh_with_the_same_losses(tmp_path, name):
   losses, continued = restore_and_continue(tmp_path, name, 'dp4_tp2', 'fsdp8')
   assert losses[-1] < losses[0] - 0.1, losses

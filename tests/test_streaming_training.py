@@ -48,6 +48,7 @@ def train(workdir, *args, stop_after: int | None = None) -> subprocess.Completed
   return ''.join(out)
 
 
+@pytest.mark.slow  # ~25 s: the default suite time; tests/test_streaming.py resumes mixtures in process.
 def test_a_mixture_run_stopped_and_resumed_gives_the_losses_of_a_straight_run(tmp_path):
   data = mixture(tmp_path)
   args = [*data, '--config.train.steps=8', '--config.checkpoint.every_steps=100']
