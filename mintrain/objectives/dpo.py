@@ -82,6 +82,8 @@ def _log_probs(params: nnx.State, graphdef: nnx.GraphDef, rows: Batch, dropout_k
                frozen: nnx.State | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """(chosen, rejected) summed response log-probabilities, each (B,), and the family's statistics."""
   logp_R, stats = merge(graphdef, params, frozen).sequence_log_probs(rows, dropout_key=dropout_key)
+  if not jax.sharding.get_abstract_mesh().empty:  # A handful of numbers: whole on every device, so the
+    logp_R = jax.sharding.reshard(logp_R, jax.P())  # pairs' reshape needs no layout of its own.
   logp_BT = logp_R.reshape(-1, 2)
   return logp_BT[:, 0], logp_BT[:, 1], stats
 
