@@ -110,6 +110,7 @@ def test_losses_on_expert_meshes_equal_one_device_in_every_mode(capacity, mesh):
   check_losses_equal_one_device(capacity, mesh)
 
 
+@pytest.mark.slow  # ~15 s: the default suite time; the capacity path's invariance stays in the default set.
 def test_a_small_capacity_drops_choices_reports_them_and_stays_mesh_invariant():
   single, _ = step_metrics('single', SMALL)
   sharded, _ = step_metrics('expert4_data2', SMALL)
