@@ -148,6 +148,7 @@ def test_context_with_fsdp_scanned_rematerialised_layers_gives_the_one_device_re
   assert_same(got, packed_reference, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # ~13 s: the default suite time; the ring against dense attention stays in it.
 def test_the_ring_equals_the_gathered_path_in_values_and_gradients_with_grouped_heads_and_documents():
   gqa = ('model.num_kv_heads=2',)  # Two key/value heads, split over `model` with the query heads.
   host_gqa = None

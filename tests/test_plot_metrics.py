@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO, load_config, mesh_devices
 
 from mintrain import loop
@@ -60,6 +61,7 @@ def test_workdir_without_metrics_is_a_one_line_error(tmp_path):
   assert not (tmp_path / 'good' / 'metrics.png').exists()
 
 
+@pytest.mark.slow  # a crashed and a resumed run (~12 s): the default suite time.
 def test_after_a_crash_and_resume_each_record_names_its_attempt_and_the_plot_takes_the_newest(tmp_path):
   small = ('model.num_layers=1', 'model.embed_dim=64', 'model.mlp_dim=128', 'train.global_batch_size=16',
            'train.seq_len=32', 'train.log_every=1', 'train.steps=4', 'checkpoint.every_steps=2',
