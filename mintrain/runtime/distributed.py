@@ -13,6 +13,7 @@ import atexit
 import dataclasses
 import os
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mintrain.errors import DistributedError
+from mintrain.runtime import console_guard
 
 ENV_ADDRESS, ENV_COUNT, ENV_ID = 'JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'
 # The count and id that mpirun and an srun step put in each process's environment: the CPU devices each
@@ -212,6 +214,15 @@ def barrier(name: str, timeout: int = 600) -> None:
 PEER_DIED_EXIT = 3  # A peer died; this process stopped (2 is bad input).
 
 
+def _guarded_stderr() -> int:
+  """Points fd 2 at a `console_guard` child that writes to the console; returns a descriptor of the pipe."""
+  sys.stderr.flush()
+  guard = subprocess.Popen([sys.executable, '-I', console_guard.__file__], stdin=subprocess.PIPE, stdout=2)
+  os.dup2(guard.stdin.fileno(), 2)
+  guard.stdin.close()
+  return os.dup(2)
+
+
 class PeerWatch:
   """Stops the survivors at once when a peer dies hard (SIGKILL, a crash, the OOM killer), with one line
   naming it and the newest saved step, rather than JAX's abort with a C++ stack trace once its heartbeat
@@ -222,12 +233,14 @@ class PeerWatch:
   closes a dead process's end at once. A process that exits through Python says `bye` first (atexit);
   an end closed without it is a death, which process 0 passes on to the others before it stops. JAX's
   client notices process 0's death as soon (its service runs there) and aborts with its own lines, so the
-  watch first points the C++ side's stderr at /dev/null.
+  watch points the C++ side's stderr at /dev/null before it stops, and in the other processes stderr runs
+  through `console_guard`, which holds back an abort that comes first.
   """
 
   def __init__(self, process_id: int, saved: Callable[[], str]):
     self.process_id, self.saved = process_id, saved
-    self.console = os.dup(2)  # Where the one line goes once fd 2 is silenced.
+    # Where the one line goes once fd 2 is silenced.
+    self.console = _guarded_stderr() if process_id != 0 else os.dup(2)
     self.devnull = os.open(os.devnull, os.O_WRONLY)
     self.lock = threading.Lock()
     self.peers: dict[socket.socket, str] = {}  # Open connection -> whom it reaches ("process 1 (pid ...)").
