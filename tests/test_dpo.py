@@ -10,7 +10,7 @@ import torch
 import transformers
 from helpers import TINY, build, load_config, mesh_devices, quiet, train_in_process
 
-from mintrain import hf
+from mintrain import hf, report
 from mintrain import loop as train_loop
 from mintrain.data import pipeline, tokenizer
 from mintrain.data.batches import make_batches
@@ -123,7 +123,7 @@ def test_loss_and_gradient_equal_trls_on_transformers_log_probabilities(tmp_path
 
 @pytest.mark.parametrize('loss', dpo.LOSSES)
 def test_each_loss_is_trls_formula(loss):
-  cfg = dpo.DPOConfig(beta=0.5, loss=loss, label_smoothing=0.0, gamma=0.3)
+  cfg = dpo.DPOConfig(beta=0.5, loss=loss, label_smoothing=0.0, gamma=0.3, precompute_reference=False)
   c, r, rc, rr = (np.array(x, np.float32) for x in ([-3., -8.], [-5., -6.], [-4., -7.], [-4., -7.]))
   lc, lr = np.array([2., 4.], np.float32), np.array([1., 3.], np.float32)
   losses, _, _ = dpo.pair_losses(cfg, c, r, rc, rr, lc, lr)
@@ -168,6 +168,54 @@ def test_a_run_stopped_by_sigterm_resumes_bit_exactly(pairs_file, tmp_path):
   for a, b in zip(jax.tree.leaves((resumed.state.params, resumed.state.reference)),
                   jax.tree.leaves((straight.state.params, straight.state.reference))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow  # Two runs: the default suite's time.
+def test_a_precomputed_reference_gives_the_in_state_references_losses_and_evaluation(pairs_file):
+  extra = ('train.grad_accum_steps=2', 'eval.steps=1', 'eval.every_steps=0', 'data.eval_fraction=0.2')
+  def run(*more):
+    config = load_config('single', *TINY, *dpo_overrides(pairs_file, 'train.steps=3', 'train.log_every=1',
+                                                         *extra, *more))
+    return train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet)
+  in_state, precomputed = run(), run('dpo.precompute_reference=True')
+  assert precomputed.state.reference is None and in_state.state.reference is not None
+  np.testing.assert_allclose(precomputed.losses, in_state.losses, rtol=1e-5)
+  np.testing.assert_allclose(precomputed.summary['final_eval_loss'], in_state.summary['final_eval_loss'],
+                             rtol=1e-5)
+  assert in_state.losses[-1] < in_state.losses[0]
+
+
+@pytest.mark.slow  # As the in-state reference's resume test, which covers the same loop in the default suite.
+def test_a_run_with_a_precomputed_reference_stopped_by_sigterm_resumes_bit_exactly(pairs_file, tmp_path):
+  config = load_config('single', *TINY, *dpo_overrides(pairs_file, 'train.steps=4', 'train.log_every=1',
+                                                       'checkpoint.every_steps=2',
+                                                       'dpo.precompute_reference=True'))
+  straight = train_in_process(config, tmp_path / 'straight')
+  first = train_in_process(config, tmp_path / 'stopped', stop_at=2)
+  assert first.stopped_by == 'SIGTERM' and (tmp_path / 'stopped' / dpo.REFERENCE_FILE).exists()
+  saved = np.load(tmp_path / 'stopped' / dpo.REFERENCE_FILE)
+  assert saved['train'].shape == (4, 1, 8, 2) and int(saved['first_step']) == 0
+  resumed = train_in_process(config, tmp_path / 'stopped')
+  assert first.losses + resumed.losses == straight.losses and all(np.isfinite(straight.losses))
+  assert resumed.state.reference is None
+  for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_memory_plan_and_flops_count_both_sequences_of_a_pair_and_the_reference(pairs_file):
+  lm, with_reference, precomputed = (
+      load_config('single', *TINY, *extra) for extra in
+      ((), dpo_overrides(pairs_file), dpo_overrides(pairs_file, 'dpo.precompute_reference=True')))
+  sequence = lm.model.train_flops_per_row(lm.train.seq_len) * lm.train.global_batch_size
+  assert report.train_flops_per_step(lm) == sequence
+  np.testing.assert_allclose(report.train_flops_per_step(with_reference), 2 * sequence + 2 * sequence / 3)
+  np.testing.assert_allclose(report.train_flops_per_step(precomputed), 2 * sequence)
+  assert report.tokens_per_step(with_reference) == 2 * report.tokens_per_step(lm)
+  lm_plan, reference_plan, precomputed_plan = (build(c).plan for c in (lm, with_reference, precomputed))
+  assert reference_plan.reference == reference_plan.params > 0 and precomputed_plan.reference == 0
+  assert reference_plan.total == precomputed_plan.total + reference_plan.params
+  assert reference_plan.activations == 2 * lm_plan.activations
+  assert 'reference model' in report.format_plan(reference_plan)
 
 
 @pytest.mark.parametrize('record, problem', [

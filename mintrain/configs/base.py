@@ -227,6 +227,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Conservative DPO: the assumed chance that a pair's labels are swapped (sigmoid and simpo), in [0, 0.5).
   c.dpo.label_smoothing = 0.0
   c.dpo.gamma = 0.5  # SimPO's target reward margin (dpo.loss='simpo').
+  # True: the reference's log-probabilities of every batch the run reads are computed in one pass before the
+  # first step and kept in WORKDIR/reference_logp.npz (read back on resume), so the state holds no reference
+  # copy and each step no reference forward pass.
+  c.dpo.precompute_reference = False
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0  # Peak TFLOP/s per device for MFU; 0: the device table, or a CPU calibration.

@@ -7,22 +7,36 @@ of chosen over rejected above the reference's.
 A batch holds pairs: every array is (B, 2, L), [:, 0] the prompt and chosen response, [:, 1] the prompt and
 rejected response (`data.format='preference'`); they go through the model as 2B rows, chosen and rejected
 side by side, so a pair never spans devices.
+
+With `dpo.precompute_reference`, the reference's log-probabilities of every batch the run will read are
+computed in one pass before the first step (`prepare_batches`) and kept in WORKDIR/reference_logp.npz, so
+the state holds no reference model; each batch then carries them as `reference_chosen_logp` and
+`reference_rejected_logp`, (accum, micro) each.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from etils import epath
 from flax import nnx
 
-from mintrain.errors import ConfigError
+from mintrain.data.batches import batch_sharding
+from mintrain.errors import CheckpointError, ConfigError
 from mintrain.fields import option
 from mintrain.models.layers import merge
 from mintrain.objectives.objective import Batch, LossFn, Objective
 
 LOSSES = ('sigmoid', 'ipo', 'hinge', 'simpo')
+REFERENCE_KEYS = ('reference_chosen_logp', 'reference_rejected_logp')
+# WORKDIR/reference_logp.npz: `train` (steps, accum, micro, 2), `eval` (eval.steps, ...), `first_step`.
+REFERENCE_FILE = 'reference_logp.npz'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +45,7 @@ class DPOConfig:
   loss: str = option(choices=LOSSES)
   label_smoothing: float = option(at_least=0, below=0.5)
   gamma: float = option(at_least=0)
+  precompute_reference: bool = option()
 
 
 def check(config) -> None:
@@ -38,6 +53,9 @@ def check(config) -> None:
     raise ConfigError(f"train.objective='dpo' learns from (prompt, chosen, rejected) records; "
                       f"data.format={config.data.format!r} has none. Set data.format='preference' (and "
                       "data.source='jsonl' or 'parquet').")
+  if config.dpo.precompute_reference and config.dpo.loss == 'simpo':
+    raise ConfigError("dpo.precompute_reference=True has no reference to precompute with dpo.loss='simpo' "
+                      '(reference-free); set it to False.')
   if config.dpo.label_smoothing and config.dpo.loss not in ('sigmoid', 'simpo'):
     raise ConfigError(f'dpo.label_smoothing={config.dpo.label_smoothing} applies to the sigmoid and simpo '
                       f"losses, not dpo.loss={config.dpo.loss!r}; set it to 0 or choose one of those.")
@@ -88,6 +106,10 @@ def _log_probs(params: nnx.State, graphdef: nnx.GraphDef, rows: Batch, dropout_k
   return logp_BT[:, 0], logp_BT[:, 1], stats
 
 
+def _whole(x_P: jax.Array) -> jax.Array:
+  return x_P if jax.sharding.get_abstract_mesh().empty else jax.sharding.reshard(x_P, jax.P())
+
+
 def make_loss(config) -> LossFn:
   cfg: DPOConfig = config.dpo
   reference_free = cfg.loss == 'simpo'
@@ -97,10 +119,12 @@ def make_loss(config) -> LossFn:
            ) -> tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]:
     """The mean loss over the batch's pairs (plus the family's `aux_loss`, if any), their count, and the
     loss, rewards and log-probabilities averaged over the pairs."""
-    rows = _rows(batch)
+    rows = _rows({k: v for k, v in batch.items() if k not in REFERENCE_KEYS})
     chosen_P, rejected_P, stats = _log_probs(params, graphdef, rows, dropout_key, frozen)
     if reference_free:
       ref_chosen_P = ref_rejected_P = None
+    elif REFERENCE_KEYS[0] in batch:  # Precomputed: whole on every device, as the policy's.
+      ref_chosen_P, ref_rejected_P = (_whole(batch[k]) for k in REFERENCE_KEYS)
     else:
       # With LoRA, the reference's adapters are the initial ones (B = 0): the frozen base itself.
       ref_chosen_P, ref_rejected_P, _ = _log_probs(jax.lax.stop_gradient(reference), graphdef, rows, None,
@@ -124,7 +148,99 @@ def make_loss(config) -> LossFn:
 
 
 def keeps_reference(config) -> bool:
-  return config.dpo.loss != 'simpo'
+  return config.dpo.loss != 'simpo' and not config.dpo.precompute_reference
 
 
-OBJECTIVE = Objective(check=check, make_loss=make_loss, keeps_reference=keeps_reference)
+def flops_factor(config) -> float:
+  """Two sequences trained per pair, each with the reference's forward pass when the step runs it."""
+  return 2 * (1 + (1 / 3 if keeps_reference(config) else 0))
+
+
+class WithReference:
+  """Batches carrying their precomputed reference log-probabilities: the i-th batch handed out since it was
+  made (or since the last `set_state`, as evaluation restarts) gets `logp_NAM2[i]`."""
+
+  def __init__(self, batches: Iterator, logp_NAM2: np.ndarray, sharding: jax.sharding.NamedSharding):
+    self.batches, self.logp_NAM2, self.sharding, self.index = batches, logp_NAM2, sharding, 0
+
+  def __iter__(self) -> WithReference:
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    batch = next(self.batches)
+    logp_AM2 = self.logp_NAM2[self.index]
+    self.index += 1
+    for k, key in enumerate(REFERENCE_KEYS):
+      batch[key] = jax.make_array_from_callback(logp_AM2.shape[:2], self.sharding,
+                                                lambda index, k=k: logp_AM2[(*index, k)])
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    return self.batches.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self.batches.set_state(state)
+    self.index = 0
+
+
+def reference_pass(run, state, batches: Iterator, count: int) -> np.ndarray:
+  """(count, accum, micro, 2) float32: the reference's (the state's parameters') summed response
+  log-probabilities of chosen and rejected in the next `count` batches, whole on every process."""
+  def logp_AM2(params: nnx.State, frozen: nnx.State, batch: Batch) -> jax.Array:
+    def micro(micro_batch: Batch) -> jax.Array:
+      chosen_P, rejected_P, _ = _log_probs(params, run.graphdef, _rows(micro_batch), None, frozen)
+      return jnp.stack([chosen_P, rejected_P], axis=-1)
+    return jax.lax.map(micro, batch)
+
+  forward = jax.jit(logp_AM2)
+  out = [forward(state.params, state.frozen, next(batches)) for _ in range(count)]
+  return np.stack([np.asarray(x.addressable_data(0)) for x in out]).astype(np.float32)
+
+
+def _write(path: epath.Path, arrays: dict[str, np.ndarray]) -> None:
+  """Written aside, then renamed: a reader finds the whole file or none."""
+  buffer = io.BytesIO()
+  np.savez(buffer, **arrays)
+  staging = path.parent / f'{path.name}.tmp'
+  staging.write_bytes(buffer.getvalue())
+  staging.rename(path)
+
+
+def prepare_batches(run, state, batches, eval_batches, *, fresh: Callable[[str], Iterator],
+                    workdir: epath.Path | None, is_main: bool, say: Callable[[str], None]) -> tuple:
+  """With dpo.precompute_reference, the run's batches with their reference log-probabilities: read back
+  from the workdir (a resume), or computed from the starting state's parameters, on the batches read
+  afresh from the same positions, and written there by process 0 (every process computes them all)."""
+  if not run.config.dpo.precompute_reference:
+    return batches, eval_batches
+  first, steps = int(np.asarray(state.step.addressable_data(0))), run.config.train.steps
+  eval_count = run.config.eval.steps if eval_batches is not None else 0
+  path = workdir / REFERENCE_FILE if workdir is not None else None
+  if path is not None and path.exists():
+    with np.load(io.BytesIO(path.read_bytes())) as saved:
+      start, train_logp, eval_logp = int(saved['first_step']), saved['train'], saved['eval']
+    if not start <= first or steps > start + len(train_logp) or len(eval_logp) < eval_count:
+      raise CheckpointError(f'{path} holds the reference log-probabilities of steps {start + 1} to '
+                            f'{start + len(train_logp)} and {len(eval_logp)} eval batches, not of steps '
+                            f'{first + 1} to {steps} and {eval_count}: the run was started with another '
+                            'train.steps or eval.steps; restore it with those.')
+    train_logp = train_logp[first - start:]
+    say(f'dpo: read the reference log-probabilities of steps {first + 1} to {steps} from {path}.')
+  else:
+    train_fresh = fresh('train')
+    train_fresh.set_state(batches.get_state())
+    train_logp = reference_pass(run, state, train_fresh, steps - first)
+    eval_logp = (reference_pass(run, state, fresh('eval'), eval_count) if eval_count
+                 else np.zeros((0, *train_logp.shape[1:]), np.float32))
+    if path is not None and is_main:
+      _write(path, {'first_step': np.int64(first), 'train': train_logp, 'eval': eval_logp})
+    say(f'dpo: precomputed the reference log-probabilities of steps {first + 1} to {steps}'
+        + (f' and {eval_count} eval batches' if eval_count else '') + (f' in {path}.' if path else '.'))
+  sharding = batch_sharding(run.mesh, run.rules, 2)
+  return (WithReference(batches, train_logp, sharding),
+          WithReference(eval_batches, eval_logp, sharding) if eval_count else eval_batches)
+
+
+OBJECTIVE = Objective(check=check, make_loss=make_loss, keeps_reference=keeps_reference,
+                      sequences_per_row=lambda config: 2, flops_factor=flops_factor,
+                      prepare_batches=prepare_batches)
