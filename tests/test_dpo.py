@@ -12,7 +12,7 @@ from helpers import TINY, build, load_config, mesh_devices, quiet, train_in_proc
 
 from mintrain import hf, report
 from mintrain import loop as train_loop
-from mintrain.data import pipeline, tokenizer
+from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError, DataError
 from mintrain.objectives import dpo
@@ -216,6 +216,50 @@ def test_the_memory_plan_and_flops_count_both_sequences_of_a_pair_and_the_refere
   assert reference_plan.total == precomputed_plan.total + reference_plan.params
   assert reference_plan.activations == 2 * lm_plan.activations
   assert 'reference model' in report.format_plan(reference_plan)
+
+
+def mixture_overrides(*paths, fmt='preference'):
+  entries = ', '.join(f"({{'source': 'jsonl', 'path': '{p}', 'format': '{fmt}'}}, 1)" for p in paths)
+  return ('train.objective=dpo', 'data.format=preference', 'data.source=mixture', f'data.mixture=[{entries}]',
+          'data.packing=pad', 'data.tokenizer=byte', 'data.eval_fraction=0.0', 'data.prefetch=0',
+          'data.block_bytes=256')
+
+
+def test_a_mixture_of_preference_sources_draws_each_rows_pair_from_its_drawn_source(tmp_path):
+  times = [{**p, 'prompt': p['prompt'].replace('+', '*')} for p in PAIRS]
+  paths = write_pairs(tmp_path / 'plus.jsonl', PAIRS), write_pairs(tmp_path / 'times.jsonl', times)
+  config = load_config('single', *TINY, *mixture_overrides(*paths))
+  assert config.data.pairs
+
+  def rows(state=None):
+    it = pipeline.make_iterator(config.data, tokenizer.load('byte'), split='train', seq_len=16,
+                                global_batch_size=8, micro_batch_size=8, rows=np.arange(8), seed=0)
+    if state is not None:
+      it.set_state(state)
+    return it
+
+  it = rows()
+  for step in range(3):
+    batch = next(it)
+    assert batch['inputs'].shape == (8, 2, 16)
+    for row, source in enumerate(streaming.mixture_choices([1.0, 1.0], 0, step, 8)):
+      prompt = bytes(batch['inputs'][row, 0, 1:int(np.argmax(batch['target_weights'][row, 0] > 0)) + 1]
+                     .astype(np.uint8)).decode()
+      assert '+*'[source] in prompt and prompt == bytes(batch['inputs'][row, 1, 1:len(prompt) + 1]
+                                                        .astype(np.uint8)).decode()
+  state = json.loads(json.dumps(it.get_state()))
+  np.testing.assert_array_equal(next(rows(state))['inputs'], next(it)['inputs'])
+  with pytest.raises(ConfigError, match="mixes data.format='preference' with \\['text'\\]"):
+    load_config('single', *TINY, *mixture_overrides(*paths)[:3],
+                f"data.mixture=[({{'source': 'jsonl', 'path': '{paths[0]}'}}, 1), "
+                f"({{'source': 'jsonl', 'path': '{paths[1]}', 'format': 'text'}}, 1)]")
+
+
+@pytest.mark.slow  # Two runs.
+def test_a_run_on_a_mixture_of_one_preference_source_has_the_sources_losses(pairs_file):
+  mixture = load_config('single', *TINY, *mixture_overrides(pairs_file), 'train.steps=2', 'train.log_every=1')
+  losses = train_loop.run(mixture, None, devices=mesh_devices(mixture), print_fn=quiet).losses
+  np.testing.assert_array_equal(losses, train_losses('single', pairs_file))
 
 
 @pytest.mark.parametrize('record, problem', [

@@ -177,7 +177,7 @@ def get_config() -> ml_collections.ConfigDict:
   # and `rejected`, strings, or the prompt a list of messages (rendered by the chat template with the
   # assistant's turn opened) and each response a list of assistant messages (TRL's format). Each pair is
   # two padded rows of one batch row, prompt + chosen and prompt + rejected, truncated to train.seq_len + 1
-  # tokens; only the response tokens count.
+  # tokens; only the response tokens count. In a mixture, every source or none is 'preference'.
   c.data.format = 'text'
   c.data.messages_field = 'messages'  # The JSONL field or Parquet column holding a chat record's messages.
   # Which chat tokens the loss counts: 'assistant' the spans the template marks with {% generation %}, or

@@ -49,7 +49,7 @@ class DPOConfig:
 
 
 def check(config) -> None:
-  if config.data.format != 'preference':
+  if not config.data.pairs:
     raise ConfigError(f"train.objective='dpo' learns from (prompt, chosen, rejected) records; "
                       f"data.format={config.data.format!r} has none. Set data.format='preference' (and "
                       "data.source='jsonl' or 'parquet').")
