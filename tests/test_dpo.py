@@ -64,6 +64,56 @@ def test_the_loss_at_step_0_with_the_reference_equal_to_the_policy_is_ln_2(pairs
   assert float(metrics['dpo_reward_margin']) == 0 and float(metrics['dpo_chosen_logp']) < 0
 
 
+def packed_and_padded(pairs_file):
+  """The configs and the first packed batch (2 rows of 32) of the pairs, and the same pairs as padded rows,
+  each pair's chosen and rejected cut out of the packed row at its segment id."""
+  configs = [load_config('single', *TINY, *dpo_overrides(pairs_file, f'data.packing={p}', 'train.seq_len=32'))
+             for p in ('pack', 'pad')]
+  packed = next(pipeline.make_iterator(configs[0].data, tokenizer.load('byte'), split='train', seq_len=32,
+                                       global_batch_size=2, micro_batch_size=2, rows=np.arange(2), seed=0))
+  rows = []
+  for b in range(2):
+    for k in range(1, packed['segment_ids'][b].max() + 1):
+      row = {key: np.zeros((1, 2, 32), v.dtype) for key, v in packed.items()}
+      for half in (0, 1):
+        at = packed['segment_ids'][b, half] == k
+        for key in packed:
+          row[key][0, half, :at.sum()] = packed[key][b, half][at]
+      rows.append(row)
+  return configs, packed, {key: np.concatenate([r[key] for r in rows]) for key in packed}
+
+
+def test_packed_pairs_hold_each_pairs_chosen_and_rejected_as_the_same_document_of_both_halves(pairs_file):
+  _, packed, padded = packed_and_padded(pairs_file)
+  assert packed['inputs'].shape == (2, 2, 32)
+  for b in range(2):
+    assert packed['segment_ids'][b, 0].max() == packed['segment_ids'][b, 1].max() > 1
+  for inputs, targets, weights in zip(padded['inputs'], padded['targets'], padded['target_weights']):
+    prompts = [inputs[h, :int(np.argmax(weights[h] > 0)) + 1] for h in (0, 1)]
+    assert np.array_equal(*prompts) and prompts[0][0] == tokenizer.BOS
+    a, b = map(int, bytes(prompts[0][1:].astype(np.uint8)).decode().rstrip('=').split('+'))
+    chosen, rejected = (bytes(t[w > 0].astype(np.uint8)).decode() for t, w in zip(targets, weights))
+    assert (chosen, rejected) == (str(a + b), str(a + b + 1 + a % 3))
+
+
+@pytest.mark.slow  # A compile per layout.
+def test_packed_pairs_give_the_loss_of_the_same_pairs_padded(pairs_file):
+  (packed_config, padded_config), packed, padded = packed_and_padded(pairs_file)
+  run = build(packed_config)
+  with jax.set_mesh(run.mesh):
+    params = run.init().params
+    reference = jax.tree.map(lambda x: 1.5 * x, params)  # Another model, so that the pairs' losses differ.
+    losses = [jax.jit(config.objective.make_loss(config), static_argnums=1)(params, run.graphdef, batch, None,
+                                                                             None, reference)
+              for config, batch in ((packed_config, packed), (padded_config, padded))]
+  (packed_loss, (packed_count, packed_metrics)), (padded_loss, (padded_count, padded_metrics)) = losses
+  assert float(packed_count) == float(padded_count) == len(padded['inputs'])
+  np.testing.assert_allclose(float(packed_loss), float(padded_loss), rtol=1e-5)
+  for key in ('dpo_chosen_logp', 'dpo_rejected_logp', 'dpo_reward_margin'):
+    np.testing.assert_allclose(float(packed_metrics[key]), float(padded_metrics[key]), rtol=1e-5)
+  assert abs(float(packed_loss) - np.log(2)) > 1e-3
+
+
 def tiny_llama(directory, seed):
   torch.manual_seed(seed)
   config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -146,6 +196,16 @@ def train_losses(name, pairs_file, steps=2, *extra):
 def test_the_same_losses_on_one_device_and_on_dp4_tp2(pairs_file):
   np.testing.assert_allclose(train_losses('dp4_tp2', pairs_file), train_losses('single', pairs_file),
                              rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_packed_pairs_train_to_the_same_losses_on_dp4_tp2_as_on_one_device_and_precomputed(pairs_file):
+  packed = ('data.packing=pack', 'train.seq_len=32')
+  single = train_losses('single', pairs_file, 3, *packed)
+  np.testing.assert_allclose(train_losses('dp4_tp2', pairs_file, 3, *packed), single, rtol=2e-5)
+  np.testing.assert_allclose(train_losses('single', pairs_file, 3, *packed, 'dpo.precompute_reference=True'),
+                             single, rtol=1e-5)
+  assert abs(single[-1] - np.log(2)) > 1e-4  # The policy has moved (the first step's learning rate is 0).
 
 
 @pytest.mark.slow
@@ -286,8 +346,6 @@ def test_a_bad_preference_record_is_one_line_naming_file_and_line_or_a_counted_s
                                "data.format='text' has none"),
     (('data.format=preference', 'data.source=jsonl', 'data.packing=pad'),
      "data.format='preference' holds (chosen, rejected) pairs, which train.objective='lm' cannot learn from"),
-    (('train.objective=dpo', 'data.format=preference', 'data.source=jsonl'),
-     "data.format='preference' lays each pair out padded"),
 ])
 def test_an_objective_without_its_data_is_a_one_line_config_error_before_anything_is_written(
     tmp_path, overrides, message):

@@ -173,11 +173,12 @@ def get_config() -> ml_collections.ConfigDict:
   # tokenizer's own chat template (a Hugging Face tokenizer's chat_template.jinja or tokenizer_config.json).
   # Packed conversations are document-masked and one runs on into the next row when longer than
   # train.seq_len; with data.packing='pad' one longer than train.seq_len + 1 tokens is truncated.
-  # 'preference' (train.objective='dpo'; jsonl or parquet, data.packing='pad'): records of `prompt`, `chosen`
+  # 'preference' (train.objective='dpo'; jsonl or parquet): records of `prompt`, `chosen`
   # and `rejected`, strings, or the prompt a list of messages (rendered by the chat template with the
   # assistant's turn opened) and each response a list of assistant messages (TRL's format). Each pair is
   # two padded rows of one batch row, prompt + chosen and prompt + rejected, truncated to train.seq_len + 1
-  # tokens; only the response tokens count. In a mixture, every source or none is 'preference'.
+  # tokens (data.packing='pack': as many whole pairs as fit, each chosen and rejected a document of the two
+  # halves); only the response tokens count. In a mixture, every source or none is 'preference'.
   c.data.format = 'text'
   c.data.messages_field = 'messages'  # The JSONL field or Parquet column holding a chat record's messages.
   # Which chat tokens the loss counts: 'assistant' the spans the template marks with {% generation %}, or

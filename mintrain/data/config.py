@@ -67,9 +67,6 @@ class DataConfig:
       others = sorted(formats - {'preference'})
       raise ConfigError(f"data.mixture mixes data.format='preference' with {others}: a batch holds pairs or "
                         "sequences, not both; give every source format 'preference' or none.")
-    if self.pairs and self.packing != 'pad':
-      raise ConfigError("data.format='preference' lays each pair out padded, one sequence per row; set "
-                        "data.packing='pad'.")
 
   def _formats(self) -> list[tuple[str, str, str]]:
     """(where, source, format) of each source: the mixture's (a source's own format, else data.format)."""
