@@ -199,10 +199,12 @@ def test_the_same_losses_on_one_device_and_on_dp4_tp2(pairs_file):
 
 
 @pytest.mark.slow
-def test_packed_pairs_train_to_the_same_losses_on_dp4_tp2_as_on_one_device_and_precomputed(pairs_file):
+def test_packed_pairs_train_to_the_same_losses_on_dp4_tp2_and_cp2_dp2_tp2_as_on_one_device_and_precomputed(
+    pairs_file):
   packed = ('data.packing=pack', 'train.seq_len=32')
   single = train_losses('single', pairs_file, 3, *packed)
-  np.testing.assert_allclose(train_losses('dp4_tp2', pairs_file, 3, *packed), single, rtol=2e-5)
+  for name in ('dp4_tp2', 'cp2_dp2_tp2'):  # Context parallelism: the documents' sums in the ring's order.
+    np.testing.assert_allclose(train_losses(name, pairs_file, 3, *packed), single, rtol=2e-5, err_msg=name)
   np.testing.assert_allclose(train_losses('single', pairs_file, 3, *packed, 'dpo.precompute_reference=True'),
                              single, rtol=1e-5)
   assert abs(single[-1] - np.log(2)) > 1e-4  # The policy has moved (the first step's learning rate is 0).
