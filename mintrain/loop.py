@@ -268,6 +268,9 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
       hf.save_sources(config.init.hf_checkpoint, workdir)
     run_log.open()  # Every check has passed: the run writes from here on.
     actions.start_writing()
+    batches, actions.evaluation.batches = config.objective.prepare_batches(
+        r, state, batches, eval_batches, fresh=lambda split: r.batches(tok, split), workdir=workdir,
+        is_main=is_main, say=say)
     first_step = int(to_host(state.step))
     if config.lora.enabled:
       trainable, total = report.trainable_counts(r.layout)

@@ -22,18 +22,21 @@ if TYPE_CHECKING:  # Only for annotations: mintrain.config imports the sections'
 
 
 def tokens_per_step(config: Config) -> int:
-  """Tokens (or examples, for a model whose rows are examples) per optimizer step, over all micro-batches."""
-  return config.train.global_batch_size * config.model.tokens_per_row(config.train.seq_len)
+  """Tokens (or examples, for a model whose rows are examples) per optimizer step, over all micro-batches and
+  every sequence of a row (the objective's `sequences_per_row`)."""
+  rows = config.train.global_batch_size * config.objective.sequences_per_row(config)
+  return rows * config.model.tokens_per_row(config.train.seq_len)
 
 
 def train_flops_per_step(config: Config, *, causal_half: bool = True) -> float:
   """Model FLOPs of one optimizer step over the whole global batch; divide by devices for per device.
 
   `causal_half=False` counts the full attention score matrix, which is what
-  XLA computes (and what `cost_analysis()` reports).
+  XLA computes (and what `cost_analysis()` reports). The objective's `flops_factor` counts what a row
+  holds beyond one sequence trained (DPO's pair and its reference's forward passes).
   """
   per_row = config.model.train_flops_per_row(config.train.seq_len, causal_half)
-  return per_row * config.train.global_batch_size
+  return per_row * config.objective.flops_factor(config) * config.train.global_batch_size
 
 
 def param_count(config: Config) -> int:
@@ -49,10 +52,11 @@ class MemoryPlan:
   activations: int
   device_limit: int | None  # What one device can hold; None where that is unknown.
   limit_source: str = 'device memory'
+  reference: int = 0  # The objective's frozen reference model in the state (DPO's), if it keeps one.
 
   @property
   def total(self) -> int:
-    return self.params + self.grads + self.opt_state + self.activations
+    return self.params + self.grads + self.opt_state + self.activations + self.reference
 
   @property
   def fits(self) -> bool:
@@ -60,8 +64,10 @@ class MemoryPlan:
 
 
 def activation_bytes(config: Config, rules: AxisRules, mesh: Mesh) -> int:
-  """Estimated activations kept for the backward pass of one micro-batch, per device."""
+  """Estimated activations kept for the backward pass of one micro-batch, per device (every sequence of a
+  row: the objective's `sequences_per_row`)."""
   rows = config.train.micro_batch_size // rules.ways('batch', mesh.shape)
+  rows *= config.objective.sequences_per_row(config)
   return config.model.activation_bytes(rows, config.train.seq_len, lambda name: rules.ways(name, mesh.shape))
 
 
@@ -103,7 +109,8 @@ def check(p: MemoryPlan) -> None:
     raise MemoryPlanError(
         f'the memory plan needs {fmt_bytes(p.total)} per device (parameters {fmt_bytes(p.params)}, '
         f'gradients {fmt_bytes(p.grads)}, optimizer {fmt_bytes(p.opt_state)}, activations '
-        f'{fmt_bytes(p.activations)}) but a device holds {fmt_bytes(p.device_limit)} ({p.limit_source}). '
+        f'{fmt_bytes(p.activations)}{_reference(p)}) but a device holds {fmt_bytes(p.device_limit)} '
+        f'({p.limit_source}). '
         'Lower train.global_batch_size, raise train.grad_accum_steps, or shard more (mesh.fsdp, mesh.model).')
 
 
@@ -116,7 +123,11 @@ def plan(config: Config, rules: AxisRules, mesh: Mesh, layout: list[ParamInfo],
   return MemoryPlan(params=params, grads=grads,
                     opt_state=state_bytes_per_device(abstract_state.opt_state),
                     activations=activation_bytes(config, rules, mesh), device_limit=limit,
-                    limit_source=source)
+                    limit_source=source, reference=state_bytes_per_device(abstract_state.reference))
+
+
+def _reference(p: MemoryPlan) -> str:
+  return f', reference model {fmt_bytes(p.reference)}' if p.reference else ''
 
 
 def fmt_bytes(n: float) -> str:
@@ -131,7 +142,8 @@ def format_plan(p: MemoryPlan) -> str:
   known = p.device_limit is not None
   limit = f'{fmt_bytes(p.device_limit)} ({p.limit_source})' if known else 'an unknown limit'
   return (f'memory plan per device: parameters {fmt_bytes(p.params)}, gradients {fmt_bytes(p.grads)}, '
-          f'optimizer state {fmt_bytes(p.opt_state)}, activations ~{fmt_bytes(p.activations)}; '
+          f'optimizer state {fmt_bytes(p.opt_state)}, activations ~{fmt_bytes(p.activations)}'
+          f'{_reference(p)}; '
           f'total ~{fmt_bytes(p.total)} of {limit}')
 
 

@@ -129,3 +129,14 @@ def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_
                                        ['hf.load_params', '2 x 4', 'fsdp8', 'warm']]
   assert all(n > 0 for row in body[2:] for n in numbers(row[4:]))
   assert 'Checkpoint: ' in stdout
+
+
+def test_dpo_benchmark_smoke_times_dpo_against_sft_on_the_same_pairs():
+  _, header, body = smoke('dpo.py')
+  assert [row[0] for row in body] == ['sft', 'dpo, reference copy', 'dpo, LoRA (r=8)',
+                                      'dpo, precomputed reference']
+  cells = [dict(zip(header, row)) for row in body]
+  assert all(float(c['step_ms']) > 0 for c in cells)
+  sft, copy, _, precomputed = (float(c['GFLOP_per_step']) for c in cells)
+  assert precomputed == pytest.approx(2 * sft, rel=0.05) and copy == pytest.approx(8 / 3 * sft, rel=0.05)
+  assert all(c['loss_at_init'] == '0.6931' for c in cells[1:])  # The reference is the initial policy.

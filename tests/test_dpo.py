@@ -10,9 +10,9 @@ import torch
 import transformers
 from helpers import TINY, build, load_config, mesh_devices, quiet, train_in_process
 
-from mintrain import hf
+from mintrain import hf, report
 from mintrain import loop as train_loop
-from mintrain.data import pipeline, tokenizer
+from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError, DataError
 from mintrain.objectives import dpo
@@ -62,6 +62,56 @@ def test_the_loss_at_step_0_with_the_reference_equal_to_the_policy_is_ln_2(pairs
     _, metrics = run.train_step(state, next(run.batches(tokenizer.load('byte'))))
   np.testing.assert_allclose(float(metrics['loss']), np.log(2), rtol=1e-6)
   assert float(metrics['dpo_reward_margin']) == 0 and float(metrics['dpo_chosen_logp']) < 0
+
+
+def packed_and_padded(pairs_file):
+  """The configs and the first packed batch (2 rows of 32) of the pairs, and the same pairs as padded rows,
+  each pair's chosen and rejected cut out of the packed row at its segment id."""
+  configs = [load_config('single', *TINY, *dpo_overrides(pairs_file, f'data.packing={p}', 'train.seq_len=32'))
+             for p in ('pack', 'pad')]
+  packed = next(pipeline.make_iterator(configs[0].data, tokenizer.load('byte'), split='train', seq_len=32,
+                                       global_batch_size=2, micro_batch_size=2, rows=np.arange(2), seed=0))
+  rows = []
+  for b in range(2):
+    for k in range(1, packed['segment_ids'][b].max() + 1):
+      row = {key: np.zeros((1, 2, 32), v.dtype) for key, v in packed.items()}
+      for half in (0, 1):
+        at = packed['segment_ids'][b, half] == k
+        for key in packed:
+          row[key][0, half, :at.sum()] = packed[key][b, half][at]
+      rows.append(row)
+  return configs, packed, {key: np.concatenate([r[key] for r in rows]) for key in packed}
+
+
+def test_packed_pairs_hold_each_pairs_chosen_and_rejected_as_the_same_document_of_both_halves(pairs_file):
+  _, packed, padded = packed_and_padded(pairs_file)
+  assert packed['inputs'].shape == (2, 2, 32)
+  for b in range(2):
+    assert packed['segment_ids'][b, 0].max() == packed['segment_ids'][b, 1].max() > 1
+  for inputs, targets, weights in zip(padded['inputs'], padded['targets'], padded['target_weights']):
+    prompts = [inputs[h, :int(np.argmax(weights[h] > 0)) + 1] for h in (0, 1)]
+    assert np.array_equal(*prompts) and prompts[0][0] == tokenizer.BOS
+    a, b = map(int, bytes(prompts[0][1:].astype(np.uint8)).decode().rstrip('=').split('+'))
+    chosen, rejected = (bytes(t[w > 0].astype(np.uint8)).decode() for t, w in zip(targets, weights))
+    assert (chosen, rejected) == (str(a + b), str(a + b + 1 + a % 3))
+
+
+@pytest.mark.slow  # A compile per layout.
+def test_packed_pairs_give_the_loss_of_the_same_pairs_padded(pairs_file):
+  (packed_config, padded_config), packed, padded = packed_and_padded(pairs_file)
+  run = build(packed_config)
+  with jax.set_mesh(run.mesh):
+    params = run.init().params
+    reference = jax.tree.map(lambda x: 1.5 * x, params)  # Another model, so that the pairs' losses differ.
+    losses = [jax.jit(config.objective.make_loss(config), static_argnums=1)(params, run.graphdef, batch, None,
+                                                                             None, reference)
+              for config, batch in ((packed_config, packed), (padded_config, padded))]
+  (packed_loss, (packed_count, packed_metrics)), (padded_loss, (padded_count, padded_metrics)) = losses
+  assert float(packed_count) == float(padded_count) == len(padded['inputs'])
+  np.testing.assert_allclose(float(packed_loss), float(padded_loss), rtol=1e-5)
+  for key in ('dpo_chosen_logp', 'dpo_rejected_logp', 'dpo_reward_margin'):
+    np.testing.assert_allclose(float(packed_metrics[key]), float(padded_metrics[key]), rtol=1e-5)
+  assert abs(float(packed_loss) - np.log(2)) > 1e-3
 
 
 def tiny_llama(directory, seed):
@@ -123,7 +173,7 @@ def test_loss_and_gradient_equal_trls_on_transformers_log_probabilities(tmp_path
 
 @pytest.mark.parametrize('loss', dpo.LOSSES)
 def test_each_loss_is_trls_formula(loss):
-  cfg = dpo.DPOConfig(beta=0.5, loss=loss, label_smoothing=0.0, gamma=0.3)
+  cfg = dpo.DPOConfig(beta=0.5, loss=loss, label_smoothing=0.0, gamma=0.3, precompute_reference=False)
   c, r, rc, rr = (np.array(x, np.float32) for x in ([-3., -8.], [-5., -6.], [-4., -7.], [-4., -7.]))
   lc, lr = np.array([2., 4.], np.float32), np.array([1., 3.], np.float32)
   losses, _, _ = dpo.pair_losses(cfg, c, r, rc, rr, lc, lr)
@@ -149,6 +199,18 @@ def test_the_same_losses_on_one_device_and_on_dp4_tp2(pairs_file):
 
 
 @pytest.mark.slow
+def test_packed_pairs_train_to_the_same_losses_on_dp4_tp2_and_cp2_dp2_tp2_as_on_one_device_and_precomputed(
+    pairs_file):
+  packed = ('data.packing=pack', 'train.seq_len=32')
+  single = train_losses('single', pairs_file, 3, *packed)
+  for name in ('dp4_tp2', 'cp2_dp2_tp2'):  # Context parallelism: the documents' sums in the ring's order.
+    np.testing.assert_allclose(train_losses(name, pairs_file, 3, *packed), single, rtol=2e-5, err_msg=name)
+  np.testing.assert_allclose(train_losses('single', pairs_file, 3, *packed, 'dpo.precompute_reference=True'),
+                             single, rtol=1e-5)
+  assert abs(single[-1] - np.log(2)) > 1e-4  # The policy has moved (the first step's learning rate is 0).
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['fsdp8', 'tp8'])
 def test_the_same_losses_on_fsdp8_and_tp8(pairs_file, name):
   eight_heads = ('model.num_heads=8', 'model.head_dim=4')  # Heads that split 8 ways on tp8.
@@ -168,6 +230,98 @@ def test_a_run_stopped_by_sigterm_resumes_bit_exactly(pairs_file, tmp_path):
   for a, b in zip(jax.tree.leaves((resumed.state.params, resumed.state.reference)),
                   jax.tree.leaves((straight.state.params, straight.state.reference))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow  # Two runs: the default suite's time.
+def test_a_precomputed_reference_gives_the_in_state_references_losses_and_evaluation(pairs_file):
+  extra = ('train.grad_accum_steps=2', 'eval.steps=1', 'eval.every_steps=0', 'data.eval_fraction=0.2')
+  def run(*more):
+    config = load_config('single', *TINY, *dpo_overrides(pairs_file, 'train.steps=3', 'train.log_every=1',
+                                                         *extra, *more))
+    return train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet)
+  in_state, precomputed = run(), run('dpo.precompute_reference=True')
+  assert precomputed.state.reference is None and in_state.state.reference is not None
+  np.testing.assert_allclose(precomputed.losses, in_state.losses, rtol=1e-5)
+  np.testing.assert_allclose(precomputed.summary['final_eval_loss'], in_state.summary['final_eval_loss'],
+                             rtol=1e-5)
+  assert in_state.losses[-1] < in_state.losses[0]
+
+
+@pytest.mark.slow  # As the in-state reference's resume test, which covers the same loop in the default suite.
+def test_a_run_with_a_precomputed_reference_stopped_by_sigterm_resumes_bit_exactly(pairs_file, tmp_path):
+  config = load_config('single', *TINY, *dpo_overrides(pairs_file, 'train.steps=4', 'train.log_every=1',
+                                                       'checkpoint.every_steps=2',
+                                                       'dpo.precompute_reference=True'))
+  straight = train_in_process(config, tmp_path / 'straight')
+  first = train_in_process(config, tmp_path / 'stopped', stop_at=2)
+  assert first.stopped_by == 'SIGTERM' and (tmp_path / 'stopped' / dpo.REFERENCE_FILE).exists()
+  saved = np.load(tmp_path / 'stopped' / dpo.REFERENCE_FILE)
+  assert saved['train'].shape == (4, 1, 8, 2) and int(saved['first_step']) == 0
+  resumed = train_in_process(config, tmp_path / 'stopped')
+  assert first.losses + resumed.losses == straight.losses and all(np.isfinite(straight.losses))
+  assert resumed.state.reference is None
+  for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_memory_plan_and_flops_count_both_sequences_of_a_pair_and_the_reference(pairs_file):
+  lm, with_reference, precomputed = (
+      load_config('single', *TINY, *extra) for extra in
+      ((), dpo_overrides(pairs_file), dpo_overrides(pairs_file, 'dpo.precompute_reference=True')))
+  sequence = lm.model.train_flops_per_row(lm.train.seq_len) * lm.train.global_batch_size
+  assert report.train_flops_per_step(lm) == sequence
+  np.testing.assert_allclose(report.train_flops_per_step(with_reference), 2 * sequence + 2 * sequence / 3)
+  np.testing.assert_allclose(report.train_flops_per_step(precomputed), 2 * sequence)
+  assert report.tokens_per_step(with_reference) == 2 * report.tokens_per_step(lm)
+  lm_plan, reference_plan, precomputed_plan = (build(c).plan for c in (lm, with_reference, precomputed))
+  assert reference_plan.reference == reference_plan.params > 0 and precomputed_plan.reference == 0
+  assert reference_plan.total == precomputed_plan.total + reference_plan.params
+  assert reference_plan.activations == 2 * lm_plan.activations
+  assert 'reference model' in report.format_plan(reference_plan)
+
+
+def mixture_overrides(*paths, fmt='preference'):
+  entries = ', '.join(f"({{'source': 'jsonl', 'path': '{p}', 'format': '{fmt}'}}, 1)" for p in paths)
+  return ('train.objective=dpo', 'data.format=preference', 'data.source=mixture', f'data.mixture=[{entries}]',
+          'data.packing=pad', 'data.tokenizer=byte', 'data.eval_fraction=0.0', 'data.prefetch=0',
+          'data.block_bytes=256')
+
+
+def test_a_mixture_of_preference_sources_draws_each_rows_pair_from_its_drawn_source(tmp_path):
+  times = [{**p, 'prompt': p['prompt'].replace('+', '*')} for p in PAIRS]
+  paths = write_pairs(tmp_path / 'plus.jsonl', PAIRS), write_pairs(tmp_path / 'times.jsonl', times)
+  config = load_config('single', *TINY, *mixture_overrides(*paths))
+  assert config.data.pairs
+
+  def rows(state=None):
+    it = pipeline.make_iterator(config.data, tokenizer.load('byte'), split='train', seq_len=16,
+                                global_batch_size=8, micro_batch_size=8, rows=np.arange(8), seed=0)
+    if state is not None:
+      it.set_state(state)
+    return it
+
+  it = rows()
+  for step in range(3):
+    batch = next(it)
+    assert batch['inputs'].shape == (8, 2, 16)
+    for row, source in enumerate(streaming.mixture_choices([1.0, 1.0], 0, step, 8)):
+      prompt = bytes(batch['inputs'][row, 0, 1:int(np.argmax(batch['target_weights'][row, 0] > 0)) + 1]
+                     .astype(np.uint8)).decode()
+      assert '+*'[source] in prompt and prompt == bytes(batch['inputs'][row, 1, 1:len(prompt) + 1]
+                                                        .astype(np.uint8)).decode()
+  state = json.loads(json.dumps(it.get_state()))
+  np.testing.assert_array_equal(next(rows(state))['inputs'], next(it)['inputs'])
+  with pytest.raises(ConfigError, match="mixes data.format='preference' with \\['text'\\]"):
+    load_config('single', *TINY, *mixture_overrides(*paths)[:3],
+                f"data.mixture=[({{'source': 'jsonl', 'path': '{paths[0]}'}}, 1), "
+                f"({{'source': 'jsonl', 'path': '{paths[1]}', 'format': 'text'}}, 1)]")
+
+
+@pytest.mark.slow  # Two runs.
+def test_a_run_on_a_mixture_of_one_preference_source_has_the_sources_losses(pairs_file):
+  mixture = load_config('single', *TINY, *mixture_overrides(pairs_file), 'train.steps=2', 'train.log_every=1')
+  losses = train_loop.run(mixture, None, devices=mesh_devices(mixture), print_fn=quiet).losses
+  np.testing.assert_array_equal(losses, train_losses('single', pairs_file))
 
 
 @pytest.mark.parametrize('record, problem', [
@@ -194,8 +348,6 @@ def test_a_bad_preference_record_is_one_line_naming_file_and_line_or_a_counted_s
                                "data.format='text' has none"),
     (('data.format=preference', 'data.source=jsonl', 'data.packing=pad'),
      "data.format='preference' holds (chosen, rejected) pairs, which train.objective='lm' cannot learn from"),
-    (('train.objective=dpo', 'data.format=preference', 'data.source=jsonl'),
-     "data.format='preference' lays each pair out padded"),
 ])
 def test_an_objective_without_its_data_is_a_one_line_config_error_before_anything_is_written(
     tmp_path, overrides, message):

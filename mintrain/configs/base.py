@@ -173,11 +173,12 @@ def get_config() -> ml_collections.ConfigDict:
   # tokenizer's own chat template (a Hugging Face tokenizer's chat_template.jinja or tokenizer_config.json).
   # Packed conversations are document-masked and one runs on into the next row when longer than
   # train.seq_len; with data.packing='pad' one longer than train.seq_len + 1 tokens is truncated.
-  # 'preference' (train.objective='dpo'; jsonl or parquet, data.packing='pad'): records of `prompt`, `chosen`
+  # 'preference' (train.objective='dpo'; jsonl or parquet): records of `prompt`, `chosen`
   # and `rejected`, strings, or the prompt a list of messages (rendered by the chat template with the
   # assistant's turn opened) and each response a list of assistant messages (TRL's format). Each pair is
   # two padded rows of one batch row, prompt + chosen and prompt + rejected, truncated to train.seq_len + 1
-  # tokens; only the response tokens count.
+  # tokens (data.packing='pack': as many whole pairs as fit, each chosen and rejected a document of the two
+  # halves); only the response tokens count. In a mixture, every source or none is 'preference'.
   c.data.format = 'text'
   c.data.messages_field = 'messages'  # The JSONL field or Parquet column holding a chat record's messages.
   # Which chat tokens the loss counts: 'assistant' the spans the template marks with {% generation %}, or
@@ -227,6 +228,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Conservative DPO: the assumed chance that a pair's labels are swapped (sigmoid and simpo), in [0, 0.5).
   c.dpo.label_smoothing = 0.0
   c.dpo.gamma = 0.5  # SimPO's target reward margin (dpo.loss='simpo').
+  # True: the reference's log-probabilities of every batch the run reads are computed in one pass before the
+  # first step and kept in WORKDIR/reference_logp.npz (read back on resume), so the state holds no reference
+  # copy and each step no reference forward pass.
+  c.dpo.precompute_reference = False
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0  # Peak TFLOP/s per device for MFU; 0: the device table, or a CPU calibration.

@@ -59,12 +59,14 @@ class DataConfig:
       if fmt == 'chat' and source not in CHAT_SOURCES:
         raise ConfigError(f"{where}data.format='chat' reads conversations from records of {CHAT_SOURCES}, "
                           f'not data.source={source!r}; use one of those or data.format=text.')
-      if fmt == 'preference' and (entries or source not in PREFERENCE_SOURCES):
-        raise ConfigError(f"{where}data.format='preference' reads pairs from the records of one source of "
+      if fmt == 'preference' and source not in PREFERENCE_SOURCES:
+        raise ConfigError(f"{where}data.format='preference' reads pairs from the records of "
                           f'{PREFERENCE_SOURCES}, not data.source={source!r}; use one of those.')
-    if self.format == 'preference' and self.packing != 'pad':
-      raise ConfigError("data.format='preference' lays each pair out padded, one sequence per row; set "
-                        "data.packing='pad'.")
+    formats = {fmt for _, _, fmt in self._formats()}
+    if 'preference' in formats and len(formats) > 1:
+      others = sorted(formats - {'preference'})
+      raise ConfigError(f"data.mixture mixes data.format='preference' with {others}: a batch holds pairs or "
+                        "sequences, not both; give every source format 'preference' or none.")
 
   def _formats(self) -> list[tuple[str, str, str]]:
     """(where, source, format) of each source: the mixture's (a source's own format, else data.format)."""
@@ -72,6 +74,11 @@ class DataConfig:
       return [('', self.source, self.format)]
     return [(f'data.mixture[{i}]: ', dict(s)['source'], dict(s).get('format', self.format))
             for i, (s, _) in enumerate(self.mixture)]
+
+  @property
+  def pairs(self) -> bool:
+    """Whether the sources hold preference pairs (data.format='preference'): all of them do, or none."""
+    return any(fmt == 'preference' for _, _, fmt in self._formats())
 
   @property
   def chat(self) -> bool:

@@ -19,6 +19,12 @@ FIELDS = ('prompt', 'chosen', 'rejected')
 RESPONSES = FIELDS[1:]
 
 
+def max_pairs_per_row(seq_len: int) -> int:
+  """How many packed pairs a row of seq_len targets may hold (`data.packing='pack'`): each sequence of a
+  pair has at least one target, so two tokens; a bound the loss sums each pair's log-probabilities over."""
+  return (seq_len + 1) // 2
+
+
 def encode(tok: tokenizer.Tokenizer, record: Any, render: Callable[..., tuple[str, Any]] | None
            ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
   """((ids, weights) of prompt + chosen, (ids, weights) of prompt + rejected): int32 ids, float32 weights 1.0

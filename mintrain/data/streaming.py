@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from mintrain.data import records, segments, sources, tokenizer
+from mintrain.data import preference, records, segments, sources, tokenizer
 from mintrain.errors import DataError
 
 if TYPE_CHECKING:
@@ -333,6 +333,32 @@ class RowStream:
         return _padded(ids, weights, self.seq_len)
 
 
+  def next_pairs(self) -> Window:
+    """(2, seq_len + 1) ids, weights and document starts of the next preference pairs packed into one row
+    (`data.packing='pack'`): each pair's chosen in the first half and its rejected in the second, in the
+    same order, as many whole pairs as both halves hold (at least one, truncated as a padded one is),
+    PAD (weight 0) past them."""
+    size = self.seq_len + 1
+    ids, weights = np.full((2, size), segments.PAD, np.int32), np.zeros((2, size), np.float32)
+    starts = np.zeros((2, size), bool)
+    used, pairs = [0, 0], 0
+    window, doc, _ = self.position
+    while pairs < preference.max_pairs_per_row(self.seq_len):
+      window, doc = self._find(window, doc)
+      pair = self._docs(window)[doc]
+      halves = (pair.chosen, pair.rejected)
+      if pairs and any(used[k] + len(h.ids) > size for k, h in enumerate(halves)):
+        break
+      for k, half in enumerate(halves):
+        n = min(len(half.ids), size - used[k])
+        ids[k, used[k]:used[k] + n], weights[k, used[k]:used[k] + n] = half.ids[:n], half.weights[:n]
+        starts[k, used[k]] = True
+        used[k] += n
+      pairs, doc = pairs + 1, doc + 1
+    self.position = (window, doc, 0)
+    return ids, weights, starts
+
+
 def _padded(ids: np.ndarray, weights: np.ndarray, seq_len: int) -> Window:
   """A document alone in its (seq_len + 1,) window: ids, weights (0 past its end) and starts."""
   padded = np.zeros(seq_len + 1, np.float32)
@@ -380,7 +406,8 @@ class RowsIterator:
   def __next__(self) -> dict[str, np.ndarray]:
     choice = mixture_choices(self.weights, self.seed, self.step, self.num_rows)
     streams = [self.streams[int(g)][choice[g]] for g in self.rows]
-    parts = [s.next_document(self.separators) if self.padded else s.next_sequence() for s in streams]
+    parts = [s.next_document(self.separators) if self.padded else
+             s.next_pairs() if s.split.reader.preference else s.next_sequence() for s in streams]
     windows, weights, starts = (np.stack(x) for x in zip(*parts))
     self.step += 1
     size = windows.shape[-1]  # Pairs' (B, 2, seq_len + 1) are split as 2B rows.

@@ -76,8 +76,9 @@ class Family:
   # else the data gives, such as packed rows' 'segment_ids'); a family reads the keys it knows. The
   # statistics ({} if none) are scalar metrics; their `aux_loss` (e.g. an MoE router's balancing losses)
   # joins the objective. Micro-batches are weighted by their counts, in the loss, gradients and statistics.
-  # A language model may also have `sequence_log_probs(batch, *, dropout_key) -> ((B,) summed log-probability
-  # of each row's counted targets, statistics)`, which preference objectives (`mintrain.objectives.dpo`) read.
+  # A language model may also have `sequence_log_probs(batch, *, dropout_key, documents=0) -> ((B,) summed
+  # log-probability of each row's counted targets, or (B, documents) of each packed document's, statistics)`,
+  # which preference objectives (`mintrain.objectives.dpo`) read.
   make: Callable[[Any, AxisRules, Placement, nnx.Rngs], nnx.Module]
   # Its Hugging Face conversion (a module like `models.transformer.hf`: MODEL_TYPES, model_options,
   # config_json, weight_names, their_shape, read, write), or None.

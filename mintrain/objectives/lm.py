@@ -12,7 +12,7 @@ from mintrain.objectives.objective import Batch, LossFn, Objective
 
 
 def check(config) -> None:
-  if config.data.format == 'preference':
+  if config.data.pairs:
     raise ConfigError("data.format='preference' holds (chosen, rejected) pairs, which train.objective='lm' "
                       "cannot learn from; set train.objective='dpo', or use text or chat data.")
 

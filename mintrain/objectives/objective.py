@@ -28,6 +28,17 @@ class Objective:
   make_loss: Callable[[Any], LossFn]
   # (config) -> whether the state keeps a frozen reference model beside the trained parameters.
   keeps_reference: Callable[[Any], bool] = lambda config: False
+  # (config) -> sequences each batch row sends through the trained model (a DPO pair: 2): what the tokens
+  # per step and the activations of the memory plan scale by (`mintrain.report`).
+  sequences_per_row: Callable[[Any], int] = lambda config: 1
+  # (config) -> a batch row's FLOPs in one sequence's forward and backward passes (a forward pass without
+  # gradient, a reference model's, is a third of that, as the backward is twice the forward).
+  flops_factor: Callable[[Any], float] = lambda config: 1.0
+  # (run, state, batches, eval_batches, *, fresh, workdir, is_main, say) -> (batches, eval_batches): the
+  # iterators the run reads from, given the state it starts with (`fresh(split)` reads a split anew), once
+  # every check has passed; the data's own by default.
+  prepare_batches: Callable[..., tuple[Any, Any]] = lambda run, state, batches, eval_batches, **_: (
+      batches, eval_batches)
 
 
 def reference(keeps: bool, params: nnx.State) -> nnx.State | None:

@@ -229,14 +229,20 @@ class Transformer(nnx.Module):
     return loss, jnp.sum(weights_BL), stats
 
   @on_params_mesh
-  def sequence_log_probs(self, batch: dict[str, jax.Array], *, dropout_key: jax.Array | None = None
-                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def sequence_log_probs(self, batch: dict[str, jax.Array], *, dropout_key: jax.Array | None = None,
+                         documents: int = 0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(B,) float32 summed log-probability of each row's counted targets (weighted by 'target_weights'),
     and the statistics of `loss`: what preference objectives score a response by. Through the logits, not
-    the fused loss: each row needs its own sum."""
+    the fused loss: each row needs its own sum. With `documents`, (B, documents): each packed document's
+    sum apart, by 'segment_ids' 1 ... documents."""
     h = self._hidden(batch, dropout_key)
-    logp_BL = -token_losses(self._logits(h['x'], h['table']), h['targets'])
-    return jnp.sum(logp_BL * h['weights'], axis=1), moe_statistics(self.cfg, h['stats']) if h['stats'] else {}
+    logp_BL = -token_losses(self._logits(h['x'], h['table']), h['targets']) * h['weights']
+    stats = moe_statistics(self.cfg, h['stats']) if h['stats'] else {}
+    if not documents:
+      return jnp.sum(logp_BL, axis=1), stats
+    segment_ids_BL = self.rules.reshard(h['segment_ids'], ('batch', 'length'))  # Split as the targets are.
+    ids_N = jnp.arange(1, documents + 1, dtype=jnp.int32)
+    return jnp.sum(jnp.where(segment_ids_BL[..., None] == ids_N, logp_BL[..., None], 0.0), axis=1), stats
 
   def _hidden(self, batch: dict[str, jax.Array], dropout_key: jax.Array | None) -> dict[str, Any]:
     """A batch through the blocks, in storage order: the hidden states `x` (before the final norm), the
