@@ -149,9 +149,13 @@ def format_activations(rules: partitioning.AxisRules, mesh: Mesh) -> str:
 
 
 def trainable_counts(layout: list[ParamInfo]) -> tuple[int, int]:
-  """(trainable, all) parameter elements; a quantized base counts its codes, not its block scales."""
+  """(trainable, all) parameter elements; a quantized base counts its codes (NF4's two a byte), not its
+  block scales."""
+  def elements(p: ParamInfo) -> int:
+    return math.prod(p.shape) * (2 if p.path.endswith('.base') and str(p.dtype) == 'uint8' else 1)
+
   counted = [p for p in layout if not p.path.endswith('.absmax')]
-  return sum(math.prod(p.shape) for p in counted if p.trainable), sum(math.prod(p.shape) for p in counted)
+  return sum(elements(p) for p in counted if p.trainable), sum(elements(p) for p in counted)
 
 
 def trainable_summary(layout: list[ParamInfo]) -> str:
