@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh
@@ -117,6 +117,25 @@ def plan(config: Config, rules: AxisRules, mesh: Mesh, layout: list[ParamInfo],
                     opt_state=state_bytes_per_device(abstract_state.opt_state),
                     activations=activation_bytes(config, rules, mesh), device_limit=limit,
                     limit_source=source)
+
+
+def kv_cache_bytes(model: Any, batch: int, max_len: int, dtype: Any) -> int:
+  """Bytes per device of the cache a sampler keeps (`model.init_cache`, under the current mesh) for `batch`
+  rows of `max_len` positions: a local layer's window buffer at its own length. 0 for a model without one."""
+  if not hasattr(model, 'init_cache'):
+    return 0
+  shapes = jax.eval_shape(lambda: model.init_cache(batch, max_len, dtype))
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def format_sampling_plan(layout: list[ParamInfo], cache_bytes: int, batch: int, max_len: int,
+                         device: jax.Device) -> str:
+  """`sampling memory per device: parameters ..., KV cache ... (batch B, S positions); total ~... of ...`."""
+  params = sum(p.bytes_per_device for p in layout)
+  limit, source = device_memory_limit(device)
+  of = f'{fmt_bytes(limit)} ({source})' if limit is not None else 'an unknown limit'
+  return (f'sampling memory per device: parameters {fmt_bytes(params)}, KV cache {fmt_bytes(cache_bytes)} '
+          f'(batch {batch}, {max_len} positions); total ~{fmt_bytes(params + cache_bytes)} of {of}')
 
 
 def fmt_bytes(n: float) -> str:

@@ -10,11 +10,12 @@ import re
 
 import hf_reference
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from helpers import load_config, mesh_devices, quiet
+from helpers import build, load_config, mesh_devices, quiet
 from hf_reference import mintrain_logits, torch_logits
 from safetensors.numpy import load_file, save_file
 
@@ -340,3 +341,20 @@ def test_a_sparse_gemma3_text_config_takes_transformers_defaults_and_the_text_te
                                             '2 tensors of the vision tower and projector are left out: '
                                             'mintrain reads the text model of this multimodal checkpoint.')
   assert hf_llama.text_tensors({'model.norm.weight': 1}) == ({'model.norm.weight': 1}, None)
+
+
+def test_the_sampling_plan_counts_the_kv_cache_with_local_layers_at_their_window():
+  from mintrain import report
+  config = load_config('dp4_tp2', 'model.num_layers=3', 'model.sliding_window=5', 'model.global_every=3',
+                       'model.num_kv_heads=2', 'model.vocab_size=384')
+  run = build(config)
+  with jax.set_mesh(run.mesh):
+    model = run.model(run.abstract_state.params)
+    counted = report.kv_cache_bytes(model, 8, 40, jnp.float32)
+    cache = model.init_cache(8, 40, jnp.float32)
+  held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(cache))
+  # Keys and values of 2 rows (batch over data), 1 head (over model) of 16: two 5-slot windows, one 40.
+  assert counted == held == 2 * 2 * 16 * 4 * (5 + 5 + 40)
+  line = report.format_sampling_plan(run.layout, counted, 8, 40, run.mesh.devices.flat[0])
+  assert line.startswith('sampling memory per device: parameters ')
+  assert 'KV cache 12.5 KiB (batch 8, 40 positions)' in line
