@@ -128,10 +128,9 @@ def kv_cache_bytes(model: Any, batch: int, max_len: int, dtype: Any) -> int:
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
-def format_sampling_plan(layout: list[ParamInfo], cache_bytes: int, batch: int, max_len: int,
-                         device: jax.Device) -> str:
-  """`sampling memory per device: parameters ..., KV cache ... (batch B, S positions); total ~... of ...`."""
-  params = sum(p.bytes_per_device for p in layout)
+def format_sampling_plan(params: int, cache_bytes: int, batch: int, max_len: int, device: jax.Device) -> str:
+  """`sampling memory per device: parameters ..., KV cache ... (batch B, S positions); total ~... of ...`,
+  from the bytes per device of the parameters and of the cache (`kv_cache_bytes`)."""
   limit, source = device_memory_limit(device)
   of = f'{fmt_bytes(limit)} ({source})' if limit is not None else 'an unknown limit'
   return (f'sampling memory per device: parameters {fmt_bytes(params)}, KV cache {fmt_bytes(cache_bytes)} '

@@ -154,6 +154,8 @@ def test_evaluate_script_writes_lm_evals_results_json_and_prints_its_table(train
   assert results['n-samples']['mt_choice'] == {'original': 12, 'effective': 4}
   assert re.search(r'^\|\s*mt_choice\s*\|.*\|acc\s*\|', proc.stdout, re.M), proc.stdout
   assert 'Evaluating step 4 of' in proc.stdout
+  plan = r'^sampling memory per device: .*, KV cache .* \(batch 4, 16 positions\)'
+  assert re.search(plan, proc.stdout, re.M), proc.stdout
 
 
 @pytest.mark.parametrize('args, says', [

@@ -355,6 +355,7 @@ def test_the_sampling_plan_counts_the_kv_cache_with_local_layers_at_their_window
   held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(cache))
   # Keys and values of 2 rows (batch over data), 1 head (over model) of 16: two 5-slot windows, one 40.
   assert counted == held == 2 * 2 * 16 * 4 * (5 + 5 + 40)
-  line = report.format_sampling_plan(run.layout, counted, 8, 40, run.mesh.devices.flat[0])
+  params = sum(p.bytes_per_device for p in run.layout)
+  line = report.format_sampling_plan(params, counted, 8, 40, run.mesh.devices.flat[0])
   assert line.startswith('sampling memory per device: parameters ')
   assert 'KV cache 12.5 KiB (batch 8, 40 positions)' in line

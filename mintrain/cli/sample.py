@@ -136,7 +136,8 @@ def main() -> int:
        f'tokens, {how}.')
   with jax.set_mesh(mesh):
     cache = report.kv_cache_bytes(model, args.num_samples, total, jnp.dtype(config.model.compute_dtype))
-  note(report.format_sampling_plan(run.layout, cache, args.num_samples, total, mesh.devices.flat[0]))
+  params = sum(p.bytes_per_device for p in run.layout)
+  note(report.format_sampling_plan(params, cache, args.num_samples, total, mesh.devices.flat[0]))
 
   with jax.set_mesh(mesh):
     prompt_BP = np.tile(prompt_P, (args.num_samples, 1))

@@ -191,6 +191,20 @@ class HarnessLM(TemplateLM):
     the `max_length - new` positions a prompt may take."""
     return min(max(MIN_BUCKET, 1 << math.ceil(math.log2(length))), self.max_length - new)
 
+  def sampling_plan(self) -> str:
+    """The memory per device that generation takes at most (`report.format_sampling_plan`): a batch of
+    `max_length` positions; '' for a model without a sampler."""
+    if not hasattr(self.model, 'init_cache'):
+      return ''
+    from mintrain import report
+
+    params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params))
+    with jax.set_mesh(self.mesh):
+      cache = report.kv_cache_bytes(self.model, self.batch_size, self.max_length,
+                                    jnp.dtype(self.config.model.compute_dtype))
+    device = self.mesh.devices.flat[0]
+    return report.format_sampling_plan(params, cache, self.batch_size, self.max_length, device)
+
   def apply_chat_template(self, chat_history: list[dict[str, str]],
                           add_generation_prompt: bool = True) -> str:
     """The chat as the tokenizer's own template renders it (as transformers' apply_chat_template)."""
