@@ -144,6 +144,25 @@ def time_steps(compiled: Compiled, built: Run, batches: Sequence[dict[str, jax.A
   return times, losses
 
 
+def time_interleaved(runs: Sequence[tuple[Compiled, Run, Sequence[dict[str, jax.Array]]]], *, warmup: int,
+                     steps: int) -> list[list[float]]:
+  """Seconds of each timed step of every run, taken in turns (one step of each, then again): on a shared,
+  noisy machine a load that comes and goes slows every variant alike. Each run's state is donated."""
+  states = [compiled.state for compiled, _, _ in runs]
+  times: list[list[float]] = [[] for _ in runs]
+  for i in range(warmup + steps):
+    for j, (compiled, built, batches) in enumerate(runs):
+      with jax.set_mesh(built.mesh):
+        start = time.perf_counter()
+        states[j], metrics = compiled.compiled(states[j], batches[i % len(batches)])
+        jax.block_until_ready((states[j], metrics))
+        if i >= warmup:
+          times[j].append(time.perf_counter() - start)
+  for compiled, _, _ in runs:
+    compiled.state = None
+  return times
+
+
 def memory_analysis(compiled: Compiled) -> dict[str, int]:
   """The compiler's own per-device buffer sizes of the step: arguments, outputs, aliased, temporaries."""
   m = compiled.compiled.memory_analysis()

@@ -208,15 +208,19 @@ class Log:
 
 
 class Evaluate:
-  """Every `eval.every_steps` steps and at the end: mean loss on the same held-out batches each time."""
+  """Every `eval.every_steps` steps and at the end: mean loss on the same held-out batches each time. Batches
+  that hold no trained token (every conversation cut to its prompt) have no mean: that is said once, and
+  nothing is logged."""
 
   phase = 'evaluation'  # Where its time goes in the run's time split.
 
-  def __init__(self, run: Run, log: LogFn, batches: GlobalBatches | None, bytes_per_token: float | None):
-    self.run, self.log, self.every = run, log, run.config.eval.every_steps
+  def __init__(self, run: Run, log: LogFn, batches: GlobalBatches | None, bytes_per_token: float | None,
+               say: Say):
+    self.run, self.log, self.say, self.every = run, log, say, run.config.eval.every_steps
     self.batches, self.bytes_per_token = batches, bytes_per_token
     self.start = self.batches.get_state() if self.batches is not None else {}
     self.last: dict[str, float] = {}
+    self.said_empty = False
 
   def due(self, info: StepInfo) -> bool:
     if not self.run.config.eval.steps:
@@ -226,17 +230,26 @@ class Evaluate:
   def __call__(self, info: StepInfo) -> None:
     self.last = evaluate(self.run, info.state.params, self.batches, self.start, self.bytes_per_token,
                          frozen=info.state.frozen, reference=info.state.reference)
-    self.log(info.step, self.last)
+    if self.last:
+      self.log(info.step, self.last)
+    elif not self.said_empty:
+      self.said_empty = True
+      self.say(f'eval: the held-out batches (eval.steps={self.run.config.eval.steps}) hold no trained token '
+               '(each conversation cut to its prompt?): no eval loss is logged; raise train.seq_len or '
+               'eval.steps.')
 
 
 def evaluate(run: Run, params, batches: GlobalBatches, start_state: dict,
              bytes_per_token: float | None = None, frozen=None, reference=None) -> dict[str, float]:
   """Mean loss over the counted targets of the first `eval.steps` held-out batches (the same ones every
-  time), perplexity, the family's own figures, and bits per byte where bytes per token are known."""
+  time), perplexity, the family's own figures, and bits per byte where bytes per token are known; {} when
+  they count no target."""
   steps = run.config.eval.steps
   batches.set_state(start_state)
   sums, counts = zip(*to_host([run.eval_step(params, next(batches), frozen, reference)
                                for _ in range(steps)]))
+  if not sum(counts):
+    return {}
   loss = float(sum(sums) / sum(counts))
   out = {'eval_loss': loss, 'eval_perplexity': math.exp(min(loss, 700.0))}
   if bytes_per_token:
@@ -385,7 +398,7 @@ class Actions:
       self.checkpoints = ckpt_lib.Checkpoints(workdir / ckpt_lib.CHECKPOINTS, keep=config.checkpoint.keep)
       save = [stack.enter_context(Save(run, self.checkpoints, batches))]
     self.profile = stack.enter_context(Profile(config.profile, workdir, say))
-    self.evaluation = Evaluate(run, self.log, eval_batches, bytes_per_token)
+    self.evaluation = Evaluate(run, self.log, eval_batches, bytes_per_token, say)
     harness = [HarnessEvaluate(run, self.log, tok, say)] if config.eval.harness_tasks else []
     self.all: list = [*save, Log(run, timer, self.log, peak), self.evaluation, *harness, self.profile]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh
@@ -130,6 +130,24 @@ def _reference(p: MemoryPlan) -> str:
   return f', reference model {fmt_bytes(p.reference)}' if p.reference else ''
 
 
+def kv_cache_bytes(model: Any, batch: int, max_len: int, dtype: Any) -> int:
+  """Bytes per device of the cache a sampler keeps (`model.init_cache`, under the current mesh) for `batch`
+  rows of `max_len` positions: a local layer's window buffer at its own length. 0 for a model without one."""
+  if not hasattr(model, 'init_cache'):
+    return 0
+  shapes = jax.eval_shape(lambda: model.init_cache(batch, max_len, dtype))
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def format_sampling_plan(params: int, cache_bytes: int, batch: int, max_len: int, device: jax.Device) -> str:
+  """`sampling memory per device: parameters ..., KV cache ... (batch B, S positions); total ~... of ...`,
+  from the bytes per device of the parameters and of the cache (`kv_cache_bytes`)."""
+  limit, source = device_memory_limit(device)
+  of = f'{fmt_bytes(limit)} ({source})' if limit is not None else 'an unknown limit'
+  return (f'sampling memory per device: parameters {fmt_bytes(params)}, KV cache {fmt_bytes(cache_bytes)} '
+          f'(batch {batch}, {max_len} positions); total ~{fmt_bytes(params + cache_bytes)} of {of}')
+
+
 def fmt_bytes(n: float) -> str:
   for unit in ('B', 'KiB', 'MiB', 'GiB'):
     if n < 1024 or unit == 'GiB':
@@ -161,9 +179,13 @@ def format_activations(rules: partitioning.AxisRules, mesh: Mesh) -> str:
 
 
 def trainable_counts(layout: list[ParamInfo]) -> tuple[int, int]:
-  """(trainable, all) parameter elements; a quantized base counts its codes, not its block scales."""
+  """(trainable, all) parameter elements; a quantized base counts its codes (NF4's two a byte), not its
+  block scales."""
+  def elements(p: ParamInfo) -> int:
+    return math.prod(p.shape) * (2 if p.path.endswith('.base') and str(p.dtype) == 'uint8' else 1)
+
   counted = [p for p in layout if not p.path.endswith('.absmax')]
-  return sum(math.prod(p.shape) for p in counted if p.trainable), sum(math.prod(p.shape) for p in counted)
+  return sum(elements(p) for p in counted if p.trainable), sum(elements(p) for p in counted)
 
 
 def trainable_summary(layout: list[ParamInfo]) -> str:

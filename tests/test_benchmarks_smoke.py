@@ -140,3 +140,18 @@ def test_dpo_benchmark_smoke_times_dpo_against_sft_on_the_same_pairs():
   sft, copy, _, precomputed = (float(c['GFLOP_per_step']) for c in cells)
   assert precomputed == pytest.approx(2 * sft, rel=0.05) and copy == pytest.approx(8 / 3 * sft, rel=0.05)
   assert all(c['loss_at_init'] == '0.6931' for c in cells[1:])  # The reference is the initial policy.
+
+
+def test_lora_benchmark_smoke_has_fewer_trainable_bytes_with_lora_and_a_smaller_base_with_nf4():
+  _, header, body = smoke('lora.py')
+  assert [row[0] for row in body] == ['full fine-tuning', 'LoRA r16', 'QLoRA r16 nf4']
+  full, lora, qlora = (dict(zip(header, row)) for row in body)
+  assert float(lora['trainable']) < float(full['trainable'])
+  assert float(qlora['params']) < float(lora['params'])
+  assert all(float(row['step_ms']) > 0 for row in (full, lora, qlora))
+
+
+def test_families_benchmark_smoke_times_each_family_against_llama():
+  _, header, body = smoke('families.py')
+  assert [row[0] for row in body] == ['llama', 'gemma2', 'gemma3', 'qwen3_moe', 'deepseek_v3']
+  assert header[-1] == 'step / llama' and all(n > 0 for row in body for n in numbers(row[1:]))

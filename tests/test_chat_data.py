@@ -258,6 +258,19 @@ def test_training_on_chats_runs_and_its_eval_counts_only_the_assistant_tokens(ma
   assert float(count) == weights.sum() and np.isfinite(float(summed))
 
 
+@pytest.mark.slow  # A training run of two evaluations (about 10 s).
+def test_an_eval_of_prompts_alone_says_so_once_and_logs_no_nan(marked, tmp_path):
+  """Rows shorter than every prompt: the held-out batches count no target, at each of two evaluations."""
+  config = load_config('single', *TINY, 'train.steps=2', 'eval.steps=1', 'eval.every_steps=1',
+                       'train.seq_len=8', *chat_overrides(tmp_path, marked[1], eval_fraction=0.5))
+  lines = []
+  result = train_loop.run(config, tmp_path / 'run', devices=mesh_devices(config), print_fn=lines.append)
+  assert sum('hold no trained token' in line for line in lines) == 1
+  logged = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+  assert logged and not any(k.startswith('eval_') for record in logged for k in record)
+  assert not any(k.startswith('final_eval') for k in result.summary) and np.isfinite(result.losses).all()
+
+
 def assert_no_loss_and_no_gradient(run, params, micro):
   step = jax.jit(jax.value_and_grad(functools.partial(loss_fn, graphdef=run.graphdef, dropout_key=None),
                                     has_aux=True))

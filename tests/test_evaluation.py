@@ -13,7 +13,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, load_config, mesh_devices, quiet, run_script, short_documents
+from helpers import TINY, build, load_config, mesh_devices, quiet, run_script, short_documents
 
 from mintrain import loop
 from mintrain.checkpoint.model import layout_config, restore_model
@@ -154,6 +154,8 @@ def test_evaluate_script_writes_lm_evals_results_json_and_prints_its_table(train
   assert results['n-samples']['mt_choice'] == {'original': 12, 'effective': 4}
   assert re.search(r'^\|\s*mt_choice\s*\|.*\|acc\s*\|', proc.stdout, re.M), proc.stdout
   assert 'Evaluating step 4 of' in proc.stdout
+  plan = r'^sampling memory per device: .*, KV cache .* \(batch 4, 16 positions\)'
+  assert re.search(plan, proc.stdout, re.M), proc.stdout
 
 
 @pytest.mark.parametrize('args, says', [
@@ -252,3 +254,31 @@ def test_requests_are_tokenized_and_chats_rendered_as_transformers_does(bpe_toke
   assert lm.apply_chat_template(chat) == theirs.apply_chat_template(chat, tokenize=False,
                                                                     add_generation_prompt=True)
   assert lm.apply_chat_template(chat, add_generation_prompt=False).endswith('Hi\n')
+
+
+@pytest.mark.slow  # About 12 s: the sampler compiled for each prompt alone, as the reference.
+def test_generate_until_pads_prompts_to_length_buckets_and_generates_what_each_prompt_alone_does():
+  """Prompts of five lengths in two buckets (16, 32) compile two programs; each row's tokens are those of
+  the sampler on its prompt alone, past a local layer's window (its rolling buffer)."""
+  from lm_eval.api.instance import Instance
+
+  from mintrain.data.tokenizer import BYTES
+  from mintrain.models.transformer import sampling
+  config = load_config('single', *TINY, 'model.vocab_size=384', 'model.sliding_window=5',
+                       'model.global_every=2')
+  run = build(config)
+  with jax.set_mesh(run.mesh):
+    model = run.model(run.init().params)
+  lm = harness.HarnessLM(model, run.config, BYTES, run.mesh, batch_size=4, max_length=64)
+  texts = ['abc', 'def parse(', 'import numpy as np', 'class Tokenizer:\n    ',
+           'for i in range(n):\n   x += 1']
+  requests = [Instance('generate_until', {}, (text, {'until': ['\x00'], 'max_gen_toks': 6}), i)
+              for i, text in enumerate(texts)]
+  compiled = sampling._generate_ragged._cache_size()
+  out = lm.generate_until(requests)
+  assert sampling._generate_ragged._cache_size() - compiled == 2
+  with jax.set_mesh(run.mesh):
+    alone = [np.asarray(sampling.generate(model, np.array([lm.tok_encode(text)], np.int32), 6))[0]
+             for text in texts]
+  assert out == [BYTES.decode(tokens.tolist()).split('\x00')[0] for tokens in alone]
+  assert len({len(lm.tok_encode(text)) for text in texts}) == 5 and max(map(len, out)) > 0

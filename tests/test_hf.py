@@ -351,8 +351,8 @@ def test_qwen2_sliding_window_applies_to_the_layers_from_max_window_layers_on():
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
   with pytest.raises(ConfigError, match=r"^config.json model_type='gpt2' is not supported; mintrain reads "
-                                        r'deepseek_v3, gemma, gemma2, gemma3_text, llama, mistral, mixtral, '
-                                        r'qwen2, qwen2_moe, qwen3, qwen3_moe; convert'):
+                                        r'deepseek_v3, gemma, gemma2, gemma3, gemma3_text, llama, mistral, '
+                                        r'mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe; convert'):
     hf.from_pretrained(tmp_path)
   config = {'model_type': 'llama', **COMMON, 'rope_parameters': {'rope_type': 'longrope', 'factor': 2.0}}
   (tmp_path / 'config.json').write_text(json.dumps(config))

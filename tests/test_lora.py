@@ -117,12 +117,23 @@ def test_nf4_maps_each_value_to_the_nearest_table_entry_of_its_block():
   np.testing.assert_array_equal(np.asarray(absmax), np.abs(blocks).max(-1))
   normed = blocks / np.abs(blocks).max(-1, keepdims=True)
   expected = np.abs(normed[..., None] - np.array(BITSANDBYTES_NF4)).argmin(-1)
-  np.testing.assert_array_equal(np.asarray(codes).reshape(4, 4, 16), expected)
+  np.testing.assert_array_equal(np.asarray(quantize.unpack_nf4(codes)).reshape(4, 4, 16), expected)
   back = np.asarray(quantize.dequantize_nf4(codes, absmax, 16, jnp.float32)).reshape(4, 4, 16)
   # Each block's absmax is exact; no value is further from its own than half the widest gap (0.304 / 2).
   np.testing.assert_array_equal(np.abs(back).max(-1), np.abs(blocks).max(-1))
   assert np.all(np.abs(back - blocks) <= 0.5 * np.diff(BITSANDBYTES_NF4).max() * np.abs(blocks).max(-1,
                                                                                                      keepdims=True))
+
+
+def test_nf4_codes_packed_two_a_byte_dequantize_as_one_a_byte_did():
+  w = np.random.default_rng(1).standard_normal((3, 8, 32)).astype(np.float32)
+  packed, absmax = quantize.quantize_nf4(jnp.asarray(w), 8)
+  assert packed.dtype == jnp.uint8 and packed.shape == (3, 8, 16)
+  codes = np.asarray(quantize.unpack_nf4(packed))
+  np.testing.assert_array_equal(np.asarray(packed), codes[..., 0::2] | (codes[..., 1::2] << 4))
+  one_a_byte = np.array(BITSANDBYTES_NF4, np.float32)[codes] * np.repeat(np.asarray(absmax), 8, axis=-1)
+  back = quantize.dequantize_nf4(packed, absmax, 8, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(back), one_a_byte)
 
 
 def test_int8_keeps_each_output_channel_within_half_a_step():
@@ -201,7 +212,9 @@ def test_the_report_and_memory_plan_count_the_frozen_base_quantized_and_without_
   assert f'trainable: {trainable:,} of {total:,} parameters' in text and 'uint8' in text
   assert r.plan.grads == sum(p.bytes_per_device for p in r.layout if p.trainable)
   codes = {p.path: p for p in r.layout}['blocks.0.mlp.wi_gate_DF.base']
-  assert codes.dtype == np.uint8 and codes.shard_shape == (32, 32) and not codes.trainable  # mlp over model.
+  # (embed 32, mlp 64 over model) packed two codes a byte: half a byte per weight in the plan.
+  assert codes.dtype == np.uint8 and codes.shard_shape == (32, 16) and not codes.trainable
+  assert codes.bytes_per_device == 32 * 64 // 2 // 2 and total - trainable == report.param_count(r.config)
 
 
 @pytest.mark.slow

@@ -128,6 +128,7 @@ def test_sample_script_continues_the_prompt_from_the_newest_checkpoint(trained_r
   assert proc.stdout.startswith('def ') and len(proc.stdout) > len('def \n')
   assert 'Sampling step 2 of' in proc.stderr and 'data=1 x fsdp=1 x model=1' in proc.stderr
   assert 'more than the 32 the model was trained on' in proc.stderr
+  assert 'sampling memory per device: parameters ' in proc.stderr and '(batch 1, 45 positions)' in proc.stderr
 
 
 def test_sample_script_samples_on_the_mesh_of_a_given_config(trained_run):

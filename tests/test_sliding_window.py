@@ -6,16 +6,18 @@ same on every mesh; config.json values the family cannot honour are one-line err
 
 import copy
 import json
+import re
 
 import hf_reference
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch  # The reference, from the test extra; mintrain itself never imports it.
 import transformers
-from helpers import load_config, mesh_devices, quiet
+from helpers import build, load_config, mesh_devices, quiet
 from hf_reference import mintrain_logits, torch_logits
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from mintrain import config as config_lib
 from mintrain import configs, hf
@@ -275,3 +277,85 @@ def test_soft_caps_the_fast_paths_lack_are_one_line_errors(overrides, message):
 def test_auto_loss_chunks_leave_the_fused_loss_off_with_a_final_soft_cap():
   assert load_config('single').model.for_platform('cpu').loss_chunks == 1
   assert load_config('single', 'model.final_softcap=30.0').model.for_platform('cpu').loss_chunks == 0
+
+
+@pytest.fixture(scope='module')
+def multimodal_gemma3(tmp_path_factory):
+  """(directory, its float32 logits of TOKENS) of a tiny random Gemma3ForConditionalGeneration whose text
+  model is FAMILIES['gemma3'] (its tensors under `language_model.model.`, beside a vision tower's)."""
+  name, options = FAMILIES['gemma3']
+  text = getattr(transformers, name)(**{**COMMON, **options})
+  vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14)
+  config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                     mm_tokens_per_image=4)
+  torch.manual_seed(0)
+  model = transformers.Gemma3ForConditionalGeneration(config).eval()
+  with torch.no_grad():
+    for param_name, param in model.named_parameters():
+      if param_name.endswith('norm.weight'):
+        param.add_(0.1 * torch.randn_like(param))
+  directory = tmp_path_factory.mktemp('gemma3_multimodal')
+  model.save_pretrained(directory)
+  return directory, torch_logits(model, TOKENS)
+
+
+@pytest.mark.slow  # Building the transformers model takes about 10 s.
+@pytest.mark.parametrize('prefix', ['language_model.model.', 'model.language_model.'])
+def test_a_multimodal_gemma3_checkpoint_gives_its_text_models_logits_without_the_vision_tower(
+    multimodal_gemma3, prefix, tmp_path, caplog):
+  directory, expected = multimodal_gemma3
+  tensors = load_file(directory / hf.SINGLE)
+  assert any(name.startswith('vision_tower.') for name in tensors)
+  if prefix != 'language_model.model.':  # transformers 5's in-memory names (model.vision_tower. too).
+    tensors = {re.sub(r'^language_model\.model\.', prefix, re.sub(r'^(vision_tower|multi_modal_projector)\.',
+                                                                   r'model.\1.', name)): t
+               for name, t in tensors.items()}
+    directory = tmp_path
+    save_file(tensors, directory / hf.SINGLE)
+    (directory / 'config.json').write_text((multimodal_gemma3[0] / 'config.json').read_text())
+  assert hf_model_options(directory) == hf_model_options_of_text(multimodal_gemma3[0])
+  with caplog.at_level('INFO', logger='mintrain'), on_mesh('single'):
+    logits = mintrain_logits(hf.from_pretrained(directory), TOKENS)
+  assert np.abs(logits - expected).max() <= 1e-4
+  vision = sum(not name.startswith(prefix) for name in tensors)
+  assert caplog.text.count(f'{vision} tensors of the vision tower and projector are left out') == 1
+
+
+def hf_model_options_of_text(directory):
+  """The options of the text model alone: its text_config as a gemma3_text config.json."""
+  config = json.loads((directory / 'config.json').read_text())
+  return hf_llama.model_options({**config['text_config'], 'model_type': 'gemma3_text'})
+
+
+def test_a_sparse_gemma3_text_config_takes_transformers_defaults_and_the_text_tensors_lose_their_prefix():
+  options = hf_llama.model_options({'model_type': 'gemma3', 'text_config': {'hidden_size': 2560,
+                                                                            'num_hidden_layers': 34}})
+  assert (options['embed_dim'], options['num_layers'], options['num_heads'], options['num_kv_heads']) == (
+      2560, 34, 8, 4)
+  assert options['vocab_size'] == 262208 and options['head_dim'] == 256 and options['tie_embeddings']
+  assert options['global_every'] == 6 and options['qk_norm'] and options['rope_local_base'] == 1e4
+  tensors = {'language_model.model.norm.weight': 1, 'language_model.lm_head.weight': 2,
+             'vision_tower.encoder.weight': 3, 'multi_modal_projector.weight': 4}
+  assert hf_llama.text_tensors(tensors) == ({'model.norm.weight': 1, 'lm_head.weight': 2},
+                                            '2 tensors of the vision tower and projector are left out: '
+                                            'mintrain reads the text model of this multimodal checkpoint.')
+  assert hf_llama.text_tensors({'model.norm.weight': 1}) == ({'model.norm.weight': 1}, None)
+
+
+def test_the_sampling_plan_counts_the_kv_cache_with_local_layers_at_their_window():
+  from mintrain import report
+  config = load_config('dp4_tp2', 'model.num_layers=3', 'model.sliding_window=5', 'model.global_every=3',
+                       'model.num_kv_heads=2', 'model.vocab_size=384')
+  run = build(config)
+  with jax.set_mesh(run.mesh):
+    model = run.model(run.abstract_state.params)
+    counted = report.kv_cache_bytes(model, 8, 40, jnp.float32)
+    cache = model.init_cache(8, 40, jnp.float32)
+  held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(cache))
+  # Keys and values of 2 rows (batch over data), 1 head (over model) of 16: two 5-slot windows, one 40.
+  assert counted == held == 2 * 2 * 16 * 4 * (5 + 5 + 40)
+  params = sum(p.bytes_per_device for p in run.layout)
+  line = report.format_sampling_plan(params, counted, 8, 40, run.mesh.devices.flat[0])
+  assert line.startswith('sampling memory per device: parameters ')
+  assert 'KV cache 12.5 KiB (batch 8, 40 positions)' in line

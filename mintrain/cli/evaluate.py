@@ -71,6 +71,8 @@ def main() -> int:
                            batch_size=args.batch_size, max_length=args.max_length or None)
     print(f'Evaluating step {restored.step} of {restored.directory} on mesh '
           f'{mesh_lib.describe(restored.mesh.shape)}: {", ".join(tasks)}.', flush=True)
+    if lm.sampling_plan():
+      print(lm.sampling_plan(), flush=True)
     results = harness.evaluate(lm, tasks, manager, num_fewshot=args.num_fewshot,
                                limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
                                apply_chat_template=args.apply_chat_template)

@@ -73,8 +73,9 @@ def main() -> int:
     devices = startup.devices_for(mesh_config)
 
   import jax
+  import jax.numpy as jnp
 
-  from mintrain import loop
+  from mintrain import loop, report
   from mintrain import mesh as mesh_lib
   from mintrain.build import build
   from mintrain.checkpoint import checkpoints as ckpt_lib
@@ -133,6 +134,10 @@ def main() -> int:
          f'temperature {args.temperature}, top-k {args.top_k or "off"}, seed {args.seed}')
   note(f'Sampling step {step} of {directory} on mesh {mesh_lib.describe(mesh.shape)}: {args.max_new_tokens} '
        f'tokens, {how}.')
+  with jax.set_mesh(mesh):
+    cache = report.kv_cache_bytes(model, args.num_samples, total, jnp.dtype(config.model.compute_dtype))
+  params = sum(p.bytes_per_device for p in run.layout)
+  note(report.format_sampling_plan(params, cache, args.num_samples, total, mesh.devices.flat[0]))
 
   with jax.set_mesh(mesh):
     prompt_BP = np.tile(prompt_P, (args.num_samples, 1))

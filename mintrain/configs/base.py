@@ -275,7 +275,7 @@ def get_config() -> ml_collections.ConfigDict:
   # (gate/up/down include a mixture's experts and Qwen2-MoE's shared expert).
   c.lora.targets = 'q,k,v,o,gate,up,down'
   # How the frozen base projections are stored: 'float32', 'bfloat16', 'int8' (absmax per output channel)
-  # or 'nf4' (QLoRA's 4-bit NormalFloat, one code a byte, absmax per block); dequantized as each layer
+  # or 'nf4' (QLoRA's 4-bit NormalFloat, two codes a byte, absmax per block); dequantized as each layer
   # gathers its weight. Other frozen parameters (embeddings, norms) keep model.param_dtype.
   c.lora.base_dtype = 'float32'
   c.lora.nf4_block_size = 64  # NF4 block length along a weight's last axis; it must divide that axis.

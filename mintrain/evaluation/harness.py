@@ -4,8 +4,9 @@ Requests are tokenized as lm-eval's own `hf` backend does (its `TemplateLM`: con
 encoded whole, then split; BOS first unless the text starts with it; rolling windows of `max_length`), so the
 two give the same log-likelihoods for the same weights. Scored rows are padded to a few fixed shapes (the
 batch to `batch_size`, the length to a power of two), so a task compiles a handful of programs, not one per
-request. Generation uses the family's KV-cache sampler; its prompts have no padding mask, so a batch holds
-prompts of one length (one program per prompt length and `max_gen_toks`).
+request. Generation uses the family's KV-cache sampler on prompts padded the same way (`generate_ragged`:
+each row fed its own prompt until it ends), so a task compiles one program per length bucket and
+`max_gen_toks`.
 
 Shape letters: B batch, L length, V vocab, N new tokens.
 """
@@ -161,18 +162,22 @@ class HarnessLM(TemplateLM):
       temperature = float(kwargs.get('temperature') or 0.0) if kwargs.get('do_sample') else 0.0
       prompt = self.tok_encode(context)[-(self.max_length - new):] or [self.prefix_token_id]
       prepared.append((prompt, until))
-      groups.setdefault((len(prompt), new, temperature), []).append(i)
+      groups.setdefault((self._prompt_bucket(len(prompt), new), new, temperature), []).append(i)
     out = [''] * len(requests)
     for (length, new, temperature), members in groups.items():
       for start in range(0, len(members), self.batch_size):
         chunk = members[start:start + self.batch_size]
+        rows = chunk + chunk[:1] * (self.batch_size - len(chunk))  # Rows past the chunk repeat its first.
         prompt_BP = np.zeros((self.batch_size, length), np.int32)
-        prompt_BP[:] = prepared[chunk[0]][0]  # Rows past the chunk repeat its first prompt.
-        for row, i in enumerate(chunk):
-          prompt_BP[row] = prepared[i][0]
+        for row, i in enumerate(rows):
+          prompt_BP[row, :len(prepared[i][0])] = prepared[i][0]
+        lengths_B = np.array([len(prepared[i][0]) for i in rows], np.int32)
+        # Positions before the bucket's lower end (every prompt's first ones) in one pass.
+        prefill = length // 2 if length > MIN_BUCKET else 0
         with jax.set_mesh(self.mesh):
-          tokens_BN = sampling.generate(self.model, prompt_BP, new, temperature=temperature,
-                                        key=jax.random.key(0))
+          tokens_BN = sampling.generate_ragged(self.model, prompt_BP, lengths_B, new,
+                                               prefill=prefill - prefill % self.length_ways,
+                                               temperature=temperature, key=jax.random.key(0))
         tokens_BN = np.asarray(tokens_BN.addressable_data(0))
         for row, i in enumerate(chunk):
           new_N = tokens_BN[row].tolist()
@@ -180,6 +185,25 @@ class HarnessLM(TemplateLM):
             new_N = new_N[:new_N.index(self.tok.eos_id)]
           out[i] = postprocess_generated_text(self.tok.decode(new_N), prepared[i][1], None)
     return out
+
+  def _prompt_bucket(self, length: int, new: int) -> int:
+    """The padded length of prompts up to `length` tokens: a power of two (at least MIN_BUCKET), at most
+    the `max_length - new` positions a prompt may take."""
+    return min(max(MIN_BUCKET, 1 << math.ceil(math.log2(length))), self.max_length - new)
+
+  def sampling_plan(self) -> str:
+    """The memory per device that generation takes at most (`report.format_sampling_plan`): a batch of
+    `max_length` positions; '' for a model without a sampler."""
+    if not hasattr(self.model, 'init_cache'):
+      return ''
+    from mintrain import report
+
+    params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params))
+    with jax.set_mesh(self.mesh):
+      cache = report.kv_cache_bytes(self.model, self.batch_size, self.max_length,
+                                    jnp.dtype(self.config.model.compute_dtype))
+    device = self.mesh.devices.flat[0]
+    return report.format_sampling_plan(params, cache, self.batch_size, self.max_length, device)
 
   def apply_chat_template(self, chat_history: list[dict[str, str]],
                           add_generation_prompt: bool = True) -> str:

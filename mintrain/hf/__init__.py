@@ -74,9 +74,10 @@ def make_config(path: str | os.PathLike, base: ml_collections.ConfigDict | None 
 
 
 class _Tensors(contextlib.ExitStack):
-  """Every tensor of a checkpoint directory, by name, read lazily (`safetensors_reader.Tensor`)."""
+  """Every tensor of a checkpoint directory, by the name the family's `weight_names` gives (its
+  `text_tensors`), read lazily (`safetensors_reader.Tensor`); `left_out` says what the family leaves out."""
 
-  def __init__(self, path: str | os.PathLike):
+  def __init__(self, path: str | os.PathLike, conversion: Any):
     super().__init__()
     root = epath.Path(path)
     if (root / INDEX).exists():
@@ -101,6 +102,7 @@ class _Tensors(contextlib.ExitStack):
         self.close()
         raise ConfigError(str(e)) from None
       self.tensors.update(file.tensors)
+    self.tensors, self.left_out = conversion.text_tensors(self.tensors)
 
   def get(self, name: str, ours: str, shape: tuple[int, ...]) -> safetensors_reader.Tensor:
     """Tensor `name`, which mintrain parameter `ours` reads, checked to have the `shape` config.json gives."""
@@ -167,7 +169,9 @@ def load_params(path: str | os.PathLike, run: Run, mesh: jax.sharding.Mesh | Non
   mesh = mesh or run.mesh
   leaves, treedef = jax.tree_util.tree_flatten_with_path(run.base_params, is_leaf=_is_variable)
   loaded = []
-  with _Tensors(path) as tensors:
+  with _Tensors(path, run.config.family.hf) as tensors:
+    if tensors.left_out:
+      _log.info(f'{path}: {tensors.left_out}')
     for var, source, files in _checked(tensors, run, leaves):
       abstract = jax.tree.leaves(var)[0]
       value = _load(run.config.family.hf, source, files, abstract.shape, abstract.dtype,
@@ -180,7 +184,7 @@ def check(path: str | os.PathLike, run: Run) -> None:
   """Raises the ConfigError that `load_params` would for a missing tensor or a shape that disagrees with
   config.json, from the files' headers alone: a run checks before it writes anything."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(run.base_params, is_leaf=_is_variable)
-  with _Tensors(path) as tensors:
+  with _Tensors(path, run.config.family.hf) as tensors:
     _checked(tensors, run, leaves, warn=False)  # The load that follows warns.
 
 

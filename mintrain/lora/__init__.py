@@ -73,8 +73,9 @@ class LoraConfig:
 
 
 class LoRA(nnx.Module):
-  """A frozen base weight (*lead, *inputs, *outputs), stored as `base_dtype` (int8 and nf4 quantized), with a
-  rank-r adapter A (*lead, *inputs, r), B (*lead, r, *outputs); rank 0: the (quantized) base alone."""
+  """A frozen base weight (*lead, *inputs, *outputs), stored as `base_dtype` (int8 and nf4 quantized; nf4's
+  last axis half as long, two codes a byte), with a rank-r adapter A (*lead, *inputs, r), B (*lead, r,
+  *outputs); rank 0: the (quantized) base alone."""
 
   def __init__(self, base: nnx.Variable, *, lead: int, inputs: int, cfg: LoraConfig, rank: int,
                key: jax.Array, layer_keys: int, rules: AxisRules):
@@ -99,6 +100,10 @@ class LoRA(nnx.Module):
         raise ConfigError(f'lora.nf4_block_size={self.block} does not divide the last dimension '
                           f'({value.shape[-1]}) of a base weight of shape {tuple(value.shape)}; use a '
                           'divisor of it.')
+      if value.shape[-1] % 2:
+        raise ConfigError(f'lora.base_dtype=nf4 packs two codes a byte along the last dimension, which is '
+                          f'odd ({value.shape[-1]}) in a base weight of shape {tuple(value.shape)}; use '
+                          'int8 or bfloat16.')
       scale_axes = (*axes[:-1], None)  # Blocks along the last axis, which stays whole for them.
       whole = value if mesh_empty else jax.sharding.reshard(value, rules.param_spec(scale_axes))
       codes, scale = quantize.quantize_nf4(whole, self.block)

@@ -1,6 +1,8 @@
 """QLoRA's frozen base at rest: int8 (absmax per output channel) or NF4 (the QLoRA paper's 4-bit NormalFloat,
-block-wise absmax), dequantized where the layer gathers the weight. NF4 codes are kept one per byte, so they
-shard by the weight's own logical axes; blocks run along the weight's last axis."""
+block-wise absmax), dequantized where the layer gathers the weight. NF4 codes are packed two per byte, each
+byte two neighbours along the weight's last axis (low nibble first): the packed array shards by the weight's
+own logical axes, its last one half as long, and every device unpacks its own slice. Blocks run along the
+last axis too."""
 
 from __future__ import annotations
 
@@ -33,19 +35,32 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 
 
 def quantize_nf4(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-  """(uint8 codes 0..15, float32 absmax per block of `block` along the last axis, which must not be split):
-  each value is the nearest NF4 value of its block's normalised weights."""
+  """(uint8 codes 0..15 packed two per byte (`pack_nf4`), float32 absmax per block of `block` along the last
+  axis, which must not be split): each value is the nearest NF4 value of its block's normalised weights."""
   w_blocks = _blocks(w.astype(jnp.float32), block)
   scale = jnp.max(jnp.abs(w_blocks), axis=-1)
   normed = w_blocks / jnp.where(scale == 0, 1.0, scale)[..., None]
   table = jnp.asarray(NF4, jnp.float32)
   codes = jnp.argmin(jnp.abs(normed[..., None] - table), axis=-1).astype(jnp.uint8)
-  return codes.reshape(w.shape), scale
+  return pack_nf4(codes.reshape(w.shape)), scale
 
 
-def dequantize_nf4(codes: jax.Array, scale: jax.Array, block: int, dtype) -> jax.Array:
-  """The weights of `codes`; the block scales (whose last axis must not be split) are repeated rather than
-  the codes reshaped into blocks, so the codes' last axis may split any number of ways."""
+def pack_nf4(codes: jax.Array) -> jax.Array:
+  """Codes (..., N), N even, as bytes (..., N / 2): element 2j in byte j's low nibble, 2j + 1 in its high."""
+  pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+  return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nf4(packed: jax.Array) -> jax.Array:
+  """The codes (..., 2 * N) of bytes (..., N), laid out as the bytes are: a split last axis stays split."""
+  pairs = jnp.stack([packed & 15, packed >> 4], axis=-1)
+  return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1], out_sharding=jax.typeof(packed).sharding)
+
+
+def dequantize_nf4(packed: jax.Array, scale: jax.Array, block: int, dtype) -> jax.Array:
+  """The weights of the packed codes; the block scales (whose last axis must not be split) are repeated
+  rather than the codes reshaped into blocks, so the codes' last axis may split any number of ways."""
+  codes = unpack_nf4(packed)
   # A select per code rather than a gather, which keeps the codes' sharding (and fuses).
   values = jnp.zeros(codes.shape, jnp.float32, out_sharding=jax.typeof(codes).sharding)
   for i, value in enumerate(NF4):

@@ -81,7 +81,7 @@ class Family:
   # which preference objectives (`mintrain.objectives.dpo`) read.
   make: Callable[[Any, AxisRules, Placement, nnx.Rngs], nnx.Module]
   # Its Hugging Face conversion (a module like `models.transformer.hf`: MODEL_TYPES, model_options,
-  # config_json, weight_names, their_shape, read, write), or None.
+  # config_json, weight_names, text_tensors, their_shape, read, write), or None.
   hf: Any = None
   # Its projections by LoRA target name (`lora.targets`, e.g. 'q'): {weight path suffix, e.g. 'attn.wq_DHK':
   # (leading axes that are neither input nor output, such as experts; input axes)}, after any stacked

@@ -10,6 +10,9 @@ One table per direction, read by `mintrain.hf`, which knows nothing of any archi
            attention scores and logits, `query_pre_attn_scalar`, and norms after attention and MLP too
   gemma3_text  Gemma 2 with QK-norm, no soft-caps by default, and its own RoPE for each layer type (local
            layers' base `rope_local_base_freq`, global ones' scaled): `rope_parameters` by layer type
+  gemma3   the multimodal Gemma 3 (Gemma3ForConditionalGeneration): its text model alone, from `text_config`
+           and the tensors under `language_model.model.` (or transformers 5's `model.language_model.`);
+           the vision tower's and projector's tensors are left out (`text_tensors`)
   mixtral    Mistral with a mixture of experts in every block (dropless, top-k renormalised)
   qwen2_moe  Qwen2 with mixtures of experts every `decoder_sparse_step` blocks but those in
              `mlp_only_layers`, each with a shared expert behind a sigmoid gate; `norm_topk_prob` says
@@ -46,7 +49,7 @@ MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qw
                'gemma': 'GemmaForCausalLM', 'mixtral': 'MixtralForCausalLM',
                'qwen2_moe': 'Qwen2MoeForCausalLM', 'qwen3': 'Qwen3ForCausalLM', 'gemma2': 'Gemma2ForCausalLM',
                'gemma3_text': 'Gemma3ForCausalLM', 'qwen3_moe': 'Qwen3MoeForCausalLM',
-               'deepseek_v3': 'DeepseekV3ForCausalLM'}
+               'deepseek_v3': 'DeepseekV3ForCausalLM', 'gemma3': 'Gemma3ForConditionalGeneration'}
 GEMMAS = ('gemma', 'gemma2', 'gemma3_text')
 # transformers' defaults of the Gemma 2 and 3 keys a config.json may leave out.
 GEMMA_DEFAULTS = {
@@ -55,6 +58,14 @@ GEMMA_DEFAULTS = {
     'gemma3_text': {'query_pre_attn_scalar': 256, 'sliding_window': 4096, 'attn_logit_softcapping': None,
                     'final_logit_softcapping': None, 'global_every': 6},
 }
+# transformers' Gemma3TextConfig defaults of the keys a multimodal Gemma 3's text_config leaves out (the
+# released config.json files write only those that differ).
+GEMMA3_TEXT_DEFAULTS = {'model_type': 'gemma3_text', 'vocab_size': 262208, 'hidden_size': 2304,
+                        'intermediate_size': 9216, 'num_hidden_layers': 26, 'num_attention_heads': 8,
+                        'num_key_value_heads': 4, 'head_dim': 256, 'tie_word_embeddings': True}
+# A multimodal checkpoint's text model tensors: {their prefix: the text model's}, in either layout.
+TEXT_PREFIXES = {'language_model.model.': 'model.', 'language_model.lm_head.': 'lm_head.',
+                 'model.language_model.': 'model.'}
 LAYER_TYPES = ('sliding_attention', 'full_attention')
 QKV_BIAS = ('qwen2', 'qwen2_moe')
 ROPE_TYPES = ('default', 'llama3', 'linear', 'dynamic', 'yarn')
@@ -89,6 +100,15 @@ def model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _model_options(hf: Mapping[str, Any]) -> dict[str, Any]:
+  if hf['model_type'] == 'gemma3':
+    text = hf.get('text_config') or {}
+    if not isinstance(text, Mapping):
+      raise ConfigError('config.json text_config is not an object: use the config.json saved with these '
+                        'weights.')
+    hf = {**GEMMA3_TEXT_DEFAULTS, 'tie_word_embeddings': hf.get('tie_word_embeddings', True), **text}
+    if hf['model_type'] != 'gemma3_text':
+      raise ConfigError(f"config.json: a gemma3 text_config of model_type {hf['model_type']!r}; mintrain "
+                        "reads 'gemma3_text'.")
   model_type = hf['model_type']
   if hf.get('mlp_bias') or (model_type not in QKV_BIAS and hf.get('attention_bias')):
     raise ConfigError(f'config.json: {model_type} with mlp_bias or attention_bias is not supported (mintrain '
@@ -237,6 +257,22 @@ def _rope_parameters(hf: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     raise ConfigError(f'config.json rope_parameters.sliding_attention rope_type {local_type!r} is not '
                       "supported; mintrain's local layers take RoPE without scaling ('default').")
   return rope, local
+
+
+def text_tensors(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+  """(`tensors` by the names `weight_names` gives, a line saying what was left out or None): a multimodal
+  checkpoint's text model under its own names, without the vision tower and projector."""
+  if not any(name.startswith(tuple(TEXT_PREFIXES)) for name in tensors):
+    return dict(tensors), None
+  text, other = {}, []
+  for name, tensor in tensors.items():
+    prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+    if prefix is None:
+      other.append(name)
+    else:
+      text[TEXT_PREFIXES[prefix] + name[len(prefix):]] = tensor
+  return text, (f'{len(other)} tensors of the vision tower and projector are left out: mintrain reads the '
+                'text model of this multimodal checkpoint.' if other else None)
 
 
 def layer_types(hf: Mapping[str, Any]) -> list[str]:

@@ -152,3 +152,48 @@ def _generate_without_cache(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP
 
   _, tokens_NB = jax.lax.scan(step, tokens_BS, jnp.arange(max_new_tokens))
   return tokens_NB.T
+
+
+@on_params_mesh
+def generate_ragged(model: Transformer, prompt_BP: jax.Array, lengths_B: jax.Array, max_new_tokens: int, *,
+                    prefill: int, temperature: float = 0.0, top_k: int = 0,
+                    key: jax.Array | None = None) -> jax.Array:
+  """int32 (B, N) tokens that follow each row's first `lengths_B` prompt tokens (the rest is padding), so
+  prompts of any length up to P share one program: the first `prefill` positions (fewer than any row's
+  prompt) in one pass, then one cached step per position, each row fed its own prompt until it ends.
+  The draw after position t takes `fold_in(key, t)` for the whole batch (sampled rows depend on the batch)."""
+  _check(model, prompt_BP, max_new_tokens, temperature, top_k)
+  lengths = np.asarray(lengths_B)
+  if not 0 <= prefill < lengths.min() or lengths.max() > prompt_BP.shape[1] or prefill % model.length_ways:
+    raise ValueError(f'prefill={prefill} must be a multiple of the context ways ({model.length_ways}) below '
+                     f'every prompt length ({lengths.min()}..{lengths.max()}), which are at most P.')
+  graphdef, params, prompt_BP, key = _prepare(model, prompt_BP, max_new_tokens, temperature, top_k, key)
+  return _generate_ragged(graphdef, params, prompt_BP, _replicated(lengths), key,
+                          max_new_tokens=max_new_tokens, prefill=prefill, temperature=float(temperature),
+                          top_k=int(top_k))
+
+
+@functools.partial(jax.jit,
+                   static_argnames=('graphdef', 'max_new_tokens', 'prefill', 'temperature', 'top_k'))
+def _generate_ragged(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, lengths_B: jax.Array,
+                     key: jax.Array, *, max_new_tokens: int, prefill: int, temperature: float,
+                     top_k: int) -> jax.Array:
+  model = nnx.merge(graphdef, params)
+  batch, padded = prompt_BP.shape
+  total = padded + max_new_tokens
+  cache = model.init_cache(batch, total, jnp.dtype(model.cfg.compute_dtype))
+  tokens_BS = jax.lax.dynamic_update_slice(jnp.zeros((batch, total), jnp.int32), prompt_BP, (0, 0))
+  if prefill:
+    _, cache = model.decode(prompt_BP[:, :prefill], cache, 0)
+
+  def step(carry: tuple[jax.Array, KVCache], position: jax.Array) -> tuple[tuple[jax.Array, KVCache], None]:
+    tokens_BS, cache = carry
+    logits_B1V, cache = model.decode(jax.lax.dynamic_slice_in_dim(tokens_BS, position, 1, axis=1), cache,
+                                     position)
+    drawn_B = _next_token(logits_B1V[:, 0], key, position, temperature, top_k)
+    prompt_B = jax.lax.dynamic_slice_in_dim(tokens_BS, position + 1, 1, axis=1)[:, 0]
+    next_B = jnp.where(position + 1 < lengths_B, prompt_B, drawn_B)
+    return (jax.lax.dynamic_update_slice(tokens_BS, next_B[:, None], (0, position + 1)), cache), None
+
+  (tokens_BS, _), _ = jax.lax.scan(step, (tokens_BS, cache), jnp.arange(prefill, total - 1))
+  return jnp.take_along_axis(tokens_BS, lengths_B[:, None] + jnp.arange(max_new_tokens), axis=1)
