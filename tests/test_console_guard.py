@@ -11,7 +11,7 @@ from mintrain.runtime import console_guard
 
 CPP_ERROR = b'E1125 17:49:50.720520   28860 coordination_service_agent.cc:289] Polled an error\n'
 FATAL = b'F1125 17:49:50.720600   28860 client.h:80] Terminating process because ...\n'
-DIED = b'error: process 0 (pid 7 on vm) died; process 1 stops too, with status 3. The newest saved step is 1\n'
+DIED = b'error: process 0 (pid 7 on vm) died; process 1 stops too, with status 3. Saved: 1\n'
 
 
 def guard() -> subprocess.Popen:
