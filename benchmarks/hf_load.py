@@ -11,6 +11,7 @@ memory growth while loading (`VmHWM` after `/proc/self/clear_refs`), against the
 read and load runs once per round, rounds repeat, and each row is the median over rounds.
 
   python benchmarks/hf_load.py          # ~2 min on 2 CPU cores
+  python benchmarks/hf_load.py --tree /tmp/before --tree .   # two checkouts' loaders, interleaved
   python benchmarks/hf_load.py --smoke  # a 1 MB checkpoint, fsdp8 in one and two processes
 """
 
@@ -45,9 +46,10 @@ RESULT = 'RESULT '  # The line a measuring process prints.
 # The buffer a file read fills: one allocated once, or a fresh 64-byte-aligned one (by its row's name).
 READS = {'reused': 'reused buffer', 'fresh': 'fresh aligned buffer'}
 # x_read, x_fresh_read: wall time over the file read's from the same cache into a reused or a fresh buffer;
-# read_MiB: bytes read (the process that read most); peak_growth_MiB: of the process that grew most.
+# cpu_x_fresh_read: the same ratio of CPU times (steadier on a loaded machine); read_MiB: bytes read (the
+# process that read most); peak_growth_MiB: of the process that grew most.
 HEADER = ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'x_fresh_read',
-          'read_MiB', 'peak_growth_MiB', 'growth / ckpt']
+          'cpu_x_fresh_read', 'read_MiB', 'peak_growth_MiB', 'growth / ckpt']
 
 
 def write_checkpoint(directory: pathlib.Path, model: dict[str, int]) -> int:
@@ -142,10 +144,14 @@ def measure_process(directory: pathlib.Path, mesh_name: str, cache: str) -> None
                              'growth': status_bytes('VmHWM:') - before}), flush=True)
 
 
-def load(directory: pathlib.Path, processes: int, mesh_name: str, cache: str) -> list[dict[str, float]]:
-  """The results of every process of one load, each a fresh process."""
+def load(directory: pathlib.Path, tree: pathlib.Path | None, processes: int, mesh_name: str,
+         cache: str) -> list[dict[str, float]]:
+  """The results of every process of one load, each a fresh process importing mintrain from `tree` (a
+  repository root; None: as this process does)."""
   me = [sys.executable, __file__, '--process', str(directory), mesh_name, cache]
   env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
+  if tree is not None:
+    env['PYTHONPATH'] = os.pathsep.join([str(tree), *filter(None, [os.environ.get('PYTHONPATH')])])
   if processes == 1:
     command, env['JAX_PLATFORMS'] = me, 'cpu'
   else:
@@ -163,6 +169,8 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--smoke', action='store_true',
                       help='a 1 MB checkpoint, fsdp8 in one and two processes')
+  parser.add_argument('--tree', action='append', type=pathlib.Path, default=[],
+                      help="a repository root whose loader to time (repeatable; rows name its folder)")
   parser.add_argument('--process', nargs=3, metavar=('DIR', 'MESH', 'CACHE'), help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.process:
@@ -178,29 +186,32 @@ def main() -> int:
     path = directory / 'model.safetensors'
     reused = memoryview(bytearray(size))
     reads = {(cache, buffer): [] for cache in ('cold', 'warm') for buffer in READS}
-    measured = {load_key: [] for load_key in loads}
+    trees = [t.resolve() for t in args.tree] or [None]
+    measured = {(tree, *load_key): [] for load_key in loads for tree in trees}
     for _ in range(rounds):
       for (cache, buffer), times in reads.items():
         times.append(read_seconds(path, cache, buffer, reused))
       for load_key, results in measured.items():
         results.append(load(directory, *load_key))
-        print(f'measured {load_key[0]} process(es), {load_key[1]}, {load_key[2]}', flush=True)
+        print(f'measured {load_key[1]} process(es), {load_key[2]}, {load_key[3]}', flush=True)
   load_average += os.getloadavg()
   read = {key: tuple(statistics.median(t[i] for t in times) for i in (0, 1)) for key, times in reads.items()}
   rows = []
   for (cache, buffer), (wall, cpu) in read.items():
     rows.append([f'read file, {READS[buffer]}', '1', '-', cache, f'{wall * 1e3:.1f}', f'{cpu * 1e3:.1f}',
                  f'{wall / read[cache, "reused"][0]:.2f}', f'{wall / read[cache, "fresh"][0]:.2f}',
-                 harness.mib(size), '-', '-'])
-  for (processes, mesh_name, cache), results in measured.items():
+                 f'{cpu / read[cache, "fresh"][1]:.2f}', harness.mib(size), '-', '-'])
+  for (tree, processes, mesh_name, cache), results in measured.items():
     # Per round the slowest process; then the median over rounds.
     seconds = statistics.median(max(r['seconds'] for r in one) for one in results)
     cpu = statistics.median(max(r['cpu'] for r in one) for one in results)
     growth = max(r['growth'] for one in results for r in one)
     bytes_in = max(r['read'] for one in results for r in one)
-    rows.append(['hf.load_params', f'{processes} x {harness.DEVICES // processes}', mesh_name, cache,
+    what = f'hf.load_params ({tree.name})' if tree else 'hf.load_params'
+    rows.append([what, f'{processes} x {harness.DEVICES // processes}', mesh_name, cache,
                  f'{seconds * 1e3:.1f}', f'{cpu * 1e3:.1f}', f'{seconds / read[cache, "reused"][0]:.2f}',
-                 f'{seconds / read[cache, "fresh"][0]:.2f}', harness.mib(bytes_in), harness.mib(growth),
+                 f'{seconds / read[cache, "fresh"][0]:.2f}', f'{cpu / read[cache, "fresh"][1]:.2f}',
+                 harness.mib(bytes_in), harness.mib(growth),
                  f'{growth / size:.2f}'])
   sizes = ', '.join(f'{k}={v}' for k, v in model.items())
   print(f'\nCheckpoint: {harness.mib(size)} MiB of float32 ({sizes}, tied). A load row is the slowest '

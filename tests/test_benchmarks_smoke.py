@@ -123,7 +123,7 @@ def test_data_pipeline_benchmark_smoke_reads_each_source_faster_than_nothing():
 def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_memory():
   stdout, header, body = smoke('hf_load.py')
   assert header == ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read',
-                    'x_fresh_read', 'read_MiB', 'peak_growth_MiB', 'growth / ckpt']
+                    'x_fresh_read', 'cpu_x_fresh_read', 'read_MiB', 'peak_growth_MiB', 'growth / ckpt']
   assert [row[:4] for row in body] == [['read file, reused buffer', '1', '-', 'cold'],
                                        ['read file, fresh aligned buffer', '1', '-', 'cold'],
                                        ['read file, reused buffer', '1', '-', 'warm'],
