@@ -171,6 +171,9 @@ def main() -> int:
                       help='a 1 MB checkpoint, fsdp8 in one and two processes')
   parser.add_argument('--tree', action='append', type=pathlib.Path, default=[],
                       help="a repository root whose loader to time (repeatable; rows name its folder)")
+  parser.add_argument('--rounds', type=int, default=ROUNDS, help=f'rounds (default {ROUNDS})')
+  parser.add_argument('--load', action='append', default=[], metavar='PROCESSES,MESH,CACHE',
+                      help='a load to measure, e.g. 1,tp8,warm (repeatable; default: all of them)')
   parser.add_argument('--process', nargs=3, metavar=('DIR', 'MESH', 'CACHE'), help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.process:
@@ -178,7 +181,9 @@ def main() -> int:
     return 0
 
   model = SMOKE_MODEL if args.smoke else MODEL
-  loads, rounds = (SMOKE_LOADS, 1) if args.smoke else (LOADS, ROUNDS)
+  loads, rounds = (SMOKE_LOADS, 1) if args.smoke else (LOADS, args.rounds)
+  if args.load:
+    loads = [(int(p), mesh_name, cache) for p, mesh_name, cache in (item.split(',') for item in args.load)]
   load_average = os.getloadavg()
   with tempfile.TemporaryDirectory(prefix='mintrain_hf_load_') as tmp:
     directory = pathlib.Path(tmp)

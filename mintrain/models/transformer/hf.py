@@ -579,8 +579,9 @@ def read(kind: Kind, tensor: Any, targets: Sequence[tuple[tuple[slice, ...], np.
   parameter's, whose head size (latent attention's differ by projection) says how rows form heads."""
   head_dim = shape[1] if kind is Kind.HEADS_OUT else shape[-1]
   wanted = [(their_index(kind, index, head_dim), index, out) for index, out in targets]
-  if kind is Kind.SAME:  # Slices of whole rows are read straight into their arrays.
-    whole = [w for w in wanted if all(s == slice(0, n) for s, n in zip(w[0][1:], tensor.shape[1:]))]
+  if kind is Kind.SAME:  # Slices of whole rows are read straight into their (contiguous) arrays.
+    whole = [w for w in wanted if w[2].flags.c_contiguous
+             and all(s == slice(0, n) for s, n in zip(w[0][1:], tensor.shape[1:]))]
     for (rows, *_), _, out in whole:
       tensor.read_rows(rows.start, out)
     wanted = [w for w in wanted if not any(w is v for v in whole)]
