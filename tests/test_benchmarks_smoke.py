@@ -132,3 +132,15 @@ def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_
                                        ['hf.load_params', '2 x 4', 'fsdp8', 'warm']]
   assert all(n > 0 for row in body[4:] for n in numbers(row[4:]))
   assert 'Checkpoint: ' in stdout
+
+
+def test_startup_benchmark_smoke_times_every_phase_and_finds_no_loop_in_the_initialiser():
+  stdout, header, body = smoke('startup.py')
+  assert header == ['tree', 'import_s', 'build_s', 'init_compile_s', 'init_run_s', 'batch_s',
+                    'step_compile_s', 'first_step_s', 'second_step_s', 'to_first_step_s', 'init_loops']
+  wall, repeated, cpu = body  # A table of wall seconds, then one of CPU seconds.
+  assert repeated == header and 'CPU seconds:' in stdout
+  for row in (wall, cpu):
+    values = numbers(row[1:])
+    assert all(n > 0 for n in values[:3]) and values[-2] > 0, row
+    assert values[-1] == 0  # mintrain's threefry draws compile without loops.
