@@ -2,13 +2,16 @@
 """Loading a Hugging Face checkpoint (`hf.load_params`): time against reading the same file, and memory.
 
 Writes a float32 Llama-shaped safetensors checkpoint (vocab 32000, hidden 1024, 2 layers, tied: 234 MB),
-then times reading the whole file (16 MB `readinto`s) and loading it on 8 CPU devices, in one process
-and in two (`scripts/launch_local.py`, 4 devices each). "cold" evicts the file from the page cache first
-(`posix_fadvise(DONTNEED)` after an fsync), so its bytes come from the disk; "warm" reads them from the
-cache. Each load runs in a fresh process, which reports its time and its peak resident memory growth
-while loading (`VmHWM` after `/proc/self/clear_refs`), against the checkpoint's size.
+then times reading the whole file (16 MB `readinto`s) into a reused buffer and into a fresh 64-byte-aligned
+one (what any load that materialises the parameters must at least do), and loading it on 8 CPU devices,
+in one process and in two (`scripts/launch_local.py`, 4 devices each). "cold" evicts the file from the
+page cache first (`posix_fadvise(DONTNEED)` after an fsync), so its bytes come from the disk; "warm" reads
+them from the cache. Each load runs in a fresh process, which reports its time and its peak resident
+memory growth while loading (`VmHWM` after `/proc/self/clear_refs`), against the checkpoint's size. Every
+read and load runs once per round, rounds repeat, and each row is the median over rounds.
 
-  python benchmarks/hf_load.py          # ~1 min on 2 CPU cores
+  python benchmarks/hf_load.py          # ~2 min on 2 CPU cores
+  python benchmarks/hf_load.py --tree /tmp/before --tree .   # two checkouts' loaders, interleaved
   python benchmarks/hf_load.py --smoke  # a 1 MB checkpoint, fsdp8 in one and two processes
 """
 
@@ -38,12 +41,15 @@ MESHES = {'fsdp8': (1, 8, 1), 'tp8': (1, 1, 8), 'dp4_tp2': (4, 1, 2)}  # (data, 
 LOADS = [(1, 'fsdp8', 'cold'), (1, 'fsdp8', 'warm'), (1, 'tp8', 'warm'), (1, 'dp4_tp2', 'warm'),
          (2, 'fsdp8', 'cold'), (2, 'fsdp8', 'warm')]
 SMOKE_LOADS = [(1, 'fsdp8', 'warm'), (2, 'fsdp8', 'warm')]
-REPEATS = 3  # Reads of the file per cache state (the median is reported).
+ROUNDS = 5  # Each read and load runs once per round; rows are medians over rounds.
 RESULT = 'RESULT '  # The line a measuring process prints.
-# x_read: wall time over the file read's from the same cache; read_MiB: bytes read (the process that read
-# most); peak_growth_MiB: of the process that grew most.
-HEADER = ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'read_MiB',
-          'peak_growth_MiB', 'growth / ckpt']
+# The buffer a file read fills: one allocated once, or a fresh 64-byte-aligned one (by its row's name).
+READS = {'reused': 'reused buffer', 'fresh': 'fresh aligned buffer'}
+# x_read, x_fresh_read: wall time over the file read's from the same cache into a reused or a fresh buffer;
+# cpu_x_fresh_read: the same ratio of CPU times (steadier on a loaded machine); read_MiB: bytes read (the
+# process that read most); peak_growth_MiB: of the process that grew most.
+HEADER = ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'x_fresh_read',
+          'cpu_x_fresh_read', 'read_MiB', 'peak_growth_MiB', 'growth / ckpt']
 
 
 def write_checkpoint(directory: pathlib.Path, model: dict[str, int]) -> int:
@@ -78,15 +84,22 @@ def evict(path: pathlib.Path) -> None:
     os.close(fd)
 
 
-def read_seconds(path: pathlib.Path, cache: str) -> tuple[float, float]:
-  """(wall, CPU) seconds to read the whole file, from the disk ('cold') or the page cache ('warm')."""
+def read_seconds(path: pathlib.Path, cache: str, buffer: str, reused: memoryview) -> tuple[float, float]:
+  """(wall, CPU) seconds to read the whole file, from the disk ('cold') or the page cache ('warm'), into
+  `reused` (as large as the file) or, for `buffer` 'fresh', into a newly allocated 64-byte-aligned one."""
+  import numpy as np
+
   if cache == 'cold':
     evict(path)
-  buffer = bytearray(16 << 20)
   start, cpu = time.perf_counter(), time.process_time()
+  if buffer == 'fresh':
+    raw = np.empty(len(reused) + 64, np.uint8)
+    offset = -raw.ctypes.data % 64
+    reused = memoryview(raw[offset:offset + len(reused)])
+  done, block = 0, 16 << 20
   with open(path, 'rb', buffering=0) as f:
-    while f.readinto(buffer):
-      pass
+    while n := f.readinto(reused[done:done + block]):
+      done += n
   return time.perf_counter() - start, time.process_time() - cpu
 
 
@@ -131,10 +144,14 @@ def measure_process(directory: pathlib.Path, mesh_name: str, cache: str) -> None
                              'growth': status_bytes('VmHWM:') - before}), flush=True)
 
 
-def load(directory: pathlib.Path, processes: int, mesh_name: str, cache: str) -> list[dict[str, float]]:
-  """The results of every process of one load, each a fresh process."""
+def load(directory: pathlib.Path, tree: pathlib.Path | None, processes: int, mesh_name: str,
+         cache: str) -> list[dict[str, float]]:
+  """The results of every process of one load, each a fresh process importing mintrain from `tree` (a
+  repository root; None: as this process does)."""
   me = [sys.executable, __file__, '--process', str(directory), mesh_name, cache]
   env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
+  if tree is not None:
+    env['PYTHONPATH'] = os.pathsep.join([str(tree), *filter(None, [os.environ.get('PYTHONPATH')])])
   if processes == 1:
     command, env['JAX_PLATFORMS'] = me, 'cpu'
   else:
@@ -152,6 +169,11 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--smoke', action='store_true',
                       help='a 1 MB checkpoint, fsdp8 in one and two processes')
+  parser.add_argument('--tree', action='append', type=pathlib.Path, default=[],
+                      help="a repository root whose loader to time (repeatable; rows name its folder)")
+  parser.add_argument('--rounds', type=int, default=ROUNDS, help=f'rounds (default {ROUNDS})')
+  parser.add_argument('--load', action='append', default=[], metavar='PROCESSES,MESH,CACHE',
+                      help='a load to measure, e.g. 1,tp8,warm (repeatable; default: all of them)')
   parser.add_argument('--process', nargs=3, metavar=('DIR', 'MESH', 'CACHE'), help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.process:
@@ -159,31 +181,51 @@ def main() -> int:
     return 0
 
   model = SMOKE_MODEL if args.smoke else MODEL
+  loads, rounds = (SMOKE_LOADS, 1) if args.smoke else (LOADS, args.rounds)
+  if args.load:
+    loads = [(int(p), mesh_name, cache) for p, mesh_name, cache in (item.split(',') for item in args.load)]
+  load_average = os.getloadavg()
   with tempfile.TemporaryDirectory(prefix='mintrain_hf_load_') as tmp:
     directory = pathlib.Path(tmp)
     size = write_checkpoint(directory, model)
     path = directory / 'model.safetensors'
-    read = {}
-    for cache in ('cold', 'warm'):
-      times = [read_seconds(path, cache) for _ in range(1 if args.smoke else REPEATS)]
-      read[cache] = tuple(statistics.median(t[i] for t in times) for i in (0, 1))
-    rows = [['read file', '1', '-', cache, f'{wall * 1e3:.1f}', f'{cpu * 1e3:.1f}', '1.00', harness.mib(size),
-             '-', '-'] for cache, (wall, cpu) in read.items()]
-    for processes, mesh_name, cache in SMOKE_LOADS if args.smoke else LOADS:
-      results = load(directory, processes, mesh_name, cache)
-      seconds, cpu = max(r['seconds'] for r in results), max(r['cpu'] for r in results)
-      growth, bytes_in = max(r['growth'] for r in results), max(r['read'] for r in results)
-      rows.append(['hf.load_params', f'{processes} x {harness.DEVICES // processes}', mesh_name, cache,
-                   f'{seconds * 1e3:.1f}', f'{cpu * 1e3:.1f}', f'{seconds / read[cache][0]:.2f}',
-                   harness.mib(bytes_in), harness.mib(growth), f'{growth / size:.2f}'])
-      print(f'measured {processes} process(es), {mesh_name}, {cache}', flush=True)
+    reused = memoryview(bytearray(size))
+    reads = {(cache, buffer): [] for cache in ('cold', 'warm') for buffer in READS}
+    trees = [t.resolve() for t in args.tree] or [None]
+    measured = {(tree, *load_key): [] for load_key in loads for tree in trees}
+    for _ in range(rounds):
+      for (cache, buffer), times in reads.items():
+        times.append(read_seconds(path, cache, buffer, reused))
+      for load_key, results in measured.items():
+        results.append(load(directory, *load_key))
+        print(f'measured {load_key[1]} process(es), {load_key[2]}, {load_key[3]}', flush=True)
+  load_average += os.getloadavg()
+  read = {key: tuple(statistics.median(t[i] for t in times) for i in (0, 1)) for key, times in reads.items()}
+  rows = []
+  for (cache, buffer), (wall, cpu) in read.items():
+    rows.append([f'read file, {READS[buffer]}', '1', '-', cache, f'{wall * 1e3:.1f}', f'{cpu * 1e3:.1f}',
+                 f'{wall / read[cache, "reused"][0]:.2f}', f'{wall / read[cache, "fresh"][0]:.2f}',
+                 f'{cpu / read[cache, "fresh"][1]:.2f}', harness.mib(size), '-', '-'])
+  for (tree, processes, mesh_name, cache), results in measured.items():
+    # Per round the slowest process; then the median over rounds.
+    seconds = statistics.median(max(r['seconds'] for r in one) for one in results)
+    cpu = statistics.median(max(r['cpu'] for r in one) for one in results)
+    growth = max(r['growth'] for one in results for r in one)
+    bytes_in = max(r['read'] for one in results for r in one)
+    what = f'hf.load_params ({tree.name})' if tree else 'hf.load_params'
+    rows.append([what, f'{processes} x {harness.DEVICES // processes}', mesh_name, cache,
+                 f'{seconds * 1e3:.1f}', f'{cpu * 1e3:.1f}', f'{seconds / read[cache, "reused"][0]:.2f}',
+                 f'{seconds / read[cache, "fresh"][0]:.2f}', f'{cpu / read[cache, "fresh"][1]:.2f}',
+                 harness.mib(bytes_in), harness.mib(growth),
+                 f'{growth / size:.2f}'])
   sizes = ', '.join(f'{k}={v}' for k, v in model.items())
   print(f'\nCheckpoint: {harness.mib(size)} MiB of float32 ({sizes}, tied). A load row is the slowest '
-        'process (wall and CPU time: all its threads) and the largest growth of its processes; reads\n'
-        f'are the median of {1 if args.smoke else REPEATS}.\n')
+        'process (wall and CPU time: all its threads) and the largest growth of its processes; every row is\n'
+        f'the median of {rounds} interleaved round(s). Load average (1, 5, 15 min) before: '
+        f'{", ".join(f"{x:.1f}" for x in load_average[:3])}; after: '
+        f'{", ".join(f"{x:.1f}" for x in load_average[3:])}.\n')
   print(harness.table(HEADER, rows))
   return 0
-
 
 if __name__ == '__main__':
   sys.exit(main())

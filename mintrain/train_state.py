@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
+from jax.extend import random as jax_random
 from jax.sharding import Mesh, PartitionSpec
 
 from mintrain import partitioning
@@ -20,9 +21,61 @@ from mintrain.models.layers import Frozen
 from mintrain.objectives import objective
 from mintrain.partitioning import AxisRules
 
+_THREEFRY = jax_random.threefry_prng_impl
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry_hash(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Threefry-2x32 (20 rounds) as JAX computes it, unrolled: JAX lowers it for the CPU as a loop, which
+  XLA:CPU runs slowly and compiles once per draw."""
+  ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+  x1, x2 = x1 + ks[0], x2 + ks[1]
+  for i in range(5):
+    for r in _ROTATIONS[i % 2]:
+      x1 = x1 + x2
+      x2 = ((x2 << np.uint32(r)) | (x2 >> np.uint32(32 - r))) ^ x1
+    x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + np.uint32(i + 1)
+  return x1, x2
+
+
+def _counts(shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """(high, low) 32 bits of each element's row-major index, from iotas the SPMD partitioner splits (as
+  JAX's own `iota_2x32_shape`); for fewer than 2**32 elements."""
+  lo = jnp.zeros(shape, jnp.uint32)
+  for d, n in enumerate(shape):
+    if n > 1:
+      lo = lo + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(math.prod(shape[d + 1:]))
+  return jnp.zeros(shape, jnp.uint32), lo
+
+
+def _random_bits(key_data: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
+  if math.prod(shape) >= 2 ** 32 or not jax.config.jax_threefry_partitionable:
+    return _THREEFRY.random_bits(key_data, bit_width, shape)
+  bits1, bits2 = _threefry_hash(key_data[0], key_data[1], *_counts(shape))
+  if bit_width == 64:
+    return (bits1.astype(jnp.uint64) << np.uint64(32)) | bits2.astype(jnp.uint64)
+  return (bits1 ^ bits2).astype({8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bit_width])
+
+
+def _split(key_data: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  if math.prod(shape) >= 2 ** 32 or not jax.config.jax_threefry_partitionable:
+    return _THREEFRY.split(key_data, shape)
+  bits1, bits2 = _threefry_hash(key_data[0], key_data[1], *_counts(shape))
+  return jnp.stack([bits1, bits2], axis=bits1.ndim)
+
+
+def _fold_in(key_data: jax.Array, data: jax.Array) -> jax.Array:
+  bits1, bits2 = _threefry_hash(key_data[0], key_data[1], jnp.zeros((1,), jnp.uint32),
+                                jnp.asarray(data, jnp.uint32).reshape(1))
+  return jnp.concatenate([bits1, bits2])
+
+
 # Keys are drawn and wrapped with this implementation whatever `jax_default_prng_impl` says: a saved key's
-# data (uint32[2]) means nothing under another.
-PRNG_IMPL = 'threefry2x32'
+# data (uint32[2]) means nothing under another. It gives JAX's `threefry2x32` bits exactly (same keys, splits,
+# fold-ins and draws), computed without loops.
+PRNG_IMPL = jax_random.define_prng_impl(key_shape=(2,), seed=_THREEFRY.seed, split=_split,
+                                        random_bits=_random_bits, fold_in=_fold_in,
+                                        name='threefry2x32_unrolled', tag='fryu')
 
 
 def key(seed: int) -> jax.Array:

@@ -122,12 +122,15 @@ def test_data_pipeline_benchmark_smoke_reads_each_source_faster_than_nothing():
 
 def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_memory():
   stdout, header, body = smoke('hf_load.py')
-  assert header == ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read', 'read_MiB',
-                    'peak_growth_MiB', 'growth / ckpt']
-  assert [row[:4] for row in body] == [['read file', '1', '-', 'cold'], ['read file', '1', '-', 'warm'],
+  assert header == ['what', 'processes x devices', 'mesh', 'page_cache', 'ms', 'cpu_ms', 'x_read',
+                    'x_fresh_read', 'cpu_x_fresh_read', 'read_MiB', 'peak_growth_MiB', 'growth / ckpt']
+  assert [row[:4] for row in body] == [['read file, reused buffer', '1', '-', 'cold'],
+                                       ['read file, fresh aligned buffer', '1', '-', 'cold'],
+                                       ['read file, reused buffer', '1', '-', 'warm'],
+                                       ['read file, fresh aligned buffer', '1', '-', 'warm'],
                                        ['hf.load_params', '1 x 8', 'fsdp8', 'warm'],
                                        ['hf.load_params', '2 x 4', 'fsdp8', 'warm']]
-  assert all(n > 0 for row in body[2:] for n in numbers(row[4:]))
+  assert all(n > 0 for row in body[4:] for n in numbers(row[4:]))
   assert 'Checkpoint: ' in stdout
 
 
@@ -155,3 +158,15 @@ def test_families_benchmark_smoke_times_each_family_against_llama():
   _, header, body = smoke('families.py')
   assert [row[0] for row in body] == ['llama', 'gemma2', 'gemma3', 'qwen3_moe', 'deepseek_v3']
   assert header[-1] == 'step / llama' and all(n > 0 for row in body for n in numbers(row[1:]))
+
+
+def test_startup_benchmark_smoke_times_every_phase_and_finds_no_loop_in_the_initialiser():
+  stdout, header, body = smoke('startup.py')
+  assert header == ['tree', 'import_s', 'build_s', 'init_compile_s', 'init_run_s', 'batch_s',
+                    'step_compile_s', 'first_step_s', 'second_step_s', 'to_first_step_s', 'init_loops']
+  wall, repeated, cpu = body  # A table of wall seconds, then one of CPU seconds.
+  assert repeated == header and 'CPU seconds:' in stdout
+  for row in (wall, cpu):
+    values = numbers(row[1:])
+    assert all(n > 0 for n in values[:3]) and values[-2] > 0, row
+    assert values[-1] == 0  # mintrain's threefry draws compile without loops.

@@ -37,6 +37,7 @@ from mintrain.mesh import make_mesh
 from mintrain.models import hf_model_options
 from mintrain.models.transformer import hf as hf_llama
 from mintrain.models.transformer import sampling
+from mintrain.runtime import host_allocator
 
 COMMON = {'vocab_size': 256, 'hidden_size': 64, 'intermediate_size': 96, 'num_hidden_layers': 2,
           'num_attention_heads': 8, 'max_position_embeddings': 128}
@@ -526,6 +527,29 @@ def test_reading_any_slices_of_a_written_tensor_gives_back_those_slices(kind, tm
       hf_llama.read(kind, file.tensors['w'], targets, ours.shape)
       for index, out in targets:
         np.testing.assert_array_equal(out, ours[index])
+
+
+@pytest.mark.parametrize('kind', list(hf_llama.Kind))
+def test_slices_of_whole_rows_or_heads_read_straight_or_tile_by_tile_give_back_those_slices(kind, tmp_path,
+                                                                                              monkeypatch):
+  # The paths that skip the row buffer (whole rows) or transpose in tiles (whole heads); tiles of 3 divide
+  # none of the sizes, and blocks of one row or of the whole tensor.
+  monkeypatch.setattr(host_allocator, 'TILE', 3)
+  shapes = {hf_llama.Kind.SAME: (12, 10), hf_llama.Kind.T: (10, 14), hf_llama.Kind.IN_HEADS: (10, 6, 4),
+            hf_llama.Kind.HEADS_OUT: (6, 4, 10), hf_llama.Kind.HEADS: (6, 4)}
+  ours = np.random.default_rng(0).standard_normal(shapes[kind]).astype(np.float32)
+  save_file({'w': hf_llama.write(kind, ours)}, tmp_path / 'w.safetensors')
+  for block_bytes in (1, 4 << 20):
+    monkeypatch.setattr(safetensors_reader, 'BLOCK_BYTES', block_bytes)
+    with safetensors_reader.File(tmp_path / 'w.safetensors') as file:
+      for axis, n in enumerate(ours.shape):  # Halves along each axis, the rest whole, as devices ask.
+        indices = [tuple(slice(0, m) if a != axis else part for a, m in enumerate(ours.shape))
+                   for part in (slice(0, n // 2), slice(n // 2, n))]
+        targets = [(index, host_allocator.adoptable_empty(ours[index].shape, np.float32))
+                   for index in indices]
+        hf_llama.read(kind, file.tensors['w'], targets, ours.shape)
+        for index, out in targets:
+          np.testing.assert_array_equal(out, ours[index])
 
 
 LOAD_AND_MEASURE = """

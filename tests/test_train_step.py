@@ -89,6 +89,28 @@ def test_dropout_keys_do_not_depend_on_the_default_prng_implementation(short_doc
     np.testing.assert_array_equal(run('single', *overrides).losses, default)
 
 
+def test_mintrain_keys_give_the_bits_of_jax_threefry_and_compile_without_loops():
+  # Draws of every width and shape, splits and fold-ins, and sharded draws as the initialiser makes them.
+  spec = jax.sharding.PartitionSpec(('data', 'fsdp'), 'model')
+
+  def draws(k):
+    out = [jax.random.key_data(jax.random.fold_in(k, d)) for d in (0, 1, 12345, 2**32 - 1)]
+    for shape in ((), (1,), (5,), (3, 7), (2, 3, 5), (1, 1, 4)):
+      out += [jax.random.bits(k, shape, dtype) for dtype in (np.uint8, np.uint16, np.uint32)]
+      out.append(jax.random.key_data(jax.random.split(k, shape)))
+    return (*out, jax.random.normal(k, (16, 12), out_sharding=spec),
+            jax.random.truncated_normal(jax.random.split(k)[1], -2, 2, (16, 12), out_sharding=spec))
+
+  with jax.set_mesh(make_mesh({'data': 2, 'fsdp': 2, 'model': 2})):
+    ours, theirs = jax.jit(draws).lower(train_state.key(0)).compile(), jax.jit(draws)
+    for seed in (0, 2**31 - 1):
+      threefry = jax.random.key(seed, impl='threefry2x32')
+      np.testing.assert_array_equal(jax.random.key_data(train_state.key(seed)), jax.random.key_data(threefry))
+      for a, b in zip(ours(train_state.key(seed)), theirs(threefry), strict=True):
+        np.testing.assert_array_equal(a, b)
+  assert ' while(' not in ours.as_text()
+
+
 @pytest.mark.parametrize('packing', ['pack', 'pad'])
 def test_four_micro_batches_equal_one_four_times_larger_batch(short_docs, packing):
   # Packed stdlib rows count every target; padded short documents a different number per micro-batch,

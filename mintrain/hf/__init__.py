@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import uuid
@@ -45,6 +44,7 @@ from mintrain.checkpoint.relayout import Relayout
 from mintrain.errors import ConfigError
 from mintrain.hf import safetensors as safetensors_reader
 from mintrain.models import FAMILIES, hf_model_options
+from mintrain.runtime import host_allocator
 
 _log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 INDEX = 'model.safetensors.index.json'
@@ -236,7 +236,7 @@ def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tenso
   for device, index in sharding.addressable_devices_indices_map(shape).items():
     bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
     if bounds not in slices:
-      slices[bounds] = _adoptable_empty(tuple(b - a for a, b in bounds), dtype)
+      slices[bounds] = host_allocator.adoptable_empty(tuple(b - a for a, b in bounds), dtype)
     devices.append((device, bounds))
   targets = [(tuple(slice(a, b) for a, b in bounds), out) for bounds, out in slices.items()]
   n = len(source.lead)
@@ -255,18 +255,9 @@ def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tenso
 
 
 def _copy(x: np.ndarray) -> np.ndarray:
-  out = _adoptable_empty(x.shape, x.dtype)
+  out = host_allocator.adoptable_empty(x.shape, x.dtype)
   out[...] = x
   return out
-
-
-def _adoptable_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-  """An uninitialised array aligned to 64 bytes, which JAX's CPU backend takes as a device buffer as it
-  is, where it copies a less aligned one: loading then holds each slice once."""
-  size = math.prod(shape) * np.dtype(dtype).itemsize
-  raw = np.empty(size + 64, np.uint8)
-  start = -raw.ctypes.data % 64
-  return raw[start:start + size].view(dtype).reshape(shape)
 
 
 def _is_variable(x: Any) -> bool:

@@ -36,6 +36,11 @@ class Tensor:
       out[offset:offset + len(rows)] = rows
     return out
 
+  def read_rows(self, first: int, out: np.ndarray) -> None:
+    """Reads whole rows from row `first` on, as many as `out` (C-contiguous) holds, straight into it."""
+    row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+    self._read(out.reshape(-1).view(np.uint8), self.offset + first * row_bytes)
+
   def row_blocks(self, index: slice | tuple[slice, ...],
              rows_multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:
     """(offset, rows) covering the slice `index` in order: `rows` are its rows offset, offset+1, ..., a

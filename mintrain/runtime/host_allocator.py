@@ -8,6 +8,9 @@ holes they leave, so the loop hands free pages back after each save (`release_fr
 CPU backend only (`keep_freed_memory_if_cpu`), decided before JAX starts from what JAX will read: the
 first platform of `jax_platforms` when it is set; else whether no accelerator is installed (no PJRT plugin,
 no `libtpu`, no library named by TPU_LIBRARY_PATH or PJRT_NAMES_AND_LIBRARY_PATHS).
+
+Host arrays that become device buffers (a loaded checkpoint's slices) come from `adoptable_empty`, and
+are filled with transposed host arrays by `copy_transposed`.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ import ctypes
 import ctypes.util
 import importlib.metadata
 import importlib.util
+import math
+import mmap
 import os
 import pkgutil
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 # mallopt(3) parameters.
 _M_TRIM_THRESHOLD = -1
@@ -28,6 +34,9 @@ _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 
 _applied: bool | None = None
+ADOPT_ALIGNMENT = 64  # JAX's CPU backend takes a host array this aligned as a device buffer without a copy.
+HUGE_ARRAY_BYTES = 2 << 20  # From this size up, an array gets its own mapping backed by huge pages.
+TILE = 128  # Rows and columns of the square tiles `copy_transposed` moves at a time.
 
 
 def keep_freed_memory() -> bool:
@@ -87,3 +96,26 @@ def _mallopt(settings: list[tuple[int, int]]) -> bool:
     return False
   mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
   return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def adoptable_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+  """An uninitialised array that JAX's CPU backend adopts as a device buffer (no copy). A large one is its
+  own anonymous mapping with transparent huge pages asked for: first touching it faults 2 MiB at a time,
+  not 4 KiB, and it is unmapped when the last array (or device buffer) using it is freed."""
+  size = math.prod(shape) * np.dtype(dtype).itemsize
+  if size >= HUGE_ARRAY_BYTES and hasattr(mmap, 'MADV_HUGEPAGE'):
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, np.dtype(dtype)).reshape(shape)
+  raw = np.empty(size + ADOPT_ALIGNMENT, np.uint8)
+  start = -raw.ctypes.data % ADOPT_ALIGNMENT
+  return raw[start:start + size].view(dtype).reshape(shape)
+
+
+def copy_transposed(out_BA: np.ndarray, x_AB: np.ndarray) -> None:
+  """`out_BA[...] = x_AB.T` in square tiles that stay in the cache: numpy's own copy strides across the
+  whole of one of the two arrays."""
+  a, b = x_AB.shape
+  for i in range(0, a, TILE):
+    for j in range(0, b, TILE):
+      out_BA[j:j + TILE, i:i + TILE] = x_AB[i:i + TILE, j:j + TILE].T

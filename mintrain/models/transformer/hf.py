@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from mintrain.errors import ConfigError
+from mintrain.runtime import host_allocator
 
 MODEL_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                'gemma': 'GemmaForCausalLM', 'mixtral': 'MixtralForCausalLM',
@@ -580,18 +581,29 @@ def their_index(kind: Kind, index: tuple[slice, ...], head_dim: int) -> tuple[sl
 def _place(kind: Kind, rows: np.ndarray, offset: int, index: tuple[slice, ...], head_dim: int,
            out: np.ndarray) -> None:
   """Writes into `out` (our `index`) the part that `rows` of its rectangle (`their_index`) hold, which
-  start `offset` rows into it."""
+  start `offset` rows into it. Transposes (of whole heads) go through `copy_transposed`'s cache tiles."""
   k, n = head_dim, len(rows)
   if kind is Kind.SAME:
     out[offset:offset + n] = rows
   elif kind is Kind.T:
-    out[:, offset:offset + n] = rows.T
+    host_allocator.copy_transposed(out[:, offset:offset + n], rows)
+  elif kind is Kind.IN_HEADS and index[2] == slice(0, k):  # (heads x K, D) rows to (D, heads, K).
+    host_allocator.copy_transposed(_merged_view(out[:, offset // k:(offset + n) // k], 1), rows)
   elif kind is Kind.IN_HEADS:  # Rows of whole heads: (heads, K, D), our head dims picked, to (D, heads, K).
     out[:, offset // k:(offset + n) // k] = rows.reshape(n // k, k, -1)[:, index[2]].transpose(2, 0, 1)
+  elif kind is Kind.HEADS_OUT and index[1] == slice(0, k):  # (D, N x K) rows to (N, K, D).
+    host_allocator.copy_transposed(_merged_view(out[:, :, offset:offset + n], 0), rows)
   elif kind is Kind.HEADS_OUT:  # Rows of D: to (N, K, D), our head dims picked.
     out[:, :, offset:offset + n] = rows.T.reshape(out.shape[0], k, n)[:, index[1]]
   else:
     out[offset // k:(offset + n) // k] = rows.reshape(n // k, k)[:, index[1]]
+
+
+def _merged_view(x: np.ndarray, axis: int) -> np.ndarray:
+  """`x` with axes `axis` and `axis + 1` as one, as a view (setting `shape` raises rather than copy)."""
+  view = x.view()
+  view.shape = (*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+  return view
 
 
 def read(kind: Kind, tensor: Any, targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
@@ -603,6 +615,14 @@ def read(kind: Kind, tensor: Any, targets: Sequence[tuple[tuple[slice, ...], np.
   parameter's, whose head size (latent attention's differ by projection) says how rows form heads."""
   head_dim = shape[1] if kind is Kind.HEADS_OUT else shape[-1]
   wanted = [(their_index(kind, index, head_dim), index, out) for index, out in targets]
+  if kind is Kind.SAME:  # Slices of whole rows are read straight into their (contiguous) arrays.
+    whole = [w for w in wanted if w[2].flags.c_contiguous
+             and all(s == slice(0, n) for s, n in zip(w[0][1:], tensor.shape[1:]))]
+    for (rows, *_), _, out in whole:
+      tensor.read_rows(rows.start, out)
+    wanted = [w for w in wanted if not any(w is v for v in whole)]
+    if not wanted:
+      return
   columns = ()
   if len(tensor.shape) == 2:
     columns = (slice(min(w[0][1].start for w in wanted), max(w[0][1].stop for w in wanted)),)
