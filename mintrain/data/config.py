@@ -43,7 +43,7 @@ class DataConfig:
   on_corpus_change: str = option(choices=('continue', 'restart'))
   hf_split: str = option()
   hf_config: str = option()
-  format: str = option(choices=('text', 'chat', 'preference'))
+  format: str = option(choices=('text', 'chat', 'preference', 'prompt'))
   messages_field: str = option()
   loss_on: str = option(choices=('assistant', 'all'))
   chat_template: str = option()  # A template file; '' the tokenizer's.
@@ -62,6 +62,9 @@ class DataConfig:
       if fmt == 'preference' and (entries or source not in PREFERENCE_SOURCES):
         raise ConfigError(f"{where}data.format='preference' reads pairs from the records of one source of "
                           f'{PREFERENCE_SOURCES}, not data.source={source!r}; use one of those.')
+    if self.format == 'prompt' and self.source != 'jsonl':
+      raise ConfigError("data.format='prompt' reads prompt records from JSONL files; set data.source='jsonl' "
+                        f'(not {self.source!r}).')
     if self.format == 'preference' and self.packing != 'pad':
       raise ConfigError("data.format='preference' lays each pair out padded, one sequence per row; set "
                         "data.packing='pad'.")

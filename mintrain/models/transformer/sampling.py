@@ -29,10 +29,12 @@ from mintrain.models.transformer.model import Transformer
 MAX_POSITIONS = 2**24
 
 
-def sample_token(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_k: int) -> jax.Array:
+def sample_token(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_k: int,
+                 top_p: float = 1.0) -> jax.Array:
   """int32 (B,) next tokens: argmax at temperature 0, else a draw from softmax(logits / temperature).
 
-  `top_k` > 0 keeps only the k largest logits of each row (ties with the k-th are kept too).
+  `top_k` > 0 keeps only the k largest logits of each row (ties with the k-th are kept too); `top_p` < 1
+  only the most likely tokens whose probabilities sum to top_p (nucleus). `key` is one key, or one per row.
   """
   if temperature == 0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
@@ -40,6 +42,14 @@ def sample_token(logits_BV: jax.Array, key: jax.Array, *, temperature: float, to
   if top_k:
     kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
     logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+  if top_p < 1:
+    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    kept_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p  # The mass before a token is below top_p.
+    last_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    logits_BV = jnp.where(logits_BV < last_B1, -jnp.inf, logits_BV)
+  if key.ndim:
+    return jax.vmap(jax.random.categorical)(key, logits_BV).astype(jnp.int32)
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
@@ -152,3 +162,57 @@ def _generate_without_cache(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP
 
   _, tokens_NB = jax.lax.scan(step, tokens_BS, jnp.arange(max_new_tokens))
   return tokens_NB.T
+
+
+@on_params_mesh
+def complete(model: Transformer, prompt_BP: np.ndarray, lengths_B: np.ndarray, max_new_tokens: int, *,
+             temperature: float, top_p: float, keys_B: jax.Array) -> jax.Array:
+  """int32 (B, N) tokens that follow the first lengths_B[b] tokens of each prompt row (prompts of several
+  lengths, padded on the right): token i of row b is drawn with fold_in(keys_B[b], i), so a row's draws
+  depend on neither the mesh nor the rows beside it. All rows advance one position per cached step."""
+  lengths_B = np.asarray(lengths_B)
+  _check(model, prompt_BP, max_new_tokens, temperature, 0)
+  if not 0 < top_p <= 1 or lengths_B.min() < 1 or lengths_B.max() > np.shape(prompt_BP)[1]:
+    raise ValueError(f'top_p={top_p} must be in (0, 1] and prompt lengths in [1, {np.shape(prompt_BP)[1]}].')
+  shortest = int(lengths_B.min())
+  graphdef, params = nnx.split(model)
+  return _complete(graphdef, params, _replicated(prompt_BP), _replicated(lengths_B), keys_B,
+                   prefill=shortest - shortest % model.length_ways, max_new_tokens=max_new_tokens,
+                   temperature=float(temperature), top_p=float(top_p))
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'prefill', 'max_new_tokens', 'temperature', 'top_p'))
+def _complete(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, lengths_B: jax.Array,
+              keys_B: jax.Array, *, prefill: int, max_new_tokens: int, temperature: float,
+              top_p: float) -> jax.Array:
+  model = nnx.merge(graphdef, params)
+  batch, prompt_len = prompt_BP.shape
+  total = prompt_len + max_new_tokens
+  keys_B = jax.sharding.reshard(keys_B, jax.P())
+  cache = model.init_cache(batch, total, jnp.dtype(model.cfg.compute_dtype))
+  tokens_BS = jnp.pad(prompt_BP, ((0, 0), (0, max_new_tokens)))
+
+  def place(tokens_BS: jax.Array, logits_BV: jax.Array, position: jax.Array | int) -> jax.Array:
+    """Position + 1 of the rows whose prompt has ended gets their next draw."""
+    i_B = position + 1 - lengths_B
+    row_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.maximum(i_B, 0))
+    drawn_B = sample_token(jax.sharding.reshard(logits_BV, jax.P()), row_keys_B, temperature=temperature,
+                           top_k=0, top_p=top_p)
+    current_B = jax.lax.dynamic_index_in_dim(tokens_BS, position + 1, axis=1, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(tokens_BS, jnp.where(i_B >= 0, drawn_B, current_B),
+                                               position + 1, axis=1)
+
+  start = 0
+  if prefill:
+    logits_BPV, cache = model.decode(prompt_BP[:, :prefill], cache, 0)
+    tokens_BS, start = place(tokens_BS, _at(logits_BPV, prefill - 1), prefill - 1), prefill
+
+  def step(carry: tuple[jax.Array, KVCache], position: jax.Array) -> tuple[tuple[jax.Array, KVCache], None]:
+    tokens_BS, cache = carry
+    token_B = jax.lax.dynamic_index_in_dim(tokens_BS, position, axis=1, keepdims=False)
+    logits_B1V, cache = model.decode(token_B[:, None], cache, position)
+    return (place(tokens_BS, logits_B1V[:, 0], position), cache), None
+
+  (tokens_BS, _), _ = jax.lax.scan(step, (tokens_BS, cache), jnp.arange(start, total - 1))
+  columns_BN = lengths_B[:, None] + jnp.arange(max_new_tokens)[None, :]
+  return jax.sharding.reshard(jnp.take_along_axis(tokens_BS, columns_BN, axis=1), jax.P())
