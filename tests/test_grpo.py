@@ -174,11 +174,13 @@ def test_a_reward_that_raises_names_the_function_and_the_record(prompts_file):
                           "with completion 'x': ZeroDivisionError: division by zero")
 
 
-def test_a_group_size_that_does_not_divide_the_batch_is_a_one_line_config_error(prompts_file):
+def test_a_group_size_that_does_not_divide_the_batch_is_a_one_line_error_before_anything_is_written(
+    prompts_file, tmp_path):
+  config = load_config('single', *TINY, *grpo_overrides(prompts_file, 'grpo.group_size=3'))
   with pytest.raises(ConfigError) as e:
-    load_config('single', *TINY, *grpo_overrides(prompts_file, 'grpo.group_size=3'))
+    train_loop.run(config, tmp_path / 'run', devices=mesh_devices(config), print_fn=quiet)
   assert 'grpo.group_size=3 does not divide train.global_batch_size=16' in str(e.value)
-  assert '\n' not in str(e.value)
+  assert '\n' not in str(e.value) and not list((tmp_path / 'run').iterdir())
 
 
 @pytest.mark.slow  # ~15 s: 12 steps of sampling and updates.
@@ -239,3 +241,23 @@ def test_a_run_stopped_by_sigterm_resumes_with_identical_rewards_and_losses(prom
   for a, b in zip(jax.tree.leaves((resumed.state.params, resumed.state.reference)),
                   jax.tree.leaves((straight.state.params, straight.state.reference))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_prompts_of_several_lengths_complete_as_each_prompt_alone_greedily(prompts_file):
+  from mintrain.models.transformer import sampling
+
+  config = load_config('single', *TINY, *grpo_overrides(prompts_file))
+  run = build(config)
+  rng = np.random.RandomState(0)
+  prompt_BP = rng.randint(1, 250, (4, 7)).astype(np.int32)
+  lengths_B = np.array([7, 2, 5, 3])
+  with jax.set_mesh(run.mesh):
+    state = run.init()
+    model = run.model(state.params, state.frozen)
+    keys_B = rollout.row_keys(0, 0, 4)
+    together = np.asarray(sampling.complete(model, prompt_BP, lengths_B, 6, temperature=0.0, top_p=1.0,
+                                            keys_B=keys_B, shortest=2))
+    for b in range(4):
+      alone = sampling.generate_without_cache(model, prompt_BP[b:b + 1, :lengths_B[b]], 6)
+      np.testing.assert_array_equal(together[b], np.asarray(alone)[0])

@@ -166,15 +166,18 @@ def _generate_without_cache(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP
 
 @on_params_mesh
 def complete(model: Transformer, prompt_BP: np.ndarray, lengths_B: np.ndarray, max_new_tokens: int, *,
-             temperature: float, top_p: float, keys_B: jax.Array) -> jax.Array:
+             temperature: float, top_p: float, keys_B: jax.Array, shortest: int | None = None) -> jax.Array:
   """int32 (B, N) tokens that follow the first lengths_B[b] tokens of each prompt row (prompts of several
   lengths, padded on the right): token i of row b is drawn with fold_in(keys_B[b], i), so a row's draws
-  depend on neither the mesh nor the rows beside it. All rows advance one position per cached step."""
+  depend on neither the mesh nor the rows beside it. The first `shortest` positions (at most the shortest
+  prompt; default: it) are one prefill, and one value keeps one compiled program; then all rows advance one
+  position per cached step."""
   lengths_B = np.asarray(lengths_B)
+  shortest = int(lengths_B.min()) if shortest is None else shortest
   _check(model, prompt_BP, max_new_tokens, temperature, 0)
-  if not 0 < top_p <= 1 or lengths_B.min() < 1 or lengths_B.max() > np.shape(prompt_BP)[1]:
-    raise ValueError(f'top_p={top_p} must be in (0, 1] and prompt lengths in [1, {np.shape(prompt_BP)[1]}].')
-  shortest = int(lengths_B.min())
+  if not 0 < top_p <= 1 or not 0 <= shortest <= lengths_B.min() or lengths_B.max() > np.shape(prompt_BP)[1]:
+    raise ValueError(f'top_p={top_p} must be in (0, 1], prompt lengths in [1, {np.shape(prompt_BP)[1]}] and '
+                     f'shortest={shortest} at most the shortest of them.')
   graphdef, params = nnx.split(model)
   return _complete(graphdef, params, _replicated(prompt_BP), _replicated(lengths_B), keys_B,
                    prefill=shortest - shortest % model.length_ways, max_new_tokens=max_new_tokens,

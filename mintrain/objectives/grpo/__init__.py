@@ -39,9 +39,6 @@ def check(config) -> None:
   if config.family.complete is None:
     raise ConfigError(f"train.objective='grpo' samples from the model; model.name={config.model_name!r} has "
                       'no sampler.')
-  if train.global_batch_size % cfg.group_size:
-    raise ConfigError(f'grpo.group_size={cfg.group_size} does not divide train.global_batch_size='
-                      f'{train.global_batch_size} (completions per step); use a multiple of it.')
   if cfg.max_new_tokens >= train.seq_len:
     raise ConfigError(f'grpo.max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in '
                       f'train.seq_len={train.seq_len} + 1 tokens; lower it or raise train.seq_len.')

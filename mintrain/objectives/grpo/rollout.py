@@ -15,6 +15,7 @@ import numpy as np
 from mintrain.data import batches as batches_lib
 from mintrain.data.prompts import Prompt, PromptBatches
 from mintrain.data.tokenizer import Tokenizer
+from mintrain.errors import ConfigError
 from mintrain.models.layers import merge
 from mintrain.objectives.grpo import rewards as rewards_lib
 
@@ -42,9 +43,13 @@ class Rollout:
   def __init__(self, run: Any, tok: Tokenizer, prompt_batches: PromptBatches):
     config = run.config
     self.run, self.tok, self.cfg = run, tok, config.grpo
+    if config.train.global_batch_size % self.cfg.group_size:  # Checked here: sampling and export change it.
+      raise ConfigError(f'grpo.group_size={self.cfg.group_size} does not divide train.global_batch_size='
+                        f'{config.train.global_batch_size} (completions per step); use a multiple of it.')
     self.rewards = rewards_lib.load(self.cfg.reward, self.cfg.reward_weights)
     self._probe(prompt_batches.peek())
     self.complete = config.family.complete
+    self.shortest = min(len(p.ids_P) for p in prompt_batches.prompts)  # Every batch's prefill: one program.
     self.seq_len, self.accum = config.train.seq_len, config.train.grad_accum_steps
     self.logps = jax.jit(self._logps) if self.cfg.num_iterations > 1 or self.cfg.kl_coef else None
     self.update_start: float | None = None  # When the last rollout handed its batch to the train step.
@@ -83,7 +88,8 @@ class Rollout:
       prompt_BP[b, :len(p.ids_P)] = p.ids_P
     model = merge(self.run.graphdef, state.params, state.frozen)
     new_BN = self.complete(model, prompt_BP, lengths_B, cfg.max_new_tokens, temperature=cfg.temperature,
-                           top_p=cfg.top_p, keys_B=row_keys(self.run.config.seed, step, len(rows)))
+                           top_p=cfg.top_p, keys_B=row_keys(self.run.config.seed, step, len(rows)),
+                           shortest=self.shortest)
     new_BN = np.asarray(new_BN.addressable_data(0))  # Replicated: every process holds every row.
     sampled = time.perf_counter()
     ids = [_until_eos(new_N, tok.eos_id) for new_N in new_BN]
