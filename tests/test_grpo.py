@@ -183,6 +183,19 @@ def test_a_group_size_that_does_not_divide_the_batch_is_a_one_line_error_before_
   assert '\n' not in str(e.value) and not list((tmp_path / 'run').iterdir())
 
 
+@pytest.mark.parametrize('overrides, message', [
+    (('train.objective=grpo',), "train.objective='grpo' samples completions of prompt records"),
+    (('data.format=prompt', 'data.source=jsonl'),
+     "data.format='prompt' holds prompts to sample completions of, which train.objective='lm' cannot learn"),
+    (('train.objective=grpo', 'data.format=prompt', 'data.source=jsonl', 'grpo.max_new_tokens=16'),
+     'grpo.max_new_tokens=16 leaves no room for a prompt'),
+])
+def test_grpo_without_prompts_or_prompts_without_grpo_is_a_one_line_config_error(overrides, message):
+  with pytest.raises(ConfigError) as e:
+    load_config('single', *TINY, *overrides)
+  assert message in str(e.value) and '\n' not in str(e.value)
+
+
 @pytest.mark.slow  # ~15 s: 12 steps of sampling and updates.
 def test_a_tiny_model_learns_to_write_ascii_in_a_dozen_steps(prompts_file):
   config = load_config('single', *TINY, *grpo_overrides(

@@ -76,8 +76,8 @@ class Rollout:
 
   def __call__(self, state: Any, step: int, prompts: list[Prompt]) -> tuple[dict[str, jax.Array],
                                                                              dict[str, float]]:
+    jax.block_until_ready(state.params)  # The previous step's updates are done: sampling starts now.
     start = time.perf_counter()
-    jax.block_until_ready(state.params)
     update_sec = None if self.update_start is None else start - self.update_start
     cfg, tok = self.cfg, self.tok
     rows = [p for p in prompts for _ in range(cfg.group_size)]
