@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import TINY, build, load_config, mesh_devices, quiet, train_in_process
+from helpers import TINY, build, load_config, mesh_devices, quiet, run_script, train_in_process
 
 from mintrain import hf
 from mintrain import loop as train_loop
@@ -225,16 +225,38 @@ def test_sampling_on_dp4_tp2_gives_the_same_completions_as_on_one_device(prompts
 
 
 @pytest.mark.slow
-def test_the_same_rewards_and_losses_on_one_device_and_on_dp4_tp2(prompts_file):
-  def run(name):
-    config = load_config(name, *TINY, *grpo_overrides(prompts_file, 'train.steps=2', 'grpo.kl_coef=0.1',
-                                                      'grpo.num_iterations=2'))
+@pytest.mark.parametrize('name', ['dp4_tp2', 'fsdp8', 'tp8', 'cp2_dp2_tp2'])
+def test_the_same_rewards_and_losses_on_one_device_and_on_other_meshes(prompts_file, name):
+  eight_heads = ('model.num_heads=8', 'model.head_dim=4')  # Heads that split 8 ways on tp8.
+
+  def run(mesh):
+    config = load_config(mesh, *TINY, *eight_heads, *grpo_overrides(
+        prompts_file, 'train.steps=2', 'grpo.kl_coef=0.1', 'grpo.num_iterations=2'))
     result = train_loop.run(config, None, devices=mesh_devices(config), print_fn=quiet)
     return result.losses, [r['grpo_reward'] for r in result.records if 'grpo_reward' in r]
 
-  (losses, rewards), (want_losses, want_rewards) = run('dp4_tp2'), run('single')
+  (losses, rewards), (want_losses, want_rewards) = run(name), run('single')
   assert rewards == want_rewards
   np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_from_a_hugging_face_checkpoint_trains_on_dp4_tp2_and_exports(prompts_file, tmp_path):
+  torch.manual_seed(0)
+  llama = transformers.LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+  transformers.AutoModelForCausalLM.from_config(llama, dtype=torch.float32).save_pretrained(tmp_path / 'hf')
+  config = load_config('dp4_tp2', *TINY, *grpo_overrides(
+      prompts_file, 'train.steps=2', f'init.hf_checkpoint={tmp_path / "hf"}', 'lora.rank=4',
+      'grpo.kl_coef=0.05', 'checkpoint.every_steps=2'))
+  result = train_in_process(config, tmp_path / 'run')
+  assert len(result.losses) == 2 and all(np.isfinite(result.losses))
+  proc = run_script('scripts/export_hf.py', '--workdir', str(tmp_path / 'run'), '--out',
+                    str(tmp_path / 'out'))
+  assert proc.returncode == 0, proc.stderr
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'out')
+  assert exported.config.vocab_size == 384
 
 
 @pytest.mark.slow
