@@ -78,8 +78,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     total = jnp.where(count > 0, count, 1.0)  # A step without a counted target: zero loss and gradients.
     model_metrics = jax.tree.map(lambda m: m / total, metric_sum)
     grads = jax.tree.map(lambda g: g / total, grad_sum)
-    updates_, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates_)
+    deltas, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, deltas)
     balance = model_metrics.pop('balance', None)
     if balance is not None:
       params = merge(graphdef, params, state.frozen).after_step(balance)
