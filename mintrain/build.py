@@ -87,8 +87,9 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   abstract = train_state.abstract_model(make, config.seed)
   layout = train_state.param_layout(abstract, rules, mesh)
   graphdef, _, _ = nnx.split(abstract, nnx.Param, Frozen)
-  tx = make_optimizer(config.optimizer, config.train.steps)
   objective = config.objective
+  updates = objective.updates_per_step(config)
+  tx = make_optimizer(config.optimizer, config.train.steps * updates)
   init, from_params = train_state.make_init(make, tx, config.seed, objective.keeps_reference(config))
   init = jax.jit(init)
   with jax.set_mesh(mesh):
@@ -110,8 +111,8 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   from_base = jax.jit(from_base, out_shardings=shardings, donate_argnums=0)
   # Every step gets dropout keys; a model without dropout never reads them, and XLA drops their math.
   loss_fn = objective.make_loss(config)
-  train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True,
-                               loss_fn=loss_fn)
+  train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps * updates),
+                               use_dropout=True, loss_fn=loss_fn, updates=updates)
   plan = report.plan(config, rules, mesh, layout, abstract_state)
   return Run(config, mesh, rules, placement, notes, layout, graphdef, tx, abstract_state, init, from_params,
              train_step, make_eval_step(graphdef, loss_fn), plan, base_params, from_base, frozen_from_seed)

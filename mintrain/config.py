@@ -35,6 +35,7 @@ from mintrain.lora import LoraConfig
 from mintrain.mesh import MeshConfig
 from mintrain.metrics import MetricsConfig
 from mintrain.objectives.dpo import DPOConfig
+from mintrain.objectives.grpo import GRPOConfig
 from mintrain.optimizer import OptimizerConfig
 from mintrain.partitioning import PartitioningConfig
 from mintrain.train_step import TrainConfig
@@ -52,7 +53,7 @@ class InitConfig:
 SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,
             'train': TrainConfig, 'metrics': MetricsConfig, 'profile': ProfileConfig,
             'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig, 'init': InitConfig,
-            'lora': LoraConfig, 'dpo': DPOConfig}
+            'lora': LoraConfig, 'dpo': DPOConfig, 'grpo': GRPOConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Config:
   init: InitConfig
   lora: LoraConfig
   dpo: DPOConfig
+  grpo: GRPOConfig
 
   @property
   def family(self) -> models.Family:

@@ -57,3 +57,7 @@ class RunLockError(MintrainError, RuntimeError):
 
 class DistributedError(MintrainError, RuntimeError):
   """Incomplete or inconsistent multi-process settings."""
+
+
+class RewardError(MintrainError, ValueError):
+  """A reward function (grpo.reward) failed or returned values that do not fit its completions."""

@@ -24,6 +24,7 @@ from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.config import Config
 from mintrain.data import statistics, tokenizer
 from mintrain.data.batches import GlobalBatches
+from mintrain.objectives.objective import Rollout
 from mintrain.runtime import distributed, hardware, preemption, storage
 from mintrain.runtime.run_lock import RunLock
 from mintrain.runtime.watchdog import Watchdog
@@ -145,9 +146,10 @@ def _has_saves(workdir: epath.Path | None) -> bool:
 
 def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_main: bool, say: Say,
             tok: tokenizer.Tokenizer
-            ) -> tuple[GlobalBatches, GlobalBatches | None, float | None, dict, float]:
-  """What can fail on bad input, checked before the run writes (memory plan, data, tokenizer, HF tensors):
-  (train batches, eval batches, bytes per token, baseline record, peak TFLOP/s per device)."""
+            ) -> tuple[GlobalBatches, GlobalBatches | None, float | None, dict, float, Rollout | None]:
+  """What can fail on bad input, checked before the run writes (memory plan, data, tokenizer, HF tensors, the
+  objective's rollout): (train batches, eval batches, bytes per token, baseline record, peak TFLOP/s per
+  device, the objective's per-step hook)."""
   config = r.config
   say(report.format_report(r.layout, r.abstract_state, r.mesh, r.plan, r.rules, table=False))
   for note in r.notes:
@@ -159,6 +161,7 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
   with jax.set_mesh(r.mesh):  # Data first: a bad file or tokenizer stops the run before it writes.
     batches = r.batches(tok)
     eval_batches = r.batches(tok, 'eval') if config.eval.steps else None
+    rollout = config.objective.make_rollout(r, tok, batches)
   bytes_per_token = statistics.bytes_per_token(config.data, tok) if measured else None
   baseline = {}
   if measured and is_main:  # A full pass over the eval split: once.
@@ -176,13 +179,14 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
       f'device ({peak_source})')
   if config.lora.enabled:
     say(f'LoRA {report.trainable_summary(r.layout)}')
-  return batches, eval_batches, bytes_per_token, baseline, peak
+  return batches, eval_batches, bytes_per_token, baseline, peak, rollout
 
 
 def train(r: Run, state: TrainState, batches: GlobalBatches, actions: actions_lib.Actions,
-          stop: preemption.StopRequests, timer: Timer, watchdog: Watchdog, say: Say
-          ) -> tuple[TrainState, list[float], float, bool]:
-  """Steps to `train.steps` or an agreed stop: (state, losses, compile seconds, stopped)."""
+          stop: preemption.StopRequests, timer: Timer, watchdog: Watchdog, say: Say,
+          rollout: Rollout | None = None) -> tuple[TrainState, list[float], float, bool]:
+  """Steps to `train.steps` or an agreed stop: (state, losses, compile seconds, stopped). The objective's
+  `rollout`, if any, turns each data batch into the one the step learns from, and adds its host metrics."""
   first_step, total = int(to_host(state.step)), r.config.train.steps
   train_step, compile_time, stopped, pending, losses = r.train_step, 0.0, False, [], []
   for step in range(first_step, total):
@@ -192,6 +196,9 @@ def train(r: Run, state: TrainState, batches: GlobalBatches, actions: actions_li
     batch = next(batches)
     timer.data_wait += time.perf_counter() - wait_start
     timer.spend('data_wait', time.perf_counter() - wait_start)
+    host_metrics = {}
+    if rollout is not None:
+      batch, host_metrics = rollout(state, step, batch)
     if step == first_step:  # Compile ahead, so its time is reported apart from the steps'.
       compile_start = time.perf_counter()
       train_step = train_step.lower(state, batch).compile()
@@ -200,7 +207,7 @@ def train(r: Run, state: TrainState, batches: GlobalBatches, actions: actions_li
       say(f'compiled the train step in {compile_time:.1f} s')
       distributed.barrier('mintrain: the train step is compiled')
     state, step_metrics = train_step(state, batch)
-    pending.append(step_metrics)
+    pending.append({**step_metrics, **host_metrics})
     if step == first_step:  # The first step's time is left out of the rates.
       jax.block_until_ready(step_metrics)
       timer.restart()
@@ -248,8 +255,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     r = build(config, devices)
     config = r.config
     tok = tok or tokenizer.load(config.data.tokenizer)
-    batches, eval_batches, bytes_per_token, baseline, peak = prepare(r, workdir, restore_from, is_main, say,
-                                                                     tok)
+    batches, eval_batches, bytes_per_token, baseline, peak, rollout = prepare(r, workdir, restore_from,
+                                                                              is_main, say, tok)
     actions = actions_lib.Actions(stack, r, workdir, timer, peak, batches, eval_batches, bytes_per_token,
                                   is_main=is_main, say=say, console=console, tok=tok)
     stack.enter_context(jax.set_mesh(r.mesh))
@@ -278,7 +285,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     if baseline:
       actions.log(first_step, baseline)
     timer.spend('startup', time.perf_counter() - run_start)
-    state, losses, compile_time, stopped = train(r, state, batches, actions, stop, timer, watchdog, say)
+    state, losses, compile_time, stopped = train(r, state, batches, actions, stop, timer, watchdog, say,
+                                                 rollout)
     summary = summarize(r, timer, peak, time.perf_counter() - run_start, compile_time, losses,
                         actions.evaluation.last)
     if losses:

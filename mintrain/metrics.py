@@ -69,7 +69,8 @@ def format_duration(seconds: float) -> str:
   return str(datetime.timedelta(seconds=round(seconds)))
 
 
-CONSOLE = (('loss', 'loss {:.4f}'), ('grad_norm', 'grad_norm {:.3f}'), ('learning_rate', 'lr {:.2e}'),
+CONSOLE = (('loss', 'loss {:.4f}'), ('grpo_reward', 'reward {:.3f}'), ('grad_norm', 'grad_norm {:.3f}'),
+           ('learning_rate', 'lr {:.2e}'),
            ('steps_per_sec', '{:.2f} steps/s'), ('tokens_per_sec', '{:,.0f} tok/s'),
            ('tflops_per_device', '{:.3f} TFLOP/s/dev'), ('mfu', 'MFU {:.1%}'),
            ('data_wait_fraction', 'data wait {:.1%}'), ('eval_loss', 'eval_loss {:.4f}'),

@@ -44,45 +44,57 @@ Batch = dict[str, jax.Array]
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    use_dropout: bool, loss_fn: LossFn = lm.loss) -> Callable[[TrainState, Batch], tuple]:
-  """The jitted step of the objective's `loss_fn` (`mintrain.objectives`), with the state donated. Gradients
+                    use_dropout: bool, loss_fn: LossFn = lm.loss, updates: int = 1
+                    ) -> Callable[[TrainState, Batch], tuple]:
+  """The jitted step of the objective's `loss_fn` (`mintrain.objectives`), with the state donated: `updates`
+  optimizer updates on the batch (the objective's `updates_per_step`), whose metrics are averaged. Gradients
   are of `params` alone: the state's `frozen` variables (LoRA's base) and reference model, if any, are read
   and carried along untouched. A statistic `balance` (arrays, averaged like the metrics) is not logged: the
   model's `after_step(balance)` makes the step's parameters from it, an update without gradient (a
   router's balancing bias)."""
 
-  def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=PRNG_IMPL), state.step)
+  def update(state: TrainState, params: nnx.State, opt_state, batch: Batch, step_key: jax.Array
+             ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array]]:
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro_step(carry, xs):
       metric_sum, count_sum, grad_sum = carry
       index, micro_batch = xs
       key = jax.random.fold_in(step_key, index) if use_dropout else None
-      (_, (count, metrics)), grads = grad_fn(state.params, graphdef, micro_batch, key, state.frozen,
+      (_, (count, metrics)), grads = grad_fn(params, graphdef, micro_batch, key, state.frozen,
                                               state.reference)
       grad_sum = jax.tree.map(lambda total, g: total + g * count, grad_sum, grads)
       metric_sum = jax.tree.map(lambda total, m: total + m * count, metric_sum, metrics)
       return (metric_sum, count_sum + count, grad_sum), None
 
     accum = jax.tree.leaves(batch)[0].shape[0]
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
     first = jax.tree.map(lambda x: x[0], batch)
     metric_zeros = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype),
-                                jax.eval_shape(loss_fn, state.params, graphdef, first, None, state.frozen,
+                                jax.eval_shape(loss_fn, params, graphdef, first, None, state.frozen,
                                                state.reference)[1][1])
     (metric_sum, count, grad_sum), _ = jax.lax.scan(
         micro_step, (metric_zeros, jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), batch))
     total = jnp.where(count > 0, count, 1.0)  # A step without a counted target: zero loss and gradients.
     model_metrics = jax.tree.map(lambda m: m / total, metric_sum)
     grads = jax.tree.map(lambda g: g / total, grad_sum)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    deltas, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, deltas)
     balance = model_metrics.pop('balance', None)
     if balance is not None:
       params = merge(graphdef, params, state.frozen).after_step(balance)
-    metrics = {**model_metrics, 'grad_norm': optax.tree.norm(grads), 'param_norm': optax.tree.norm(params),
-               'learning_rate': schedule(state.step)}
+    return params, opt_state, {**model_metrics, 'grad_norm': optax.tree.norm(grads)}
+
+  def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=PRNG_IMPL), state.step)
+    params, opt_state, per_update = state.params, state.opt_state, []
+    for i in range(updates):
+      key = step_key if updates == 1 else jax.random.fold_in(step_key, i)  # One update: the keys as ever.
+      params, opt_state, metrics = update(state, params, opt_state, batch, key)
+      per_update.append(metrics)
+    metrics = jax.tree.map(lambda *m: sum(m) / updates, *per_update)
+    metrics = {**metrics, 'param_norm': optax.tree.norm(params),
+               'learning_rate': schedule(state.step * updates)}
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 

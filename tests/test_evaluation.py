@@ -274,9 +274,9 @@ def test_generate_until_pads_prompts_to_length_buckets_and_generates_what_each_p
            'for i in range(n):\n   x += 1']
   requests = [Instance('generate_until', {}, (text, {'until': ['\x00'], 'max_gen_toks': 6}), i)
               for i, text in enumerate(texts)]
-  compiled = sampling._generate_ragged._cache_size()
+  compiled = sampling._complete._cache_size()
   out = lm.generate_until(requests)
-  assert sampling._generate_ragged._cache_size() - compiled == 2
+  assert sampling._complete._cache_size() - compiled == 2
   with jax.set_mesh(run.mesh):
     alone = [np.asarray(sampling.generate(model, np.array([lm.tok_encode(text)], np.int32), 6))[0]
              for text in texts]

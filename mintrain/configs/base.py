@@ -178,7 +178,9 @@ def get_config() -> ml_collections.ConfigDict:
   # assistant's turn opened) and each response a list of assistant messages (TRL's format). Each pair is
   # two padded rows of one batch row, prompt + chosen and prompt + rejected, truncated to train.seq_len + 1
   # tokens (data.packing='pack': as many whole pairs as fit, each chosen and rejected a document of the two
-  # halves); only the response tokens count. In a mixture, every source or none is 'preference'.
+  # halves); only the response tokens count. In a mixture, every source or none is 'preference'. 'prompt'
+  # (train.objective='grpo'; jsonl): records of `prompt`, a string or a list of messages, and any other
+  # fields, which the reward functions receive.
   c.data.format = 'text'
   c.data.messages_field = 'messages'  # The JSONL field or Parquet column holding a chat record's messages.
   # Which chat tokens the loss counts: 'assistant' the spans the template marks with {% generation %}, or
@@ -210,7 +212,9 @@ def get_config() -> ml_collections.ConfigDict:
   # run goes on (a slow step may yet finish). Generous, so a long compile or save is not taken for a hang.
   c.train.hang_timeout_s = 1800.0
   # What the run learns (mintrain/objectives/): 'lm' the model family's own loss (next-token cross-entropy
-  # over the counted targets); 'dpo' preference tuning from data.format='preference' pairs (the dpo section).
+  # over the counted targets); 'dpo' preference tuning from data.format='preference' pairs (the dpo
+  # section); 'grpo' reinforcement learning with verifiable rewards from data.format='prompt' records (the
+  # grpo section).
   c.train.objective = 'lm'
 
   # train.objective='dpo': TRL's DPO losses on the summed log-probabilities of each pair's response tokens,
@@ -232,6 +236,35 @@ def get_config() -> ml_collections.ConfigDict:
   # first step and kept in WORKDIR/reference_logp.npz (read back on resume), so the state holds no reference
   # copy and each step no reference forward pass.
   c.dpo.precompute_reference = False
+
+  # train.objective='grpo' (RL with verifiable rewards, mintrain/objectives/grpo/): each step samples
+  # grpo.group_size completions of each of train.global_batch_size / group_size prompts
+  # (data.format='prompt') with the KV-cached sampler, scores them with the reward functions, normalises the
+  # rewards within each group (the advantages), and makes grpo.num_iterations updates with TRL's clipped
+  # surrogate and a KL penalty to the reference (the initial weights, kept while kl_coef > 0). Sampling keys
+  # fold the step and the row into the seed. Needs eval.steps=0. Metrics: grpo_reward (mean),
+  # grpo_reward_std, grpo_reward/<function>, grpo_zero_variance_groups (fraction of groups whose rewards are
+  # all equal), grpo_kl, grpo_clip_fraction, grpo_completion_length(_max), and the step's time split:
+  # grpo_sample_sec (sampling), grpo_rollout_sec (sampling, rewards, log-probabilities) and grpo_update_sec
+  # (the previous step's updates).
+  c.grpo = ml_collections.ConfigDict()
+  # Reward functions, comma-separated 'package.module:function' (importable, e.g. through PYTHONPATH), called
+  # as TRL's: function(prompts=, completions=, completion_ids=, **the records' other fields) -> a float each.
+  c.grpo.reward = ''
+  c.grpo.reward_weights = ()  # One weight per reward function, summed into the reward; (): all 1.0.
+  c.grpo.group_size = 4  # Completions sampled per prompt; it must divide train.global_batch_size.
+  c.grpo.max_new_tokens = 32  # Tokens per completion at most (sampling stops at EOS); prompts get the rest.
+  c.grpo.temperature = 1.0  # Sampling temperature (> 0).
+  c.grpo.top_p = 1.0  # Nucleus sampling: draw among the most likely tokens holding this much mass; 1: all.
+  # Updates per step on its batch of completions (TRL's num_iterations); above 1 the ratio is to the sampling
+  # policy's. The optimizer counts updates: its schedule runs over train.steps * num_iterations of them.
+  c.grpo.num_iterations = 1
+  c.grpo.clip_eps = 0.2  # The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (TRL's epsilon).
+  c.grpo.clip_eps_high = 0.0  # The upper clip (DAPO's epsilon_high); 0: clip_eps.
+  c.grpo.kl_coef = 0.0  # Weight of the k3 KL estimate to the reference (TRL's beta); 0 keeps no reference.
+  # 'token': the loss sums over every completion token of the batch over their count; 'sequence': each
+  # completion's mean over its tokens, then their mean (TRL's 'grpo').
+  c.grpo.loss_norm = 'token'
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.peak_tflops = 0.0  # Peak TFLOP/s per device for MFU; 0: the device table, or a CPU calibration.

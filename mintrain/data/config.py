@@ -43,7 +43,7 @@ class DataConfig:
   on_corpus_change: str = option(choices=('continue', 'restart'))
   hf_split: str = option()
   hf_config: str = option()
-  format: str = option(choices=('text', 'chat', 'preference'))
+  format: str = option(choices=('text', 'chat', 'preference', 'prompt'))
   messages_field: str = option()
   loss_on: str = option(choices=('assistant', 'all'))
   chat_template: str = option()  # A template file; '' the tokenizer's.
@@ -67,6 +67,9 @@ class DataConfig:
       others = sorted(formats - {'preference'})
       raise ConfigError(f"data.mixture mixes data.format='preference' with {others}: a batch holds pairs or "
                         "sequences, not both; give every source format 'preference' or none.")
+    if self.format == 'prompt' and self.source != 'jsonl':
+      raise ConfigError("data.format='prompt' reads prompt records from JSONL files; set data.source='jsonl' "
+                        f'(not {self.source!r}).')
 
   def _formats(self) -> list[tuple[str, str, str]]:
     """(where, source, format) of each source: the mixture's (a source's own format, else data.format)."""

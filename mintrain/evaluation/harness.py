@@ -4,7 +4,7 @@ Requests are tokenized as lm-eval's own `hf` backend does (its `TemplateLM`: con
 encoded whole, then split; BOS first unless the text starts with it; rolling windows of `max_length`), so the
 two give the same log-likelihoods for the same weights. Scored rows are padded to a few fixed shapes (the
 batch to `batch_size`, the length to a power of two), so a task compiles a handful of programs, not one per
-request. Generation uses the family's KV-cache sampler on prompts padded the same way (`generate_ragged`:
+request. Generation uses the family's KV-cache sampler on prompts padded the same way (`Family.complete`:
 each row fed its own prompt until it ends), so a task compiles one program per length bucket and
 `max_gen_toks`.
 
@@ -144,10 +144,10 @@ class HarnessLM(TemplateLM):
   def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
     """Greedy (or, with do_sample, temperature) continuations, cut at the first stop sequence (`until`, and
     EOS) after at most `max_gen_toks` tokens."""
-    if not hasattr(self.model, 'decode'):
-      raise EvalError(f'model.name={self.config.model_name!r} has no sampler (no decode step): it cannot '
-                      'run generate_until tasks.')
-    from mintrain.models.transformer import sampling  # The KV-cache sampler any model with `decode` runs.
+    complete = self.config.family.complete
+    if complete is None:
+      raise EvalError(f'model.name={self.config.model_name!r} has no sampler: it cannot run generate_until '
+                      'tasks.')
 
     eos_text = self.tok.decode([self.eot_token_id]) if self.tok.eos_id is not None else None
     groups: dict[tuple, list[int]] = {}
@@ -175,9 +175,8 @@ class HarnessLM(TemplateLM):
         # Positions before the bucket's lower end (every prompt's first ones) in one pass.
         prefill = length // 2 if length > MIN_BUCKET else 0
         with jax.set_mesh(self.mesh):
-          tokens_BN = sampling.generate_ragged(self.model, prompt_BP, lengths_B, new,
-                                               prefill=prefill - prefill % self.length_ways,
-                                               temperature=temperature, key=jax.random.key(0))
+          tokens_BN = complete(self.model, prompt_BP, lengths_B, new, temperature=temperature, top_p=1.0,
+                               keys_B=jax.random.split(jax.random.key(0), len(rows)), shortest=prefill)
         tokens_BN = np.asarray(tokens_BN.addressable_data(0))
         for row, i in enumerate(chunk):
           new_N = tokens_BN[row].tolist()

@@ -6,10 +6,11 @@ A new objective is a module here with an `OBJECTIVE` (`objective.Objective`) and
 
 from __future__ import annotations
 
-from mintrain.objectives import dpo, lm
+from mintrain.objectives import dpo, grpo, lm
 from mintrain.objectives.objective import Objective
 
 OBJECTIVES: dict[str, Objective] = {
     'lm': lm.OBJECTIVE,
     'dpo': dpo.OBJECTIVE,
+    'grpo': grpo.OBJECTIVE,
 }

@@ -15,6 +15,9 @@ def check(config) -> None:
   if config.data.pairs:
     raise ConfigError("data.format='preference' holds (chosen, rejected) pairs, which train.objective='lm' "
                       "cannot learn from; set train.objective='dpo', or use text or chat data.")
+  if config.data.format == 'prompt':
+    raise ConfigError("data.format='prompt' holds prompts to sample completions of, which "
+                      "train.objective='lm' cannot learn from; set train.objective='grpo'.")
 
 
 def loss(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, dropout_key: jax.Array | None,

@@ -17,6 +17,8 @@ Batch = dict[str, jax.Array]
 # `reference` its reference model (or None each).
 LossFn = Callable[[nnx.State, nnx.GraphDef, Batch, jax.Array | None, nnx.State | None, nnx.State | None],
                   tuple[jax.Array, tuple[jax.Array, dict[str, jax.Array]]]]
+# (state, step, data batch) -> (train batch, host metrics): an objective's per-step hook on the host.
+Rollout = Callable[[Any, int, Any], tuple[Batch, dict[str, float]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,12 @@ class Objective:
   # every check has passed; the data's own by default.
   prepare_batches: Callable[..., tuple[Any, Any]] = lambda run, state, batches, eval_batches, **_: (
       batches, eval_batches)
+  # (config) -> optimizer updates each step makes on its batch (GRPO's grpo.num_iterations).
+  updates_per_step: Callable[[Any], int] = lambda config: 1
+  # (run, tokenizer, train batches) -> None, or the per-step host hook (state, step, data batch) -> (train
+  # batch, host metrics) that turns what the data gives (GRPO's prompts) into the batch the step learns from.
+  # Made before the run writes anything, so bad input it finds stops the run clean.
+  make_rollout: Callable[[Any, Any, Any], Rollout | None] = lambda run, tok, batches: None
 
 
 def reference(keeps: bool, params: nnx.State) -> nnx.State | None:

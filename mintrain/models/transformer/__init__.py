@@ -8,7 +8,7 @@ generation, `hf` its Hugging Face conversion. `FAMILY` is what the rest of mintr
 """
 
 from mintrain.models.family import Family
-from mintrain.models.transformer import hf
+from mintrain.models.transformer import hf, sampling
 from mintrain.models.transformer.config import TransformerConfig
 from mintrain.models.transformer.model import Transformer
 
@@ -28,4 +28,5 @@ FAMILY = Family(
     make=lambda cfg, rules, placement, rngs: Transformer(cfg, placement, rules=rules, rngs=rngs),
     hf=hf,
     lora_targets=LORA_TARGETS,
+    complete=sampling.complete,
 )

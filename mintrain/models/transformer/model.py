@@ -244,6 +244,18 @@ class Transformer(nnx.Module):
     ids_N = jnp.arange(1, documents + 1, dtype=jnp.int32)
     return jnp.sum(jnp.where(segment_ids_BL[..., None] == ids_N, logp_BL[..., None], 0.0), axis=1), stats
 
+  @on_params_mesh
+  def token_log_probs(self, batch: dict[str, jax.Array], *, dropout_key: jax.Array | None = None
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(B, L) float32 log-probability of each target, in the batch's order (not the ring's storage order),
+    and the statistics of `loss`: what policy-gradient objectives weigh token by token."""
+    h = self._hidden(batch, dropout_key)
+    logp_BL = -token_losses(self._logits(h['x'], h['table']), h['targets'])
+    order_L = self._order(logp_BL.shape[1])
+    if order_L is not None:
+      logp_BL = self._stored(logp_BL, np.argsort(order_L))
+    return logp_BL, moe_statistics(self.cfg, h['stats']) if h['stats'] else {}
+
   def _hidden(self, batch: dict[str, jax.Array], dropout_key: jax.Array | None) -> dict[str, Any]:
     """A batch through the blocks, in storage order: the hidden states `x` (before the final norm), the
     embedding `table`, `tokens`, `targets`, `weights`, `positions`, `segment_ids` and the blocks' `stats`."""

@@ -29,10 +29,12 @@ from mintrain.models.transformer.model import Transformer
 MAX_POSITIONS = 2**24
 
 
-def sample_token(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_k: int) -> jax.Array:
+def sample_token(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_k: int,
+                 top_p: float = 1.0) -> jax.Array:
   """int32 (B,) next tokens: argmax at temperature 0, else a draw from softmax(logits / temperature).
 
-  `top_k` > 0 keeps only the k largest logits of each row (ties with the k-th are kept too).
+  `top_k` > 0 keeps only the k largest logits of each row (ties with the k-th are kept too); `top_p` < 1
+  only the most likely tokens whose probabilities sum to top_p (nucleus). `key` is one key, or one per row.
   """
   if temperature == 0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
@@ -40,6 +42,14 @@ def sample_token(logits_BV: jax.Array, key: jax.Array, *, temperature: float, to
   if top_k:
     kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
     logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+  if top_p < 1:
+    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    kept_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p  # The mass before a token is below top_p.
+    last_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    logits_BV = jnp.where(logits_BV < last_B1, -jnp.inf, logits_BV)
+  if key.ndim:
+    return jax.vmap(jax.random.categorical)(key, logits_BV).astype(jnp.int32)
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
@@ -155,45 +165,57 @@ def _generate_without_cache(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP
 
 
 @on_params_mesh
-def generate_ragged(model: Transformer, prompt_BP: jax.Array, lengths_B: jax.Array, max_new_tokens: int, *,
-                    prefill: int, temperature: float = 0.0, top_k: int = 0,
-                    key: jax.Array | None = None) -> jax.Array:
-  """int32 (B, N) tokens that follow each row's first `lengths_B` prompt tokens (the rest is padding), so
-  prompts of any length up to P share one program: the first `prefill` positions (fewer than any row's
-  prompt) in one pass, then one cached step per position, each row fed its own prompt until it ends.
-  The draw after position t takes `fold_in(key, t)` for the whole batch (sampled rows depend on the batch)."""
-  _check(model, prompt_BP, max_new_tokens, temperature, top_k)
-  lengths = np.asarray(lengths_B)
-  if not 0 <= prefill < lengths.min() or lengths.max() > prompt_BP.shape[1] or prefill % model.length_ways:
-    raise ValueError(f'prefill={prefill} must be a multiple of the context ways ({model.length_ways}) below '
-                     f'every prompt length ({lengths.min()}..{lengths.max()}), which are at most P.')
-  graphdef, params, prompt_BP, key = _prepare(model, prompt_BP, max_new_tokens, temperature, top_k, key)
-  return _generate_ragged(graphdef, params, prompt_BP, _replicated(lengths), key,
-                          max_new_tokens=max_new_tokens, prefill=prefill, temperature=float(temperature),
-                          top_k=int(top_k))
+def complete(model: Transformer, prompt_BP: np.ndarray, lengths_B: np.ndarray, max_new_tokens: int, *,
+             temperature: float, top_p: float, keys_B: jax.Array, shortest: int | None = None) -> jax.Array:
+  """int32 (B, N) tokens that follow the first lengths_B[b] tokens of each prompt row (prompts of several
+  lengths, padded on the right): token i of row b is drawn with fold_in(keys_B[b], i), so a row's draws
+  depend on neither the mesh nor the rows beside it. The first `shortest` positions (at most the shortest
+  prompt; default: it) are one prefill, and one value keeps one compiled program; then all rows advance one
+  position per cached step."""
+  lengths_B = np.asarray(lengths_B)
+  shortest = int(lengths_B.min()) if shortest is None else shortest
+  _check(model, prompt_BP, max_new_tokens, temperature, 0)
+  if not 0 < top_p <= 1 or not 0 <= shortest <= lengths_B.min() or lengths_B.max() > np.shape(prompt_BP)[1]:
+    raise ValueError(f'top_p={top_p} must be in (0, 1], prompt lengths in [1, {np.shape(prompt_BP)[1]}] and '
+                     f'shortest={shortest} at most the shortest of them.')
+  graphdef, params = nnx.split(model)
+  return _complete(graphdef, params, _replicated(prompt_BP), _replicated(lengths_B), keys_B,
+                   prefill=shortest - shortest % model.length_ways, max_new_tokens=max_new_tokens,
+                   temperature=float(temperature), top_p=float(top_p))
 
 
-@functools.partial(jax.jit,
-                   static_argnames=('graphdef', 'max_new_tokens', 'prefill', 'temperature', 'top_k'))
-def _generate_ragged(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, lengths_B: jax.Array,
-                     key: jax.Array, *, max_new_tokens: int, prefill: int, temperature: float,
-                     top_k: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=('graphdef', 'prefill', 'max_new_tokens', 'temperature', 'top_p'))
+def _complete(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, lengths_B: jax.Array,
+              keys_B: jax.Array, *, prefill: int, max_new_tokens: int, temperature: float,
+              top_p: float) -> jax.Array:
   model = nnx.merge(graphdef, params)
-  batch, padded = prompt_BP.shape
-  total = padded + max_new_tokens
+  batch, prompt_len = prompt_BP.shape
+  total = prompt_len + max_new_tokens
+  keys_B = jax.sharding.reshard(keys_B, jax.P())
   cache = model.init_cache(batch, total, jnp.dtype(model.cfg.compute_dtype))
-  tokens_BS = jax.lax.dynamic_update_slice(jnp.zeros((batch, total), jnp.int32), prompt_BP, (0, 0))
+  tokens_BS = jnp.pad(prompt_BP, ((0, 0), (0, max_new_tokens)))
+
+  def place(tokens_BS: jax.Array, logits_BV: jax.Array, position: jax.Array | int) -> jax.Array:
+    """Position + 1 of the rows whose prompt has ended gets their next draw."""
+    i_B = position + 1 - lengths_B
+    row_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.maximum(i_B, 0))
+    drawn_B = sample_token(jax.sharding.reshard(logits_BV, jax.P()), row_keys_B, temperature=temperature,
+                           top_k=0, top_p=top_p)
+    current_B = jax.lax.dynamic_index_in_dim(tokens_BS, position + 1, axis=1, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(tokens_BS, jnp.where(i_B >= 0, drawn_B, current_B),
+                                               position + 1, axis=1)
+
+  start = 0
   if prefill:
-    _, cache = model.decode(prompt_BP[:, :prefill], cache, 0)
+    logits_BPV, cache = model.decode(prompt_BP[:, :prefill], cache, 0)
+    tokens_BS, start = place(tokens_BS, _at(logits_BPV, prefill - 1), prefill - 1), prefill
 
   def step(carry: tuple[jax.Array, KVCache], position: jax.Array) -> tuple[tuple[jax.Array, KVCache], None]:
     tokens_BS, cache = carry
-    logits_B1V, cache = model.decode(jax.lax.dynamic_slice_in_dim(tokens_BS, position, 1, axis=1), cache,
-                                     position)
-    drawn_B = _next_token(logits_B1V[:, 0], key, position, temperature, top_k)
-    prompt_B = jax.lax.dynamic_slice_in_dim(tokens_BS, position + 1, 1, axis=1)[:, 0]
-    next_B = jnp.where(position + 1 < lengths_B, prompt_B, drawn_B)
-    return (jax.lax.dynamic_update_slice(tokens_BS, next_B[:, None], (0, position + 1)), cache), None
+    token_B = jax.lax.dynamic_index_in_dim(tokens_BS, position, axis=1, keepdims=False)
+    logits_B1V, cache = model.decode(token_B[:, None], cache, position)
+    return (place(tokens_BS, logits_B1V[:, 0], position), cache), None
 
-  (tokens_BS, _), _ = jax.lax.scan(step, (tokens_BS, cache), jnp.arange(prefill, total - 1))
-  return jnp.take_along_axis(tokens_BS, lengths_B[:, None] + jnp.arange(max_new_tokens), axis=1)
+  (tokens_BS, _), _ = jax.lax.scan(step, (tokens_BS, cache), jnp.arange(start, total - 1))
+  columns_BN = lengths_B[:, None] + jnp.arange(max_new_tokens)[None, :]
+  return jax.sharding.reshard(jnp.take_along_axis(tokens_BS, columns_BN, axis=1), jax.P())
