@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mintrain import lora, partitioning, report, train_state
 from mintrain import mesh as mesh_lib
 from mintrain.data.batches import GlobalBatches, make_batches
+from mintrain.data.prompts import PromptBatches
 from mintrain.data.tokenizer import Tokenizer
 from mintrain.errors import ConfigError
 from mintrain.models.family import Placement
@@ -57,9 +58,11 @@ class Run:
   from_base: Callable[[nnx.State], TrainState]
   frozen_from_seed: Callable[[], nnx.State]  # Jitted: the frozen parameters the seed draws.
 
-  def batches(self, tok: Tokenizer, split: str = 'train') -> GlobalBatches:
+  def batches(self, tok: Tokenizer, split: str = 'train') -> GlobalBatches | PromptBatches:
     """Global batches of `split` read with the run's tokenizer, each process reading only its devices' rows;
     call under the mesh."""
+    if self.config.objective.read_batches:  # What the objective reads itself (whole prompts).
+      return self.config.objective.read_batches(self.config, tok)
     return make_batches(self.config, self.mesh, self.rules, tok, split=split)
 
   def model(self, params: nnx.State, frozen: nnx.State | None = None) -> nnx.Module:

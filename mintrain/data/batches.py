@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from mintrain.data import pipeline, prompts, streaming, tokenizer
+from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.partitioning import AxisRules
 
 LocalBatch = dict[str, np.ndarray]
@@ -119,16 +119,11 @@ class GlobalBatches:
 
 
 def make_batches(config: Any, mesh: Mesh, rules: AxisRules, tok: tokenizer.Tokenizer, *,
-                 split: str = 'train') -> GlobalBatches | prompts.PromptBatches:
+                 split: str = 'train') -> GlobalBatches:
   """Global batches of `split` of a run's `config` (`mintrain.config.Config`, whose sections the data
   layer reads but never imports) and its tokenizer `tok` (`config.resolve`'s): train batches run on forever
-  (`data.device_prefetch` of them on their devices ahead of the step), eval batches restart per evaluation.
-  Prompt records (`data.format='prompt'`) come whole, `grpo.group_size` rows of the batch each."""
+  (`data.device_prefetch` of them on their devices ahead of the step), eval batches restart per evaluation."""
   data, train = config.data, config.train
-  if data.format == 'prompt':  # Whole prompt records, which the objective turns into a batch each step.
-    grpo = config.grpo
-    return prompts.PromptBatches(prompts.read(data, tok, train.seq_len + 1 - grpo.max_new_tokens),
-                                 train.global_batch_size // grpo.group_size, config.seed, data.source)
   shape = (train.grad_accum_steps, train.micro_batch_size)
   rows = process_rows(batch_sharding(mesh, rules, len(shape)), shape)
   if data.source == 'synthetic':

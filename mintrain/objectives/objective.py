@@ -41,6 +41,9 @@ class Objective:
   # every check has passed; the data's own by default.
   prepare_batches: Callable[..., tuple[Any, Any]] = lambda run, state, batches, eval_batches, **_: (
       batches, eval_batches)
+  # (config, tokenizer) -> the batches of what the objective reads itself (GRPO's whole prompt records), or
+  # None: the data layer's global batches (`mintrain.data.batches.make_batches`).
+  read_batches: Callable[[Any, Any], Any] | None = None
   # (config) -> optimizer updates each step makes on its batch (GRPO's grpo.num_iterations).
   updates_per_step: Callable[[Any], int] = lambda config: 1
   # (run, tokenizer, train batches) -> None, or the per-step host hook (state, step, data batch) -> (train

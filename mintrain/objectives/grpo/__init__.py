@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mintrain.data import prompts
 from mintrain.errors import ConfigError
 from mintrain.fields import option
 from mintrain.objectives.grpo import loss, rollout
@@ -46,7 +47,14 @@ def check(config) -> None:
     raise ConfigError("train.objective='grpo' has no held-out loss to evaluate; set eval.steps=0.")
 
 
+def read_prompts(config, tok) -> prompts.PromptBatches:
+  """Whole prompt records, global_batch_size / group_size a step, each short enough for its completions."""
+  cfg, train = config.grpo, config.train
+  return prompts.PromptBatches(prompts.read(config.data, tok, train.seq_len + 1 - cfg.max_new_tokens),
+                               train.global_batch_size // cfg.group_size, config.seed, config.data.source)
+
+
 OBJECTIVE = Objective(check=check, make_loss=loss.make_loss,
                       keeps_reference=lambda config: config.grpo.kl_coef > 0,
                       updates_per_step=lambda config: config.grpo.num_iterations,
-                      make_rollout=rollout.Rollout)
+                      read_batches=read_prompts, make_rollout=rollout.Rollout)
