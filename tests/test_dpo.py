@@ -2,6 +2,7 @@
 transformers' own log-probabilities, the same on every mesh, and a run resumes bit-exactly."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -14,7 +15,7 @@ from mintrain import hf, report
 from mintrain import loop as train_loop
 from mintrain.data import pipeline, streaming, tokenizer
 from mintrain.data.batches import make_batches
-from mintrain.errors import ConfigError, DataError
+from mintrain.errors import CheckpointError, ConfigError, DataError
 from mintrain.objectives import dpo
 
 PAIRS = [{'prompt': f'{a}+{b}=', 'chosen': str(a + b), 'rejected': str(a + b + 1 + a % 3)}
@@ -262,6 +263,12 @@ def test_a_run_with_a_precomputed_reference_stopped_by_sigterm_resumes_bit_exact
   assert resumed.state.reference is None
   for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  other = tmp_path / 'other'  # The file alone, beside a run of another seed: it is not that run's.
+  other.mkdir()
+  shutil.copy(tmp_path / 'stopped' / dpo.REFERENCE_FILE, other)
+  with pytest.raises(CheckpointError, match='holds reference log-probabilities of other data, model'):
+    train_in_process(load_config('single', *TINY, *dpo_overrides(
+        pairs_file, 'train.steps=4', 'dpo.precompute_reference=True', 'seed=1')), other)
 
 
 def test_the_memory_plan_and_flops_count_both_sequences_of_a_pair_and_the_reference(pairs_file):

@@ -18,7 +18,9 @@ the state holds no reference model; each batch then carries them as `reference_c
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,13 +33,14 @@ from flax import nnx
 from mintrain.data import preference
 from mintrain.data.batches import batch_sharding
 from mintrain.errors import CheckpointError, ConfigError
-from mintrain.fields import option
+from mintrain.fields import option, to_dict
 from mintrain.models.layers import merge
 from mintrain.objectives.objective import Batch, LossFn, Objective
 
 LOSSES = ('sigmoid', 'ipo', 'hinge', 'simpo')
 REFERENCE_KEYS = ('reference_chosen_logp', 'reference_rejected_logp')
-# WORKDIR/reference_logp.npz: `train` (steps, accum, pairs, 2), `eval` (eval.steps, ...), `first_step`.
+# WORKDIR/reference_logp.npz: `train` (steps, accum, pairs, 2), `eval` (eval.steps, ...), `first_step`,
+# `inputs` (what the values depend on: `_inputs`).
 REFERENCE_FILE = 'reference_logp.npz'
 
 
@@ -235,6 +238,16 @@ def _write(path: epath.Path, arrays: dict[str, np.ndarray]) -> None:
   staging.rename(path)
 
 
+def _inputs(config) -> str:
+  """A digest of the options the reference log-probabilities depend on: the data read, the model and its
+  initial weights, the batch shape."""
+  train = config.train
+  parts = {'seed': config.seed, 'data': to_dict(config.data), 'model': to_dict(config.model),
+           'init': to_dict(config.init), 'lora': to_dict(config.lora),
+           'batch': [train.seq_len, train.global_batch_size, train.grad_accum_steps]}
+  return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def prepare_batches(run, state, batches, eval_batches, *, fresh: Callable[[str], Iterator],
                     workdir: epath.Path | None, is_main: bool, say: Callable[[str], None]) -> tuple:
   """With dpo.precompute_reference, the run's batches with their reference log-probabilities: read back
@@ -248,6 +261,11 @@ def prepare_batches(run, state, batches, eval_batches, *, fresh: Callable[[str],
   if path is not None and path.exists():
     with np.load(io.BytesIO(path.read_bytes())) as saved:
       start, train_logp, eval_logp = int(saved['first_step']), saved['train'], saved['eval']
+      inputs = str(saved['inputs']) if 'inputs' in saved else ''
+    if inputs != _inputs(run.config):
+      raise CheckpointError(f'{path} holds reference log-probabilities of other data, model, initial weights '
+                            'or batch shape than this run reads: restore the run with its own options, or '
+                            'delete the file to compute them anew.')
     if not start <= first or steps > start + len(train_logp) or len(eval_logp) < eval_count:
       raise CheckpointError(f'{path} holds the reference log-probabilities of steps {start + 1} to '
                             f'{start + len(train_logp)} and {len(eval_logp)} eval batches, not of steps '
@@ -262,7 +280,8 @@ def prepare_batches(run, state, batches, eval_batches, *, fresh: Callable[[str],
     eval_logp = (reference_pass(run, state, fresh('eval'), eval_count) if eval_count
                  else np.zeros((0, *train_logp.shape[1:]), np.float32))
     if path is not None and is_main:
-      _write(path, {'first_step': np.int64(first), 'train': train_logp, 'eval': eval_logp})
+      _write(path, {'first_step': np.int64(first), 'train': train_logp, 'eval': eval_logp,
+                    'inputs': np.str_(_inputs(run.config))})
     say(f'dpo: precomputed the reference log-probabilities of steps {first + 1} to {steps}'
         + (f' and {eval_count} eval batches' if eval_count else '') + (f' in {path}.' if path else '.'))
   sharding = batch_sharding(run.mesh, run.rules, 2)
