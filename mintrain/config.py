@@ -34,6 +34,7 @@ from mintrain.fields import option
 from mintrain.lora import LoraConfig
 from mintrain.mesh import MeshConfig
 from mintrain.metrics import MetricsConfig
+from mintrain.models.pipeline import PipelineConfig
 from mintrain.objectives.dpo import DPOConfig
 from mintrain.optimizer import OptimizerConfig
 from mintrain.partitioning import PartitioningConfig
@@ -49,7 +50,8 @@ class InitConfig:
   lora_adapter: str = option()  # '' or a PEFT LoRA adapter directory: the adapters' initial values.
 
 
-SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,
+SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'pipeline': PipelineConfig,
+            'data': DataConfig, 'eval': EvalConfig,
             'train': TrainConfig, 'metrics': MetricsConfig, 'profile': ProfileConfig,
             'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig, 'init': InitConfig,
             'lora': LoraConfig, 'dpo': DPOConfig}
@@ -64,6 +66,7 @@ class Config:
   model: Any
   mesh: MeshConfig
   partitioning: PartitioningConfig
+  pipeline: PipelineConfig
   data: DataConfig
   train: TrainConfig
   optimizer: OptimizerConfig

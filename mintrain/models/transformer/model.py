@@ -192,6 +192,7 @@ class Transformer(nnx.Module):
     self.cfg, self.rules = cfg, rules
     # How many ways `length` is split (mesh.context), and the key/value (and KV cache) layout.
     self.length_ways, self.kv_layout = placement.ways('length'), kv_layout(cfg.kv_heads_axis(placement))
+    self.pipeline = placement.pipeline  # How the stacked blocks run over mesh.stage (`models.pipeline`).
 
   @on_params_mesh
   def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
@@ -372,7 +373,8 @@ class Transformer(nnx.Module):
     if segment_ids_BL is not None:
       segment_ids_BL = rules.reshard(segment_ids_BL, ('batch', 'length'))
     return run_layers(self.blocks, x_BLD, dropout_key, positions_BL, segment_ids_BL,
-                      scanned=self.cfg.scan_layers, policy=REMAT_POLICIES.get(self.cfg.remat))
+                      scanned=self.cfg.scan_layers, policy=REMAT_POLICIES.get(self.cfg.remat),
+                      schedule=self.pipeline)
 
   def _layers(self) -> list[Block]:
     """One Block per layer; with scan_layers, each holds its layer's slice of the stacked parameters."""
