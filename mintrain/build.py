@@ -113,7 +113,7 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   loss_fn = objective.make_loss(config)
   train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps), use_dropout=True,
                                loss_fn=loss_fn)
-  plan = report.plan(config, rules, mesh, layout, abstract_state)
+  plan = report.plan(config, rules, mesh, layout, abstract_state, placement.pipeline)
   return Run(config, mesh, rules, placement, notes, layout, graphdef, tx, abstract_state, init, from_params,
              train_step, make_eval_step(graphdef, loss_fn), plan, base_params, from_base, frozen_from_seed)
 

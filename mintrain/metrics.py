@@ -72,6 +72,7 @@ def format_duration(seconds: float) -> str:
 CONSOLE = (('loss', 'loss {:.4f}'), ('grad_norm', 'grad_norm {:.3f}'), ('learning_rate', 'lr {:.2e}'),
            ('steps_per_sec', '{:.2f} steps/s'), ('tokens_per_sec', '{:,.0f} tok/s'),
            ('tflops_per_device', '{:.3f} TFLOP/s/dev'), ('mfu', 'MFU {:.1%}'),
+           ('pipeline_bubble', 'pipeline bubble {:.1%}'),
            ('data_wait_fraction', 'data wait {:.1%}'), ('eval_loss', 'eval_loss {:.4f}'),
            ('eval_perplexity', 'eval_ppl {:.2f}'), ('eval_bits_per_byte', 'eval {:.3f} bits/byte'),
            ('unigram_bits_per_byte', 'eval split unigram entropy {:.3f} bits/byte: the baseline to beat'))

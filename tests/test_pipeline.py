@@ -102,7 +102,7 @@ def test_checkpoints_restore_between_pipelined_and_unpipelined_meshes_bit_for_bi
   run = build(config)
   with jax.set_mesh(run.mesh):
     state, _ = train_loop.initial_state(run, None, restore_from=str(tmp_path / 'checkpoints' / '2'),
-                                        print_fn=quiet)
+                                        params_only=False, print_fn=quiet)
   assert int(state.step) == 2
   for restored, wanted in zip(host(state.params) + host(state.opt_state),
                               host(saved.state.params) + host(saved.state.opt_state), strict=True):
@@ -125,3 +125,24 @@ def test_the_compiled_step_passes_activations_between_stages_and_gathers_no_stac
   gathered = re.findall(r'= \w+\[(\d+)[,\]][^\n]*? all-gather(?:-start)?\(', hlo)
   assert gathered, 'expected the tensor-parallel all-gathers of activations'
   assert '6' not in gathered, 'an all-gather of every layer'
+
+
+@pytest.mark.slow
+def test_a_pipelined_model_samples_on_its_mesh_as_on_one_device():
+  from helpers import fill
+
+  from mintrain import train_state
+  from mintrain.models.transformer import sampling
+  generated = {}
+  params = None
+  pipelined = (*MESHES['stage2_data2_model2'], 'pipeline.microbatches=2')
+  for name, mesh in (('single', SINGLE), ('pipelined', pipelined)):
+    run = build(load_config('dp4_tp2', *PIPELINED, 'data.source=synthetic', *mesh))
+    with jax.set_mesh(run.mesh):
+      if params is None:
+        params = {train_state.path_str(p): x for p, x in
+                  jax.tree_util.tree_flatten_with_path(jax.device_get(run.init().params))[0]}
+      model = run.model(fill(run.abstract_state.params, params))
+      prompt_BP = np.random.RandomState(0).randint(0, 256, (8, 5)).astype(np.int32)
+      generated[name] = np.asarray(sampling.generate(model, prompt_BP, 6))
+  np.testing.assert_array_equal(generated['pipelined'], generated['single'])

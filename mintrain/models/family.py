@@ -12,7 +12,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import Mesh
 
-from mintrain.models.pipeline import PipelineConfig, Schedule
+from mintrain.models.pipeline import UNPIPELINED, PipelineConfig, Schedule
 from mintrain.partitioning import AxisRules
 
 # How many ways activations split along a logical axis on the run's mesh (`AxisRules.ways`).
@@ -27,14 +27,14 @@ class Placement:
 
   platform: str = 'cpu'
   splits: tuple[tuple[str, int], ...] = ()
-  pipeline: Schedule = Schedule()
+  pipeline: Schedule = UNPIPELINED
 
   @classmethod
   def of(cls, rules: AxisRules, mesh: Mesh, pipeline: PipelineConfig | None = None) -> Placement:
     names = dict.fromkeys(name for name, _ in rules.rules)
     splits = tuple((name, rules.ways(name, mesh.shape)) for name in names)
     stages = dict(splits).get('layers', 1)
-    schedule = Schedule() if pipeline is None or stages == 1 else Schedule(
+    schedule = UNPIPELINED if pipeline is None or stages == 1 else Schedule(
         stages, pipeline.microbatches, pipeline.repeats)
     return cls(mesh.devices.flat[0].platform, splits, schedule)
 

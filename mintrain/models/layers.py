@@ -211,9 +211,8 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
     return jax.lax.scan(body, x, (params_N, first + jnp.arange(params_N[0].shape[0])))
 
   if schedule is None or schedule.stages == 1:
-    # A scan reads its layers whole: a `layers` dimension split over `stage` (of size 1 here, or gathered
-    # to run without the pipeline) is made whole first.
-    return run_block([_layers_whole(p) for p in params_N], x, 0, *args)
+    # A scan reads its layers whole (`stage` is of size 1 here, or they run without the pipeline).
+    return run_block([whole_layers(p) for p in params_N], x, 0, *args)
 
   def run_stage_block(*block_args) -> jax.Array:
     x, stats = run_block(*block_args)
@@ -224,7 +223,9 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
   return pipeline.run(schedule, run_stage_block, params_N, x, args), {}
 
 
-def _layers_whole(p_N: jax.Array) -> jax.Array:
+def whole_layers(p_N: jax.Array) -> jax.Array:
+  """Stacked parameters with their `layers` dimension whole on every device: for a scan, or to index one
+  layer, without the pipeline (a gather over `stage` where it splits them)."""
   spec = jax.typeof(p_N).sharding.spec
   if jax.sharding.get_abstract_mesh().empty or not spec or spec[0] is None:
     return p_N

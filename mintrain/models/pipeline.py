@@ -54,6 +54,9 @@ class Schedule:
     return self.iterations if self.stages > 1 else 1
 
 
+UNPIPELINED = Schedule()
+
+
 # (params of a block of layers with a leading layer dimension, x, index of its first layer, *args) -> x.
 RunBlock = Callable[..., jax.Array]
 

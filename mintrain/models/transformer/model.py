@@ -34,6 +34,7 @@ from mintrain.models.layers import (
   run_layers,
   split_layers,
   stack_layers,
+  whole_layers,
 )
 from mintrain.models.loss import cross_entropy, fused_cross_entropy, token_losses
 from mintrain.models.transformer import collective_matmul, mla, moe
@@ -381,6 +382,7 @@ class Transformer(nnx.Module):
     if not self.cfg.scan_layers:
       return list(self.blocks)
     make_layer, params_N = split_layers(self.blocks)
+    params_N = [whole_layers(p) for p in params_N]
     return [make_layer([p[i] for p in params_N]) for i in range(self.cfg.num_layers)]
 
   def _embed(self, tokens_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
