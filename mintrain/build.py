@@ -144,6 +144,10 @@ def _check_microbatches(config: Config, rules: AxisRules, mesh: Mesh, placement:
   """Each device's rows of a micro-batch must cut evenly into the pipeline's microbatches."""
   schedule = placement.pipeline
   rows = config.train.micro_batch_size // rules.ways('batch', mesh.shape)
+  if schedule.stages > 1 and schedule.microbatches > 1 and config.lora.dropout:
+    raise ConfigError(f'mesh.stage={schedule.stages} with pipeline.microbatches={schedule.microbatches} '
+                      'would draw other dropout masks than one batch does; set lora.dropout=0 or '
+                      'pipeline.microbatches=1.')
   if schedule.stages > 1 and rows % schedule.microbatches:
     raise ConfigError(f'pipeline.microbatches={schedule.microbatches} must divide the {rows} rows each '
                       'device holds of a micro-batch (train.global_batch_size / train.grad_accum_steps / the '

@@ -129,3 +129,10 @@ def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_
                                        ['hf.load_params', '2 x 4', 'fsdp8', 'warm']]
   assert all(n > 0 for row in body[2:] for n in numbers(row[4:]))
   assert 'Checkpoint: ' in stdout
+
+
+def test_pipeline_benchmark_smoke_times_one_and_two_stages_against_their_bubble():
+  _, header, body = smoke('pipeline.py')
+  assert header[:4] == ['stages', 'microbatches', 'bubble', 'predicted_ms']
+  assert [(row[0], row[2]) for row in body] == [('1', '0.0%'), ('2', '33.3%')]  # (S - 1) / (M + S - 1).
+  assert all(n > 0 for row in body for n in numbers(row[3:]))

@@ -5,7 +5,8 @@ is allocated):
       --config mintrain/configs/llama3_405b_512.py
 
 The 126 layers go 2 ways over `stage`, one stage a slice (mesh.dcn_stage: only one activation per
-microbatch crosses the slower network); within each slice fsdp 32 x model 8. GPipe over 8 microbatches.
+microbatch crosses the slower network); within each slice fsdp 32 x model 8. GPipe over 4 microbatches of
+one row per device each.
 """
 
 from . import base
@@ -20,6 +21,6 @@ def get_config():
   m.head_dim, m.mlp_dim, m.tie_embeddings, m.norm_eps = 128, 53248, False, 1e-5
   m.rope_base, m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_len = 500000.0, 'llama3', 8.0, 8192
   m.scan_layers, m.remat, m.compute_dtype = True, 'full', 'bfloat16'
-  c.pipeline.microbatches = 8
-  c.train.seq_len, c.train.global_batch_size = 8192, 256
+  c.pipeline.microbatches = 4
+  c.train.seq_len, c.train.global_batch_size = 4096, 128
   return c

@@ -189,7 +189,7 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
   (`pipeline.run`). With a remat `policy`, each layer recomputes in the backward pass what the policy does
   not keep. Returns `x` and the non-empty statistics stacked on a leading layer axis ({} if none)."""
 
-  def run(make_layer, params, x: jax.Array, i: jax.Array | int, *args):
+  def run(make_layer, params, x: jax.Array, i: jax.Array | int, key: jax.Array | None, *args):
     return make_layer(params)(x, jax.random.fold_in(key, i) if key is not None else None, *args)
 
   if policy is not None:
@@ -199,20 +199,21 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
     stats = []
     for i, layer in enumerate(layers):
       graphdef, params = nnx.split(layer)
-      x, layer_stats = run(functools.partial(nnx.merge, graphdef), params, x, i, *args)
+      x, layer_stats = run(functools.partial(nnx.merge, graphdef), params, x, i, key, *args)
       stats += [layer_stats] if layer_stats else []
     return x, jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if stats else {}
   make_layer, params_N = split_layers(layers)
 
-  def run_block(params_N: list[jax.Array], x: jax.Array, first: jax.Array | int, *args):
+  def run_block(params_N: list[jax.Array], x: jax.Array, first: jax.Array | int, key: jax.Array | None,
+                *args):
     def body(x: jax.Array, layer: tuple[list[jax.Array], jax.Array]):
       params, i = layer
-      return run(make_layer, params, x, i, *args)
+      return run(make_layer, params, x, i, key, *args)
     return jax.lax.scan(body, x, (params_N, first + jnp.arange(params_N[0].shape[0])))
 
   if schedule is None or schedule.stages == 1:
     # A scan reads its layers whole (`stage` is of size 1 here, or they run without the pipeline).
-    return run_block([whole_layers(p) for p in params_N], x, 0, *args)
+    return run_block([whole_layers(p) for p in params_N], x, 0, key, *args)
 
   def run_stage_block(*block_args) -> jax.Array:
     x, stats = run_block(*block_args)
@@ -220,7 +221,7 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
       raise ValueError('Pipelined layers return no statistics; the family must refuse mesh.stage > 1.')
     return x
 
-  return pipeline.run(schedule, run_stage_block, params_N, x, args), {}
+  return pipeline.run(schedule, run_stage_block, params_N, x, key, args), {}
 
 
 def whole_layers(p_N: jax.Array) -> jax.Array:

@@ -57,12 +57,12 @@ class Schedule:
 UNPIPELINED = Schedule()
 
 
-# (params of a block of layers with a leading layer dimension, x, index of its first layer, *args) -> x.
+# (params of a block of layers with a leading layer dimension, x, index of its first layer, key, *args) -> x.
 RunBlock = Callable[..., jax.Array]
 
 
 def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], x_BLD: jax.Array,
-        args: Sequence[jax.Array | None]) -> jax.Array:
+        key: jax.Array | None, args: Sequence[jax.Array | None]) -> jax.Array:
   """`x_BLD` through all layers (`params_N` stacked on a leading layer dimension split over `stage`), the
   batch in `schedule.microbatches` microbatches; an arg whose leading dimension is the batch's is split too.
 
@@ -77,7 +77,8 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
   args_M = [_microbatches(a, m) if s else a for a, s in zip(args, split)]
   block = params_N[0].shape[0] // (stages * repeats)
 
-  def stage_body(params_local: list[jax.Array], x_MbLD: jax.Array, args_M: list[jax.Array | None]):
+  def stage_body(params_local: list[jax.Array], x_MbLD: jax.Array, key: jax.Array | None,
+                 args_M: list[jax.Array | None]):
     s = jax.lax.axis_index(STAGE)
     ring = [(i, (i + 1) % stages) for i in range(stages)]
 
@@ -97,7 +98,7 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
       r, mb = jnp.clip(k // m, 0, repeats - 1), jnp.mod(k, m)
       params = [jax.lax.dynamic_slice_in_dim(p, r * block, block) for p in params_local]
       args_b = [a[mb] if sp else a for a, sp in zip(args_M, split)]
-      y_BLD = run_block(params, in_BLD, (r * stages + s) * block, *args_b)
+      y_BLD = run_block(params, in_BLD, (r * stages + s) * block, key, *args_b)
       y_BLD = jax.sharding.reshard(y_BLD, jax.typeof(in_BLD).sharding.spec)
       last = (s == stages - 1) & (k >= (repeats - 1) * m) & (k < repeats * m)
       out_MbLD = out_MbLD.at[mb].set(jnp.where(last, y_BLD, out_MbLD[mb]))
@@ -108,9 +109,9 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
     (_, _, out_MbLD), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.iterations))
     return jax.lax.psum(out_MbLD, STAGE)  # Only the last stage's are not zeros.
 
-  staged = jax.shard_map(stage_body, in_specs=([P(STAGE)] * len(params_N), P(), [P()] * len(args_M)),
+  staged = jax.shard_map(stage_body, in_specs=([P(STAGE)] * len(params_N), P(), P(), [P()] * len(args_M)),
                          out_specs=P(), axis_names={STAGE})
-  return _whole(staged(params_N, x_MbLD, args_M), rows)
+  return _whole(staged(params_N, x_MbLD, key, args_M), rows)
 
 
 def _circular(p_N: jax.Array, stages: int, repeats: int) -> jax.Array:

@@ -280,6 +280,10 @@ class TransformerConfig(Costs, ModelConfig):
     if self.num_experts or self.mtp_layers:
       raise ConfigError(f'mesh.stage={stages} does not run mixture-of-experts or multi-token prediction '
                         'models yet (their statistics are per batch, not per microbatch); set mesh.stage=1.')
+    if self.dropout_rate and schedule.microbatches > 1:
+      raise ConfigError(f'mesh.stage={stages} with pipeline.microbatches={schedule.microbatches} would draw '
+                        'other dropout masks than one batch does; set model.dropout_rate=0 or '
+                        'pipeline.microbatches=1.')
     if length_ways > 1:
       raise ConfigError(f'mesh.stage={stages} does not combine with a split `length` (mesh.context) yet; '
                         'set mesh.context=1 or mesh.stage=1.')
