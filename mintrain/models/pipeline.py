@@ -66,8 +66,9 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
   """`x_BLD` through all layers (`params_N` stacked on a leading layer dimension split over `stage`), the
   batch in `schedule.microbatches` microbatches; an arg whose leading dimension is the batch's is split too.
 
-  Each row computes exactly what it would without the pipeline: the layers see the same rows, weights and
-  layer indices (so the same dropout keys); only how many rows one matmul holds changes.
+  Each row computes what it would without the pipeline: the layers see the same rows, weights and layer
+  indices (so the same dropout keys, though a microbatch draws masks of its own shape); only how many rows
+  one matmul holds changes.
   """
   stages, m, repeats = schedule.stages, schedule.microbatches, schedule.repeats
   rows = x_BLD.shape[0]
@@ -105,7 +106,7 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
       return (y_BLD, waiting_MbLD, out_MbLD), None
 
     zeros_MbLD = jax.lax.pcast(jnp.zeros_like(x_MbLD), (STAGE,), to='varying')  # Each stage's own.
-    carry = (zeros_MbLD[0], zeros_MbLD, zeros_MbLD)
+    carry = (zeros_MbLD[0], zeros_MbLD if repeats > 1 else None, zeros_MbLD)
     (_, _, out_MbLD), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.iterations))
     return jax.lax.psum(out_MbLD, STAGE)  # Only the last stage's are not zeros.
 
