@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 # The hand-written step: plain JAX and optax. Shape letters: B batch, L length, D embed, F mlp, H heads,
 # K head dim, V vocab. `hp` is a plain dict of the model and optimizer hyperparameters.
 # ---------------------------------------------------------------------------------------------------------
-MESH_AXES = ('data', 'fsdp', 'expert', 'context', 'model')
+MESH_AXES = ('stage', 'data', 'fsdp', 'expert', 'context', 'model')
 BATCH = ('data', 'fsdp', 'expert')
 BLOCK_SPECS = {  # Megatron column/row pairs on `model`; FSDP splits the embed dimension at rest.
     'attn_norm': P('fsdp'), 'wq_DHK': P('fsdp', 'model', None), 'wk_DHK': P('fsdp', 'model', None),

@@ -190,6 +190,7 @@ class Log:
     self.data, self.seed, self.rows = run.config.data, run.config.seed, run.config.train.global_batch_size
     self.rates = dict(tokens_per_step=report.tokens_per_step(run.config),
                       flops_per_step=report.train_flops_per_step(run.config), num_devices=run.mesh.size)
+    self.pipeline = run.placement.pipeline
 
   def due(self, info: StepInfo) -> bool:
     return info.step % self.every == 0 or info.last
@@ -201,6 +202,8 @@ class Log:
       scalars.update(metrics.throughput(steps, seconds, **self.rates, peak_tflops=self.peak))
       scalars['data_wait_fraction'] = min(data_wait / seconds, 1.0)
       scalars['eta_sec'] = (self.total - info.step) * scalars['step_time']
+    if self.pipeline.stages > 1:  # The schedule's idle share, beside the measured step time.
+      scalars['pipeline_bubble'] = self.pipeline.bubble
     if self.data.source == 'mixture':  # Each source's share of the tokens of the last `every` steps.
       steps = range(max(info.step - self.every, 0), info.step)
       scalars.update(streaming.token_fractions(self.data, self.seed, self.rows, steps))

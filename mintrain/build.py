@@ -76,9 +76,10 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   family = config.family
   rules = AxisRules.from_config(config.partitioning)
   rules.check_mesh_axes(mesh.axis_names)
-  placement = Placement.of(rules, mesh)
+  placement = Placement.of(rules, mesh, config.pipeline)
   config = config.replace(model=config.model.for_platform(placement.platform))
   _check_batch_split(config, rules, mesh)
+  _check_microbatches(config, rules, mesh, placement)
   _check_length_split(config, rules, mesh)
   notes = config.model.placement_notes(placement, config.train.seq_len)
   make_base = functools.partial(family.make, config.model, rules, placement)
@@ -116,7 +117,7 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   loss_fn = objective.make_loss(config)
   train_step = make_train_step(graphdef, tx, schedule(config.optimizer, config.train.steps * updates),
                                use_dropout=True, loss_fn=loss_fn, updates=updates)
-  plan = report.plan(config, rules, mesh, layout, abstract_state)
+  plan = report.plan(config, rules, mesh, layout, abstract_state, placement.pipeline)
   return Run(config, mesh, rules, placement, notes, layout, graphdef, tx, abstract_state, init, from_params,
              train_step, make_eval_step(graphdef, loss_fn), plan, base_params, from_base, frozen_from_seed)
 
@@ -141,6 +142,20 @@ def _check_batch_split(config: Config, rules: AxisRules, mesh: Mesh) -> None:
         f'/ train.grad_accum_steps {train.grad_accum_steps}) is split over {named} '
         f'= {ways} devices; {train.micro_batch_size} % {ways} != 0. Use a global batch that is a '
         f'multiple of {ways * train.grad_accum_steps}.')
+
+
+def _check_microbatches(config: Config, rules: AxisRules, mesh: Mesh, placement: Placement) -> None:
+  """Each device's rows of a micro-batch must cut evenly into the pipeline's microbatches."""
+  schedule = placement.pipeline
+  rows = config.train.micro_batch_size // rules.ways('batch', mesh.shape)
+  if schedule.stages > 1 and schedule.microbatches > 1 and config.lora.dropout:
+    raise ConfigError(f'mesh.stage={schedule.stages} with pipeline.microbatches={schedule.microbatches} '
+                      'would draw other dropout masks than one batch does; set lora.dropout=0 or '
+                      'pipeline.microbatches=1.')
+  if schedule.stages > 1 and rows % schedule.microbatches:
+    raise ConfigError(f'pipeline.microbatches={schedule.microbatches} must divide the {rows} rows each '
+                      'device holds of a micro-batch (train.global_batch_size / train.grad_accum_steps / the '
+                      f'`batch` split); use a divisor of {rows}, or a larger batch.')
 
 
 def _check_length_split(config: Config, rules: AxisRules, mesh: Mesh) -> None:

@@ -34,6 +34,7 @@ from mintrain.fields import option
 from mintrain.lora import LoraConfig
 from mintrain.mesh import MeshConfig
 from mintrain.metrics import MetricsConfig
+from mintrain.models.pipeline import PipelineConfig
 from mintrain.objectives.dpo import DPOConfig
 from mintrain.objectives.grpo import GRPOConfig
 from mintrain.optimizer import OptimizerConfig
@@ -50,7 +51,8 @@ class InitConfig:
   lora_adapter: str = option()  # '' or a PEFT LoRA adapter directory: the adapters' initial values.
 
 
-SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'data': DataConfig, 'eval': EvalConfig,
+SECTIONS = {'mesh': MeshConfig, 'partitioning': PartitioningConfig, 'pipeline': PipelineConfig,
+            'data': DataConfig, 'eval': EvalConfig,
             'train': TrainConfig, 'metrics': MetricsConfig, 'profile': ProfileConfig,
             'checkpoint': CheckpointConfig, 'optimizer': OptimizerConfig, 'init': InitConfig,
             'lora': LoraConfig, 'dpo': DPOConfig, 'grpo': GRPOConfig}
@@ -65,6 +67,7 @@ class Config:
   model: Any
   mesh: MeshConfig
   partitioning: PartitioningConfig
+  pipeline: PipelineConfig
   data: DataConfig
   train: TrainConfig
   optimizer: OptimizerConfig

@@ -1,6 +1,8 @@
-"""The device mesh: axes `data`, `fsdp`, `expert`, `context`, `model`, all Explicit, so a sharding mismatch
-is a trace-time error. `model` is innermost (it talks every layer), then `context` and `expert`; only the
-axes in SPANS_SLICES may cross slices (`slices`, MaxText's `dcn_*`): their collectives are few a step."""
+"""The device mesh: axes `stage`, `data`, `fsdp`, `expert`, `context`, `model`, all Explicit, so a sharding
+mismatch is a trace-time error. `model` is innermost (it talks every layer), then `context` and `expert`;
+`stage` (pipeline stages) is outermost, as it talks least: one activation per microbatch to its neighbour.
+Only the axes in SPANS_SLICES may cross slices (`slices`, MaxText's `dcn_*`): their collectives are few a
+step."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ from mintrain.errors import ConfigError, MeshError
 from mintrain.fields import option
 from mintrain.runtime import host_allocator
 
-AXES = ('data', 'fsdp', 'expert', 'context', 'model')
-NAMED_IF_SPLIT = ('expert', 'context')  # Axes that `describe` leaves out at size 1.
-SPANS_SLICES = ('data', 'fsdp')  # Axes whose ways may go across slices (`slices` of make_mesh).
+AXES = ('stage', 'data', 'fsdp', 'expert', 'context', 'model')
+NAMED_IF_SPLIT = ('stage', 'expert', 'context')  # Axes that `describe` leaves out at size 1.
+SPANS_SLICES = ('stage', 'data', 'fsdp')  # Axes whose ways may go across slices (`slices` of make_mesh).
 
 
 def _mesh_size(value: int) -> str | None:
@@ -31,12 +33,14 @@ def _mesh_size(value: int) -> str | None:
 class MeshConfig:
   """The `mesh` section: ways of each axis."""
 
+  stage: int = option(check=_mesh_size)
   data: int = option(check=_mesh_size)
   fsdp: int = option(check=_mesh_size)
   expert: int = option(check=_mesh_size)
   context: int = option(check=_mesh_size)
   model: int = option(check=_mesh_size)
   # Of those ways, how many go across slices (multi-slice); only the axes in SPANS_SLICES have one.
+  dcn_stage: int = option(at_least=1)
   dcn_data: int = option(at_least=1)
   dcn_fsdp: int = option(at_least=1)
 
@@ -163,7 +167,7 @@ def slice_shape(shape: Sequence[int], slices: Mapping[str, int] | None) -> tuple
   slices = dict(slices or {})
   crossing = [a for a, n in slices.items() if n != 1 and a not in SPANS_SLICES]
   if crossing:
-    raise MeshError(f'Only {" and ".join(SPANS_SLICES)} may span slices, not {", ".join(crossing)}: its '
+    raise MeshError(f'Only {", ".join(SPANS_SLICES)} may span slices, not {", ".join(crossing)}: its '
                     'collectives run every layer and need the fast interconnect within a slice.')
   dcn = tuple(int(slices.get(a, 1)) for a in AXES)
   for axis, size, ways in zip(AXES, shape, dcn):
@@ -214,8 +218,8 @@ def levels(mesh: Mesh) -> tuple[str, int, dict[str, int]] | None:
 
 
 def describe(shape: Mapping[str, int]) -> str:
-  """`data=4 x fsdp=1 x model=2` for a mesh's `shape`, or the sizes a checkpoint saved; `expert` and
-  `context` are named only when they split (`data=2 x fsdp=1 x expert=4 x model=1`), so meshes without
+  """`data=4 x fsdp=1 x model=2` for a mesh's `shape`, or the sizes a checkpoint saved; `stage`, `expert`
+  and `context` are named only when they split (`data=2 x fsdp=1 x expert=4 x model=1`), so meshes without
   them read as before."""
   return ' x '.join(f'{name}={size}' for name, size in shape.items()
                     if name not in NAMED_IF_SPLIT or size != 1)

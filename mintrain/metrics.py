@@ -73,6 +73,7 @@ CONSOLE = (('loss', 'loss {:.4f}'), ('grpo_reward', 'reward {:.3f}'), ('grad_nor
            ('learning_rate', 'lr {:.2e}'),
            ('steps_per_sec', '{:.2f} steps/s'), ('tokens_per_sec', '{:,.0f} tok/s'),
            ('tflops_per_device', '{:.3f} TFLOP/s/dev'), ('mfu', 'MFU {:.1%}'),
+           ('pipeline_bubble', 'pipeline bubble {:.1%}'),
            ('data_wait_fraction', 'data wait {:.1%}'), ('eval_loss', 'eval_loss {:.4f}'),
            ('eval_perplexity', 'eval_ppl {:.2f}'), ('eval_bits_per_byte', 'eval {:.3f} bits/byte'),
            ('unigram_bits_per_byte', 'eval split unigram entropy {:.3f} bits/byte: the baseline to beat'))

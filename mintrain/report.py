@@ -14,6 +14,8 @@ from jax.sharding import Mesh
 from mintrain import mesh as mesh_lib
 from mintrain import partitioning
 from mintrain.errors import MemoryPlanError
+from mintrain.models.layers import LAYERS
+from mintrain.models.pipeline import UNPIPELINED, Schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState, state_bytes_per_device
 
@@ -53,6 +55,7 @@ class MemoryPlan:
   device_limit: int | None  # What one device can hold; None where that is unknown.
   limit_source: str = 'device memory'
   reference: int = 0  # The objective's frozen reference model in the state (DPO's), if it keeps one.
+  pipeline: Schedule = UNPIPELINED  # The stages' schedule: parameters are one stage's, activations in flight.
 
   @property
   def total(self) -> int:
@@ -63,12 +66,16 @@ class MemoryPlan:
     return self.device_limit is None or self.total <= self.device_limit
 
 
-def activation_bytes(config: Config, rules: AxisRules, mesh: Mesh) -> int:
+def activation_bytes(config: Config, rules: AxisRules, mesh: Mesh, pipeline: Schedule = UNPIPELINED) -> int:
   """Estimated activations kept for the backward pass of one micro-batch, per device (every sequence of a
-  row: the objective's `sequences_per_row`)."""
+  row: the objective's `sequences_per_row`). A pipeline stage keeps its layers' share (1 / S) for each of the
+  schedule's steps, each a microbatch (1 / M) of the rows: every step's, the idle ones' too, as the
+  schedule's scan keeps them all."""
   rows = config.train.micro_batch_size // rules.ways('batch', mesh.shape)
   rows *= config.objective.sequences_per_row(config)
-  return config.model.activation_bytes(rows, config.train.seq_len, lambda name: rules.ways(name, mesh.shape))
+  whole = config.model.activation_bytes(rows, config.train.seq_len, lambda name: rules.ways(name, mesh.shape))
+  s = pipeline
+  return whole if s.stages == 1 else whole * s.iterations // (s.stages * s.repeats * s.microbatches)
 
 
 def device_memory_limit(device: jax.Device) -> tuple[int | None, str]:
@@ -115,15 +122,16 @@ def check(p: MemoryPlan) -> None:
 
 
 def plan(config: Config, rules: AxisRules, mesh: Mesh, layout: list[ParamInfo],
-         abstract_state: TrainState) -> MemoryPlan:
+         abstract_state: TrainState, pipeline: Schedule = UNPIPELINED) -> MemoryPlan:
   params = sum(p.bytes_per_device for p in layout)  # Frozen ones (LoRA's base) at their stored size.
   trainable = sum(p.bytes_per_device for p in layout if p.trainable)
   grads = trainable * (2 if config.train.grad_accum_steps > 1 else 1)  # Plus the accumulation buffer.
   limit, source = device_memory_limit(mesh.devices.flat[0])
   return MemoryPlan(params=params, grads=grads,
                     opt_state=state_bytes_per_device(abstract_state.opt_state),
-                    activations=activation_bytes(config, rules, mesh), device_limit=limit,
-                    limit_source=source, reference=state_bytes_per_device(abstract_state.reference))
+                    activations=activation_bytes(config, rules, mesh, pipeline), device_limit=limit,
+                    limit_source=source, reference=state_bytes_per_device(abstract_state.reference),
+                    pipeline=pipeline)
 
 
 def _reference(p: MemoryPlan) -> str:
@@ -159,10 +167,27 @@ def fmt_bytes(n: float) -> str:
 def format_plan(p: MemoryPlan) -> str:
   known = p.device_limit is not None
   limit = f'{fmt_bytes(p.device_limit)} ({p.limit_source})' if known else 'an unknown limit'
-  return (f'memory plan per device: parameters {fmt_bytes(p.params)}, gradients {fmt_bytes(p.grads)}, '
-          f'optimizer state {fmt_bytes(p.opt_state)}, activations ~{fmt_bytes(p.activations)}'
-          f'{_reference(p)}; '
-          f'total ~{fmt_bytes(p.total)} of {limit}')
+  s = p.pipeline
+  staged = ('' if s.stages == 1 else f' (one stage\'s layers; activations of {s.iterations} microbatch steps '
+            f'of 1/{s.microbatches} of the rows in flight)')
+  return (f'memory plan per device{staged}: parameters {fmt_bytes(p.params)}, gradients '
+          f'{fmt_bytes(p.grads)}, optimizer state {fmt_bytes(p.opt_state)}, activations '
+          f'~{fmt_bytes(p.activations)}{_reference(p)}; total ~{fmt_bytes(p.total)} of {limit}')
+
+
+def format_stages(layout: list[ParamInfo], pipeline: Schedule) -> str:
+  """`pipeline: 2 stages x 2 repeats, 4 microbatches, bubble 20.0%; stage 0: layers 0-1, 4-5; ...`: which
+  stage runs each stacked layer; '' without a pipeline."""
+  s = pipeline
+  stacked = [p.shape[0] for p in layout if p.logical_axes[:1] == (LAYERS,)]
+  if s.stages == 1 or not stacked:
+    return ''
+  block = stacked[0] // (s.stages * s.repeats)
+  blocks = {stage: [f'{b * block}-{(b + 1) * block - 1}' if block > 1 else str(b * block)
+                    for b in range(stage, s.stages * s.repeats, s.stages)] for stage in range(s.stages)}
+  repeats = f' x {s.repeats} repeats' if s.repeats > 1 else ''
+  return (f'pipeline: {s.stages} stages{repeats}, {s.microbatches} microbatches, bubble {s.bubble:.1%}; '
+          + '; '.join(f'stage {stage}: layers {", ".join(b)}' for stage, b in blocks.items()))
 
 
 def format_activations(rules: partitioning.AxisRules, mesh: Mesh) -> str:
@@ -220,7 +245,8 @@ def format_report(layout: list[ParamInfo], abstract_state: TrainState, mesh: Mes
   frozen = [p for p in layout if not p.trainable]
   lines += [f'mesh {mesh_lib.describe(mesh.shape)} ({mesh.size} devices), {n_params:,} parameters',
             *([trainable_summary(layout)] if frozen else []),
-            *filter(None, [mesh_lib.describe_levels(mesh), rules and format_activations(rules, mesh)]),
+            *filter(None, [mesh_lib.describe_levels(mesh), rules and format_activations(rules, mesh),
+                           plan and format_stages(layout, plan.pipeline)]),
             f'per device: parameters {fmt_bytes(param_bytes)}, optimizer state {fmt_bytes(opt_bytes)}, '
             f'total {fmt_bytes(param_bytes + opt_bytes)}']
   if plan is not None:

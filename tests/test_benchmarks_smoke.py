@@ -170,3 +170,10 @@ def test_startup_benchmark_smoke_times_every_phase_and_finds_no_loop_in_the_init
     values = numbers(row[1:])
     assert all(n > 0 for n in values[:3]) and values[-2] > 0, row
     assert values[-1] == 0  # mintrain's threefry draws compile without loops.
+
+
+def test_pipeline_benchmark_smoke_times_one_and_two_stages_against_their_bubble():
+  _, header, body = smoke('pipeline.py')
+  assert header[:4] == ['stages', 'microbatches', 'bubble', 'predicted_ms']
+  assert [(row[0], row[2]) for row in body] == [('1', '0.0%'), ('2', '33.3%')]  # (S - 1) / (M + S - 1).
+  assert all(n > 0 for row in body for n in numbers(row[3:]))

@@ -118,7 +118,7 @@ def test_checkpoint_holds_state_data_position_and_metadata(sources):
   checkpoints = ckpt_lib.Checkpoints(source.workdir / 'checkpoints', read_only=True)
   assert checkpoints.steps() == [N, 2 * N]
   meta = checkpoints.metadata(N)
-  assert meta['mesh'] == {'data': 4, 'fsdp': 1, 'expert': 1, 'context': 1, 'model': 2}
+  assert meta['mesh'] == {'stage': 1, 'data': 4, 'fsdp': 1, 'expert': 1, 'context': 1, 'model': 2}
   assert meta['config']['model']['embed_dim'] == 64 and meta['config']['train']['steps'] == 2 * N
   assert set(meta['versions']) >= {'mintrain', 'jax', 'flax', 'optax', 'orbax-checkpoint'}
   data_file = checkpoints.step_dir(N) / 'data' / 'metadata'

@@ -38,6 +38,13 @@ EXPECTED = {
     ('latent', 'heads', 'kv'): P('fsdp', 'model', None),
     (None,): P(None),  # A sigmoid router's balancing bias.
 }
+
+
+def expected_spec(logical_axes: tuple) -> P:
+  """Stacked layers (pp2_dp2_tp2) put their leading `layers` dimension on `stage`, the rest as one layer."""
+  if logical_axes[:1] == ('layers',):
+    return P('stage', *EXPECTED[logical_axes[1:]])
+  return EXPECTED[logical_axes]
 # The shipped configs that fit the tests' 8 devices; a plan for more (mixtral_8x7b_256: 256 devices) is
 # laid out by show_sharding.py under several processes in tests/test_scripts.py.
 CONFIGS = sorted(p.stem for p in (configs.DIR).glob('*.py') if p.stem not in ('base', '__init__')
@@ -46,7 +53,7 @@ CONFIGS = sorted(p.stem for p in (configs.DIR).glob('*.py') if p.stem not in ('b
 
 def test_every_shipped_config_is_covered():
   shipped = {'single', 'dp8', 'dp4_tp2', 'tp8', 'fsdp8', 'fsdp4_tp2', 'mlp_dp4_tp2', 'moe_ep4_dp2',
-             'qwen3_moe_ep4_dp2', 'deepseek_v3_ep4_dp2'}
+             'qwen3_moe_ep4_dp2', 'deepseek_v3_ep4_dp2', 'pp2_dp2_tp2'}
   assert shipped <= set(CONFIGS)
 
 
@@ -68,7 +75,7 @@ def test_initialised_params_have_the_expected_sharding(name):
   for path, var in flat.items():
     info = infos[path]
     sharding = jax.typeof(var[...]).sharding
-    assert spec_entries(sharding.spec) == spec_entries(EXPECTED[info.logical_axes]), path
+    assert spec_entries(sharding.spec) == spec_entries(expected_spec(info.logical_axes)), path
     assert sharding.mesh.shape == mesh.shape
     assert var[...].addressable_shards[0].data.shape == info.shard_shape, path
 

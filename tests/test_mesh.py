@@ -22,16 +22,16 @@ from mintrain.mesh import (
 )
 
 
-def test_sizes_are_taken_in_data_fsdp_expert_context_model_order():
+def test_sizes_are_taken_in_stage_data_fsdp_expert_context_model_order():
   mesh = make_mesh({'data': 1, 'fsdp': 2, 'expert': 2, 'context': 1, 'model': 2})
-  assert mesh.axis_names == ('data', 'fsdp', 'expert', 'context', 'model')
-  assert dict(mesh.shape) == {'data': 1, 'fsdp': 2, 'expert': 2, 'context': 1, 'model': 2}
+  assert mesh.axis_names == ('stage', 'data', 'fsdp', 'expert', 'context', 'model')
+  assert dict(mesh.shape) == {'stage': 1, 'data': 1, 'fsdp': 2, 'expert': 2, 'context': 1, 'model': 2}
   assert [d.id for d in mesh.devices.flat] == list(range(8))
 
 
 def test_an_axis_left_out_has_size_one():  # As in the mesh a checkpoint saved before an axis existed.
   mesh = make_mesh({'data': 2, 'fsdp': 2, 'model': 2})
-  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'model': 2}
+  assert dict(mesh.shape) == {'stage': 1, 'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'model': 2}
 
 
 def test_a_mesh_without_expert_or_context_reads_as_before():
@@ -49,7 +49,7 @@ def test_all_axes_are_explicit():
 
 
 def test_minus_one_takes_the_remaining_devices():
-  assert mesh_shape({'data': -1, 'fsdp': 1, 'model': 2}, 8) == (4, 1, 1, 1, 2)
+  assert mesh_shape({'data': -1, 'fsdp': 1, 'model': 2}, 8) == (1, 4, 1, 1, 1, 2)
   assert dict(make_mesh({'data': 1, 'fsdp': -1, 'model': 1}).shape)['fsdp'] == 8
 
 
@@ -75,10 +75,11 @@ def fake_slices(num_slices: int, per_slice: int) -> list:
                                 platform='cpu', device_kind='cpu') for i in range(num_slices * per_slice)]
 
 
-@pytest.mark.parametrize('dcn', [(2, 1, 1, 1, 1), (1, 2, 1, 1, 1), (2, 2, 1, 1, 1)])
+@pytest.mark.parametrize('dcn', [(1, 2, 1, 1, 1, 1), (1, 1, 2, 1, 1, 1), (1, 2, 2, 1, 1, 1),
+                                 (2, 1, 1, 1, 1, 1)])
 def test_a_multi_slice_grid_keeps_each_slice_whole_and_makes_it_the_outer_factor_of_its_axes(dcn):
   devices = fake_slices(math.prod(dcn), 8)
-  shape = tuple(k * n for k, n in zip((2, 2, 1, 1, 2), dcn))  # 2 x 2 x 1 x 1 x 2 devices within each slice.
+  shape = tuple(k * n for k, n in zip((1, 2, 2, 1, 1, 2), dcn))  # 1 x 2 x 2 x 1 x 1 x 2 within each slice.
   grid = device_grid(shape, dcn, devices)
   assert grid.shape == shape
   slice_of = np.vectorize(lambda d: d.slice_index)(grid)
@@ -94,18 +95,19 @@ def test_a_multi_slice_grid_keeps_each_slice_whole_and_makes_it_the_outer_factor
 
 def test_a_mesh_that_asks_for_more_slices_than_the_devices_have_names_both_counts():
   with pytest.raises(MeshError, match=r'across 4 slices .*mesh.dcn_data=4.* are in 2 slices'):
-    device_grid((4, 1, 1, 2), (4, 1, 1, 1), fake_slices(2, 4))
+    device_grid((1, 4, 1, 1, 1, 2), (1, 4, 1, 1, 1, 1), fake_slices(2, 4))
 
 
-def test_only_data_and_fsdp_may_span_slices():
+def test_only_stage_data_and_fsdp_may_span_slices():
   with pytest.raises(MeshError, match='not model'):
-    slice_shape((4, 1, 1, 1, 2), {'model': 2})
+    slice_shape((1, 4, 1, 1, 1, 2), {'model': 2})
   with pytest.raises(MeshError, match='not context'):
-    slice_shape((4, 1, 1, 2, 1), {'context': 2})
+    slice_shape((1, 4, 1, 1, 2, 1), {'context': 2})
   with pytest.raises(MeshError, match='not expert'):  # Its all-to-alls run in every MoE layer.
-    slice_shape((4, 1, 2, 1, 1), {'expert': 2})
+    slice_shape((1, 4, 1, 2, 1, 1), {'expert': 2})
   with pytest.raises(MeshError, match=r'mesh.data=6 cannot go 4 ways.*mesh.dcn_data=4'):
-    slice_shape((6, 1, 1, 1, 1), {'data': 4})
+    slice_shape((1, 6, 1, 1, 1, 1), {'data': 4})
+  assert slice_shape((2, 4, 1, 1, 1, 1), {'stage': 2}) == (2, 1, 1, 1, 1, 1)  # Stages talk least.
 
 
 def test_a_single_process_run_with_one_slice_is_todays_mesh():

@@ -8,13 +8,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0  # Seeds parameter init, synthetic data and dropout; same seed -> same run on any mesh.
 
   c.mesh = ml_collections.ConfigDict()
+  c.mesh.stage = 1  # Pipeline stages: the stacked layers (model.scan_layers) split into blocks, one a stage.
   c.mesh.data = 4  # Data-parallel ways (batch split, params replicated). -1: all remaining devices.
   c.mesh.fsdp = 1  # Fully-sharded data-parallel ways (batch split, params split on `embed`).
   c.mesh.expert = 1  # Expert-parallel ways: MoE layers' experts split, the batch split everywhere else.
   c.mesh.context = 1  # Context-parallel ways (the sequence's `length` split; attention gathers keys).
   c.mesh.model = 2  # Tensor-parallel ways (heads, mlp and vocab split).
-  # Multi-slice: how many of the data (fsdp) ways go across slices or hosts over the data-centre network;
-  # the rest stay within each slice. 1: one slice. The product is the number of slices (or processes).
+  # Multi-slice: how many of the stage (data, fsdp) ways go across slices or hosts over the data-centre
+  # network; the rest stay within each slice. 1: one slice. The product is the number of slices (or
+  # processes).
+  c.mesh.dcn_stage = 1
   c.mesh.dcn_data = 1
   c.mesh.dcn_fsdp = 1
 
@@ -34,11 +37,23 @@ def get_config() -> ml_collections.ConfigDict:
       ('vocab', 'model'),
       ('expert', 'expert'),  # The experts of a mixture-of-experts layer (model.num_experts).
       ('classes', None),
-      ('layers', None),
+      ('layers', 'stage'),  # Stacked layers: each pipeline stage holds its block of them (mesh.stage).
       ('lora_rank', None),  # The rank dimension of LoRA's adapters (lora.rank): small, replicated.
   ]
   # Storage layout of parameters at rest, tried before `rules`: FSDP shards `embed` on `fsdp`.
   c.partitioning.param_rules = [('embed', 'fsdp'), ('latent', 'fsdp')]
+
+  # Pipeline parallelism over mesh.stage (mintrain/models/pipeline.py; needs model.scan_layers): each stage
+  # holds a block of the stacked layers and the batch flows through them in microbatches, each stage passing
+  # its output to the next. Unused at mesh.stage=1.
+  c.pipeline = ml_collections.ConfigDict()
+  # Microbatches each batch (each train.grad_accum_steps micro-batch) is cut into; they must split each
+  # device's rows evenly. The idle share of the stages (the bubble) is (S - 1) / (repeats * M + S - 1).
+  c.pipeline.microbatches = 4
+  # Circular schedule: each stage holds this many non-contiguous blocks of layers (stage s: blocks s,
+  # s + S, ...) and each microbatch goes round the stages this many times, shrinking the bubble; 1: GPipe.
+  # Needs microbatches >= mesh.stage; the stacked weights move between stages each step for it.
+  c.pipeline.repeats = 1
 
   c.model = ml_collections.ConfigDict()
   c.model.name = 'transformer'  # 'transformer' (decoder-only LM) or 'mlp' (classifier).

@@ -12,6 +12,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import Mesh
 
+from mintrain.models.pipeline import UNPIPELINED, PipelineConfig, Schedule
 from mintrain.partitioning import AxisRules
 
 # How many ways activations split along a logical axis on the run's mesh (`AxisRules.ways`).
@@ -20,16 +21,22 @@ Ways = Callable[[str], int]
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """What the run's devices decide for a model, given to its constructor and never a config option: their
-  platform (which picks kernels) and how many ways the rules split each logical axis on the mesh."""
+  """What the run's devices decide for a model, given to its constructor: their platform (which picks
+  kernels), how many ways the rules split each logical axis on the mesh, and the pipeline that runs its
+  stacked layers over the `layers` split (the `pipeline` section's schedule on those stages)."""
 
   platform: str = 'cpu'
   splits: tuple[tuple[str, int], ...] = ()
+  pipeline: Schedule = UNPIPELINED
 
   @classmethod
-  def of(cls, rules: AxisRules, mesh: Mesh) -> Placement:
+  def of(cls, rules: AxisRules, mesh: Mesh, pipeline: PipelineConfig | None = None) -> Placement:
     names = dict.fromkeys(name for name, _ in rules.rules)
-    return cls(mesh.devices.flat[0].platform, tuple((name, rules.ways(name, mesh.shape)) for name in names))
+    splits = tuple((name, rules.ways(name, mesh.shape)) for name in names)
+    stages = dict(splits).get('layers', 1)
+    schedule = UNPIPELINED if pipeline is None or stages == 1 else Schedule(
+        stages, pipeline.microbatches, pipeline.repeats)
+    return cls(mesh.devices.flat[0].platform, splits, schedule)
 
   def ways(self, name: str) -> int:
     return dict(self.splits).get(name, 1)

@@ -1,6 +1,6 @@
 """Building blocks every family shares: parameters that carry their logical axes, `gather` to the compute
 layout inside the layer that uses it (so FSDP's all-gather and reduce-scatter happen there), and
-`run_layers`, the one scan/remat runner of a stack of layers (stacked on a leading `layers` axis)."""
+`run_layers`, the one scan/remat/pipeline runner of a stack of layers (stacked on a leading `layers` axis)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from mintrain.models import pipeline
 from mintrain.partitioning import AxisRules
 
 Initializer = Callable[..., jax.Array]
@@ -180,14 +181,15 @@ def split_layers(stacked: nnx.Module) -> tuple[Callable[[list[jax.Array]], nnx.M
 
 
 def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, scanned: bool,
-               policy: Callable | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+               policy: Callable | None = None, schedule: pipeline.Schedule | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`x` through each layer in turn, `layer(x, key, *args) -> (x, statistics)`, the key folded with the
   layer's index: unrolled over a list of layers, or one `scan` over layers stacked by `stack_layers`, so
-  compile time does not grow with depth. With a remat `policy`, each layer recomputes in the backward
-  pass what the policy does not keep. Returns `x` and the non-empty statistics stacked on a leading
-  layer axis ({} if none)."""
+  compile time does not grow with depth; stacked layers over several stages run as `schedule`'s pipeline
+  (`pipeline.run`). With a remat `policy`, each layer recomputes in the backward pass what the policy does
+  not keep. Returns `x` and the non-empty statistics stacked on a leading layer axis ({} if none)."""
 
-  def run(make_layer, params, x: jax.Array, i: jax.Array | int, *args):
+  def run(make_layer, params, x: jax.Array, i: jax.Array | int, key: jax.Array | None, *args):
     return make_layer(params)(x, jax.random.fold_in(key, i) if key is not None else None, *args)
 
   if policy is not None:
@@ -197,16 +199,38 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
     stats = []
     for i, layer in enumerate(layers):
       graphdef, params = nnx.split(layer)
-      x, layer_stats = run(functools.partial(nnx.merge, graphdef), params, x, i, *args)
+      x, layer_stats = run(functools.partial(nnx.merge, graphdef), params, x, i, key, *args)
       stats += [layer_stats] if layer_stats else []
     return x, jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if stats else {}
   make_layer, params_N = split_layers(layers)
 
-  def body(x: jax.Array, layer: tuple[list[jax.Array], jax.Array]):
-    params, i = layer
-    return run(make_layer, params, x, i, *args)
+  def run_block(params_N: list[jax.Array], x: jax.Array, first: jax.Array | int, key: jax.Array | None,
+                *args):
+    def body(x: jax.Array, layer: tuple[list[jax.Array], jax.Array]):
+      params, i = layer
+      return run(make_layer, params, x, i, key, *args)
+    return jax.lax.scan(body, x, (params_N, first + jnp.arange(params_N[0].shape[0])))
 
-  return jax.lax.scan(body, x, (params_N, jnp.arange(params_N[0].shape[0])))
+  if schedule is None or schedule.stages == 1:
+    # A scan reads its layers whole (`stage` is of size 1 here, or they run without the pipeline).
+    return run_block([whole_layers(p) for p in params_N], x, 0, key, *args)
+
+  def run_stage_block(*block_args) -> jax.Array:
+    x, stats = run_block(*block_args)
+    if stats:
+      raise ValueError('Pipelined layers return no statistics; the family must refuse mesh.stage > 1.')
+    return x
+
+  return pipeline.run(schedule, run_stage_block, params_N, x, key, args), {}
+
+
+def whole_layers(p_N: jax.Array) -> jax.Array:
+  """Stacked parameters with their `layers` dimension whole on every device: for a scan, or to index one
+  layer, without the pipeline (a gather over `stage` where it splits them)."""
+  spec = jax.typeof(p_N).sharding.spec
+  if jax.sharding.get_abstract_mesh().empty or not spec or spec[0] is None:
+    return p_N
+  return jax.sharding.reshard(p_N, jax.sharding.PartitionSpec(None, *spec[1:]))
 
 
 def on_params_mesh(function: Callable) -> Callable:

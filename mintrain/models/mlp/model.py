@@ -16,8 +16,9 @@ import numpy as np
 from flax import nnx
 
 from mintrain.data import synthetic
+from mintrain.errors import ConfigError
 from mintrain.fields import option
-from mintrain.models.family import ModelConfig, Ways
+from mintrain.models.family import ModelConfig, Placement, Ways
 from mintrain.models.layers import dropout, gather, param
 from mintrain.models.loss import cross_entropy
 from mintrain.partitioning import AxisRules
@@ -61,6 +62,12 @@ class MLPConfig(ModelConfig):
   def activation_bytes(self, rows: int, seq_len: int, ways: Ways) -> int:
     """Each layer's input and its pre-activation, per example."""
     return rows * sum(2 * w * np.dtype(self.compute_dtype).itemsize for w in self.dims)
+
+  def placement_notes(self, placement: Placement, seq_len: int) -> list[str]:
+    if placement.pipeline.stages > 1:
+      raise ConfigError(f'The MLP has no stacked layers to pipeline over mesh.stage='
+                        f'{placement.pipeline.stages}; set mesh.stage=1.')
+    return []
 
   def synthetic_rows(self, seed: int, step: int, rows: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
     return synthetic.classification_rows(seed, step, rows, self.input_dim, self.num_classes)

@@ -18,6 +18,7 @@ from mintrain.errors import ConfigError
 from mintrain.fields import option
 from mintrain.models.family import ModelConfig, Placement
 from mintrain.models.layers import LINEAR_OPTIONS, linear_for_platform
+from mintrain.models.pipeline import Schedule
 from mintrain.models.transformer.costs import Costs
 
 # What a rematerialised block keeps for the backward pass (`model.REMAT_POLICIES`); 'none' keeps everything.
@@ -252,6 +253,7 @@ class TransformerConfig(Costs, ModelConfig):
 
   def placement_notes(self, placement: Placement, seq_len: int) -> list[str]:
     ways = placement.ways('length')
+    self._check_pipeline(placement.pipeline, ways)
     if self.context_attention == 'ring' and ways > 1 and seq_len % (2 * ways):
       raise ConfigError(f'model.context_attention=ring splits train.seq_len={seq_len} into 2 x {ways} chunks '
                         f'(two per device of the {ways}-way `length` split, for causal balance); use a '
@@ -264,6 +266,30 @@ class TransformerConfig(Costs, ModelConfig):
       return [f'model.num_kv_heads={self.kv_heads} key/value heads do not split {placement.ways("kv_heads")} '
               'ways (the rules for `kv_heads`); they are replicated on every device of that split.']
     return []
+
+  def _check_pipeline(self, schedule: Schedule, length_ways: int) -> None:
+    """What the pipeline over mesh.stage (`models.pipeline`) needs of the model."""
+    stages, repeats = schedule.stages, schedule.repeats
+    if stages == 1:
+      return
+    if not self.scan_layers:
+      raise ConfigError(f'mesh.stage={stages} pipelines the stacked layers; set model.scan_layers=True.')
+    if self.num_layers % (stages * repeats):
+      raise ConfigError(f'model.num_layers={self.num_layers} does not split into mesh.stage={stages} x '
+                        f'pipeline.repeats={repeats} blocks; use a multiple of {stages * repeats} layers.')
+    if self.num_experts or self.mtp_layers:
+      raise ConfigError(f'mesh.stage={stages} does not run mixture-of-experts or multi-token prediction '
+                        'models yet (their statistics are per batch, not per microbatch); set mesh.stage=1.')
+    if self.dropout_rate and schedule.microbatches > 1:
+      raise ConfigError(f'mesh.stage={stages} with pipeline.microbatches={schedule.microbatches} would draw '
+                        'other dropout masks than one batch does; set model.dropout_rate=0 or '
+                        'pipeline.microbatches=1.')
+    if length_ways > 1:
+      raise ConfigError(f'mesh.stage={stages} does not combine with a split `length` (mesh.context) yet; '
+                        'set mesh.context=1 or mesh.stage=1.')
+    if repeats > 1 and schedule.microbatches < stages:
+      raise ConfigError(f'pipeline.repeats={repeats} sends each microbatch round the {stages} stages again; '
+                        f'it needs pipeline.microbatches >= mesh.stage={stages}.')
 
   def synthetic_rows(self, seed: int, step: int, rows, seq_len: int):
     return synthetic.token_rows(seed, step, rows, seq_len, self.vocab_size)

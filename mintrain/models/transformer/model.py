@@ -34,6 +34,7 @@ from mintrain.models.layers import (
   run_layers,
   split_layers,
   stack_layers,
+  whole_layers,
 )
 from mintrain.models.loss import cross_entropy, fused_cross_entropy, token_losses
 from mintrain.models.transformer import collective_matmul, mla, moe
@@ -192,6 +193,7 @@ class Transformer(nnx.Module):
     self.cfg, self.rules = cfg, rules
     # How many ways `length` is split (mesh.context), and the key/value (and KV cache) layout.
     self.length_ways, self.kv_layout = placement.ways('length'), kv_layout(cfg.kv_heads_axis(placement))
+    self.pipeline = placement.pipeline  # How the stacked blocks run over mesh.stage (`models.pipeline`).
 
   @on_params_mesh
   def __call__(self, tokens_BL: jax.Array, *, dropout_key: jax.Array | None = None,
@@ -390,13 +392,15 @@ class Transformer(nnx.Module):
     if segment_ids_BL is not None:
       segment_ids_BL = rules.reshard(segment_ids_BL, ('batch', 'length'))
     return run_layers(self.blocks, x_BLD, dropout_key, positions_BL, segment_ids_BL,
-                      scanned=self.cfg.scan_layers, policy=REMAT_POLICIES.get(self.cfg.remat))
+                      scanned=self.cfg.scan_layers, policy=REMAT_POLICIES.get(self.cfg.remat),
+                      schedule=self.pipeline)
 
   def _layers(self) -> list[Block]:
     """One Block per layer; with scan_layers, each holds its layer's slice of the stacked parameters."""
     if not self.cfg.scan_layers:
       return list(self.blocks)
     make_layer, params_N = split_layers(self.blocks)
+    params_N = [whole_layers(p) for p in params_N]
     return [make_layer([p[i] for p in params_N]) for i in range(self.cfg.num_layers)]
 
   def _embed(self, tokens_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
