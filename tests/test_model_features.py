@@ -196,7 +196,7 @@ def test_stacked_params_declare_the_layers_axis_first_and_the_report_shows_it():
   assert not any(path.startswith('blocks.0.') for path in infos)
   gate = infos['blocks.mlp.wi_gate_DF']
   assert gate.shape == (2, 64, 128) and gate.logical_axes == ('layers', 'embed', 'mlp')
-  assert tuple(gate.spec) == (None, 'fsdp', 'model') and gate.shard_shape == (2, 16, 64)
+  assert tuple(gate.spec) == ('stage', 'fsdp', 'model') and gate.shard_shape == (2, 16, 64)
   assert infos['blocks.attn_norm.scale'].logical_axes == ('layers', 'embed')
   assert "('layers', 'embed', 'mlp')" in format_report(setup.layout, setup.abstract_state, mesh)
 

@@ -281,6 +281,15 @@ def from_pretrained(path: str | os.PathLike, *, base: ml_collections.ConfigDict 
   return nnx.merge(run.graphdef, params)
 
 
+def _layer(x_L: jax.Array, layer: int) -> jax.Array:
+  """One layer of a stacked array whose `layers` dimension may be split (over `stage`): gathered there."""
+  sharding = x_L.sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return x_L[layer]
+  rest = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+  return x_L.at[layer].get(out_sharding=rest)
+
+
 def _host(x: jax.Array) -> np.ndarray:
   """The whole array on this host (a collective when it spans processes)."""
   if x.is_fully_addressable:
@@ -416,7 +425,7 @@ def _write(model: nnx.Module, out: epath.Path, dtype: str | None, max_shard_size
     for layer in range(max(source.layers, 1)):
       # Every process takes part in the gather of one layer's tensors; process 0 keeps them. A layer's
       # parts (experts) are split on the host: indexing the device array would cross their mesh axis.
-      host = _host(var[layer] if source.layers else var[...])
+      host = _host(_layer(var[...], layer) if source.layers else var[...])
       if not is_main:
         continue
       names = source.names[layer * per_layer:(layer + 1) * per_layer]
