@@ -1,15 +1,20 @@
 #!/usr/bin/env python
 """Step time of a mixture-of-experts model against the dense model with the same active parameters.
 
-The dense model is mintrain/configs/bench_tiny.py (MLP width F = 1024). The MoE model replaces every MLP by
-E = 8 experts of width F / k = 512 with k = 2 per token, so a token meets the same MLP FLOPs and as many
-active MLP parameters (plus a D x E router), and holds E / k = 4 times the MLP parameters. Each variant
+The dense model is mintrain/configs/bench_tiny.py (MLP width F = 1024). The MoE models replace every MLP by
+E = 8 experts of width F / 2 = 512 with k = 2 per token, or E = 64 experts of width F / 4 = 256 with k = 4,
+so a token meets the same MLP FLOPs and as many active MLP parameters (plus a D x E router). Each variant
 runs on all 8 devices:
 
-  dense                     data 8 (bench_tiny's batch split 8 ways)
-  moe capacity 1.25         expert 4 x data 2: experts split 4 ways, tokens dispatched by all-to-all
-  moe capacity 1.25, no EP  data 8: every device holds every expert, no all-to-all
-  moe dropless              expert 4 x data 2: L slots per expert, E / k times the active expert FLOPs
+  dense                           data 8 (bench_tiny's batch split 8 ways)
+  8e top-2 grouped                data 8: dropless, each device its tokens' choices by the grouped matmul
+  8e top-2 grouped, EP4           expert 4 x data 2: the choices to their experts' devices by all-to-all,
+                                  each peer sent at most all of them (exact)
+  8e top-2 grouped, EP4, bound 2  the same, each peer sent at most twice its even share
+  8e top-2 slots, EP4             dropless the old way: every expert L slots a sequence (E / k the work)
+  8e top-2 capacity 1.25, EP4     1.25 x the even share of slots per expert, the rest dropped
+  64e top-4 grouped               data 8
+  64e top-4 grouped, EP4, bound 2 expert 4 x data 2
 
 The ratio column is each step time over the dense one. Model TFLOP/s use the analytic count (active
 experts only), as the training loop's MFU does.
@@ -30,12 +35,18 @@ from mintrain import report
 
 DATA8 = ('mesh.data=8', 'mesh.fsdp=1', 'mesh.expert=1', 'mesh.model=1')
 EP4 = ('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1')
-MOE = ('model.num_experts=8', 'model.experts_per_token=2', 'model.expert_mlp_dim=512')
+E8 = ('model.num_experts=8', 'model.experts_per_token=2', 'model.expert_mlp_dim=512')
+E64 = ('model.num_experts=64', 'model.experts_per_token=4', 'model.expert_mlp_dim=256')
+BOUND2 = ('model.expert_exchange_factor=2',)
 VARIANTS = {
     'dense': DATA8,
-    'moe capacity 1.25': (*EP4, *MOE, 'model.capacity_factor=1.25'),
-    'moe capacity 1.25, no EP': (*DATA8, *MOE, 'model.capacity_factor=1.25'),
-    'moe dropless': (*EP4, *MOE, 'model.capacity_factor=0'),
+    '8e top-2 grouped': (*DATA8, *E8),
+    '8e top-2 grouped, EP4': (*EP4, *E8),
+    '8e top-2 grouped, EP4, bound 2': (*EP4, *E8, *BOUND2),
+    '8e top-2 slots, EP4': (*EP4, *E8, 'model.grouped_matmul=off'),
+    '8e top-2 capacity 1.25, EP4': (*EP4, *E8, 'model.capacity_factor=1.25'),
+    '64e top-4 grouped': (*DATA8, *E64),
+    '64e top-4 grouped, EP4, bound 2': (*EP4, *E64, *BOUND2),
 }
 SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
          'model.expert_mlp_dim=32', 'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8',

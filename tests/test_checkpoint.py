@@ -31,6 +31,9 @@ TARGETS = {
     'moe_single': ('moe_ep4_dp2', ('mesh.data=1', 'mesh.expert=1')),
     'moe_ep2_tp2_fsdp2': ('moe_ep4_dp2', ('mesh.data=1', 'mesh.fsdp=2', 'mesh.expert=2', 'mesh.model=2')),
     'dense_ep4_dp2': ('dp4_tp2', ('mesh.data=2', 'mesh.expert=4', 'mesh.model=1')),
+    # The grouped-matmul experts' checkpoint continued by the slot path (every expert L slots a sequence).
+    'moe_slots_ep2_tp2': ('moe_ep4_dp2', ('mesh.data=2', 'mesh.expert=2', 'mesh.model=2',
+                                          'model.grouped_matmul=off')),
 }
 
 
@@ -136,7 +139,7 @@ REPRESENTATIVE = [('dp4_tp2', 'fsdp8'), ('dp4_tp2', '2x4'), ('fsdp4_tp2', 'dp8')
 ALL_PAIRS = [pair for pair in itertools.permutations(MESH_CONFIGS + ('2x4',), 2)
              if pair[0] != '2x4' and pair not in REPRESENTATIVE]
 ALL_PAIRS += [('moe_ep4_dp2', 'moe_ep2_tp2_fsdp2'), ('dp4_tp2', 'dense_ep4_dp2'),
-              ('moe_ep4_dp2', 'moe_single')]
+              ('moe_ep4_dp2', 'moe_single'), ('moe_ep4_dp2', 'moe_slots_ep2_tp2')]
 ALL_PAIRS += [('lora_dp4_tp2', f'lora_{name}') for name in MESH_CONFIGS if name != 'dp4_tp2']
 ALL_PAIRS += [('lora_tp8', 'lora_single'), ('lora_fsdp4_tp2', 'lora_cp2_dp2_tp2')]
 

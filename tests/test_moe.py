@@ -16,7 +16,7 @@ from mintrain.data import tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
-from mintrain.models.transformer import moe
+from mintrain.models.transformer import grouped, moe
 from mintrain.objectives.lm import loss as loss_fn
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
@@ -86,12 +86,15 @@ def test_capacity_is_the_factor_times_the_even_share_and_dropless_is_the_whole_s
 # Dropless and a capacity that drops nothing, each mode on both expert meshes, and with the sequence split
 # over `context`; the slow set has the rest.
 INVARIANCE = [('dropless', 'expert4_data2'), ('capacity', 'expert2_context2_model2')]
-INVARIANCE_SLOW = [('dropless', 'expert2_model2_fsdp2'), ('capacity', 'expert4_data2'),
-                   ('capacity', 'expert2_model2_fsdp2')]
+INVARIANCE_SLOW = [('dropless', 'expert2_model2_fsdp2'), ('dropless', 'expert2_context2_model2'),
+                   ('dropless_ragged_dot', 'expert4_data2'), ('dropless_slots', 'expert4_data2'),
+                   ('capacity', 'expert4_data2'), ('capacity', 'expert2_model2_fsdp2')]
+MODES = {'dropless': (), 'dropless_ragged_dot': ('model.grouped_matmul=ragged_dot',),
+         'dropless_slots': ('model.grouped_matmul=off',), 'capacity': (NO_DROPS,)}
 
 
 def check_losses_equal_one_device(capacity, mesh):
-  overrides = () if capacity == 'dropless' else (NO_DROPS,)
+  overrides = MODES[capacity]
   single = run('single', *overrides)
   assert len(single.losses) == 3
   logged = [r['moe_dropped_fraction'] for r in single.records if 'moe_dropped_fraction' in r]
@@ -132,8 +135,8 @@ def padded_batch(noise: int) -> dict[str, np.ndarray]:
           'target_weights': real_BL.astype(np.float32)}
 
 
-def loss_statistics_and_grads(mesh, batch):
-  config = load_config('moe_ep4_dp2', *TINY, *MESHES[mesh], SMALL)
+def loss_statistics_and_grads(mesh, batch, *overrides):
+  config = load_config('moe_ep4_dp2', *TINY, *MESHES[mesh], *(overrides or (SMALL,)))
   setup = build(config)
   rules = AxisRules.from_config(config.partitioning)
   with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
@@ -269,3 +272,93 @@ def test_a_batch_rule_that_leaves_out_the_expert_axis_names_the_rules_to_change(
 def test_rematerialised_moe_layers_give_the_same_losses(remat):
   np.testing.assert_allclose(run('expert4_data2', f'model.remat={remat}').losses, run('single').losses,
                              rtol=1e-4)
+
+
+def per_row_mlp(x_RD, group_R, w_gate_GDF, w_up_GDF, w_down_GFD):
+  """Each row times its own group's matrices (the group's or zeros for G: none), one row at a time."""
+  g_R = jnp.minimum(group_R, w_gate_GDF.shape[0] - 1)
+  h_RF = (jax.nn.silu(jnp.einsum('RD,RDF->RF', x_RD, w_gate_GDF[g_R]))
+          * jnp.einsum('RD,RDF->RF', x_RD, w_up_GDF[g_R]))
+  y_RD = jnp.einsum('RF,RFD->RD', h_RF, w_down_GFD[g_R])
+  return jnp.where((group_R < w_gate_GDF.shape[0])[:, None], y_RD, 0)
+
+
+@pytest.mark.parametrize('kernel,tile', [('ragged_dot', 0), ('blocks', 0), ('blocks', 8), ('blocks', 3)])
+def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kernel, tile):
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  rows, groups, d, f = 100, 5, 8, 12
+  x_RD = jax.random.normal(keys[0], (rows, d))
+  group_R = jax.random.randint(keys[1], (rows,), 0, groups + 1)  # Some rows (id 5) in no group.
+  w = (jax.random.normal(keys[2], (groups, d, f)) / 3, jax.random.normal(keys[3], (groups, d, f)) / 3,
+       jax.random.normal(keys[4], (groups, f, d)) / 3)
+
+  def grouped_mlp(x_RD, *w):
+    return grouped.gated_mlp(x_RD, group_R, *w, jax.nn.silu, kernel=kernel, tile=tile)
+
+  got, want = grouped_mlp(x_RD, *w), per_row_mlp(x_RD, group_R, *w)
+  assert np.all(np.asarray(got)[np.asarray(group_R) == groups] == 0)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  grads = jax.grad(lambda *a: jnp.sum(jnp.sin(grouped_mlp(*a))), argnums=(0, 1, 2, 3))(x_RD, *w)
+  wanted = jax.grad(lambda *a: jnp.sum(jnp.sin(per_row_mlp(a[0], group_R, *a[1:]))),
+                    argnums=(0, 1, 2, 3))(x_RD, *w)
+  for g, want in zip(grads, wanted):
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_blocks_pad_each_group_to_whole_tiles_and_the_automatic_tile_pads_an_eighth_at_most():
+  assert grouped.padded_rows(100, 5, 8) == (13 + 4) * 8  # ceil(100 / 8) tiles, and one partial per group.
+  for rows, groups in ((1024, 8), (2048, 64), (16384, 16), (64, 4)):
+    tile = grouped.tile_rows(rows, groups, 0)
+    assert 8 <= tile <= 512 and tile & (tile - 1) == 0
+    assert (groups - 1) * tile <= max(rows / 8, (groups - 1) * 8)  # At most an eighth, or tiles of 8 rows.
+  # The tile layout holds every row once, in its group's tiles.
+  group_R = jnp.array([2, 0, 2, 2, 1, 3, 0, 2, 2], jnp.int32)  # 3: no group.
+  plan = grouped.plan(group_R, 3, 'blocks', tile=2)
+  source = np.asarray(plan.source_P).reshape(-1, 2)
+  assert sorted(source[source < 9].tolist()) == list(range(8))  # The 8 grouped rows, each once.
+  assert np.asarray(plan.group_N)[:4].tolist() == [0, 1, 2, 2]  # 2, 1 and 5 rows: 1, 1 and 3 tiles.
+
+
+def dropless(kernel):
+  return ('model.capacity_factor=0', f'model.grouped_matmul={kernel}')
+
+
+@pytest.mark.parametrize('kernel', ['blocks', 'ragged_dot'])
+def test_dropless_grouped_experts_give_the_slot_paths_loss_statistics_and_gradients(kernel):
+  """The same model and batch (with padding) through the grouped matmul and through L slots per expert."""
+  batch = padded_batch(noise=3)
+  count, metrics, grads = loss_statistics_and_grads('single', batch, *dropless('off'))
+  got_count, got_metrics, got_grads = loss_statistics_and_grads('single', batch, *dropless(kernel))
+  assert got_count == count and got_metrics.keys() == metrics.keys() and metrics['moe_dropped_fraction'] == 0
+  for key, want in metrics.items():
+    np.testing.assert_allclose(got_metrics[key], want, rtol=1e-6, err_msg=key)
+  for path, want in grads.items():
+    np.testing.assert_allclose(got_grads[path], want, rtol=1e-5, atol=1e-7, err_msg=path)
+
+
+def test_dropless_experts_split_send_choices_by_all_to_all_and_a_bound_drops_and_reports_the_rest():
+  exact, text = step_metrics('expert4_data2', *dropless('blocks'))
+  _, single = step_metrics('single', *dropless('blocks'))
+  # Rows, their experts and the outputs; the gradients of the outputs and of the rows.
+  assert text.count('all-to-all(') >= 5 and 'all-to-all(' not in single
+  assert exact['moe_dropped_fraction'] == 0
+  # Half the even share per peer: about half of the choices find no room and are reported.
+  bounded, _ = step_metrics('expert4_data2', *dropless('blocks'), 'model.expert_exchange_factor=0.5')
+  assert 0.3 < bounded['moe_dropped_fraction'] < 0.7 and bounded['loss'] != exact['loss']
+  # A generous bound drops nothing and changes nothing.
+  ample, _ = step_metrics('expert4_data2', *dropless('blocks'), 'model.expert_exchange_factor=4')
+  assert ample['moe_dropped_fraction'] == 0
+  np.testing.assert_allclose(ample['loss'], exact['loss'], rtol=1e-6)
+
+
+def test_dropless_analytic_flops_count_routed_choices_and_agree_with_xla():
+  """XLA counts the static tiles, the bound for any routing: 2048 choices over 8 experts in tiles of 16
+  rows pad at most 7 x 16 rows (5.5%); the analytic count, as MFU's, the routed choices only."""
+  from test_flops import xla_train_step_flops
+  heavy = ('model.embed_dim=256', 'model.num_heads=4', 'model.head_dim=64', 'model.expert_mlp_dim=512',
+           'model.vocab_size=256', 'model.num_layers=2', 'train.seq_len=128', 'train.global_batch_size=8',
+           'data.source=synthetic', 'model.num_experts=8', 'model.moe_tile=16')
+  config = load_config('moe_ep4_dp2', *TINY, *MESHES['single'], *heavy, *dropless('blocks'))
+  analytic = report.train_flops_per_step(config, causal_half=False)
+  xla = xla_train_step_flops(config)
+  assert abs(xla / analytic - 1) < 0.10, (xla, analytic)

@@ -1,4 +1,5 @@
-"""Mixture of experts: 8 experts (2 per token) in every block, split 4 ways over `expert`, data 2 ways."""
+"""Mixture of experts: 8 experts (2 per token) in every block, split 4 ways over `expert`, data 2 ways;
+dropless, each choice through its expert alone by the grouped matmul, sent there and back by all-to-all."""
 
 from . import base
 
@@ -9,4 +10,7 @@ def get_config():
   c.model.num_experts = 8
   c.model.experts_per_token = 2
   c.model.expert_mlp_dim = 128  # Active expert width 2 x 128: the FLOPs of a 256-wide dense MLP.
+  c.model.capacity_factor = 0.0  # Dropless.
+  c.model.grouped_matmul = 'auto'  # ragged_dot on GPU and TPU, tiles of sorted rows on CPU.
+  c.model.expert_exchange_factor = 0.0  # Each peer sent room for all of a device's choices: exact.
   return c

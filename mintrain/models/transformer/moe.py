@@ -6,15 +6,18 @@ towards balance (`Transformer.after_step`, the auxiliary-loss-free rule), option
 groups of experts, and weights each choice by its score alone.
 
 Shape letters: B batch, L length, D embed, E experts, A the top-k choices of a token, C capacity (slots per
-expert per sequence), F expert mlp width.
+expert per sequence), F expert mlp width, N a device's choices, P peers, R rows.
 
-Dispatch is per sequence, so what a token meets does not depend on how the batch is split: each expert
-has C = ceil(capacity_factor * L * k / E) slots per sequence (L when the factor is 0: dropless), filled in
-GShard's priority order; a choice that finds its expert full is dropped and the residual stream carries
-the token on. Inside `jax.shard_map`, an all-to-all over the `expert` mesh axes sends each expert's slots
-to the devices that hold it and a mirror all-to-all brings the outputs home; the rules must split `batch`
-over those axes too (the default rules do). The layer returns the load-balancing loss (Switch) and the
-router z-loss (ST-MoE) with the routing statistics; padding (segment 0) takes no slot and counts in none.
+Dropless routing (capacity factor 0) sorts each device's choices by expert and runs them through a
+grouped matmul (`grouped`), so the experts compute the routed tokens only; with the experts split, the
+choices travel to their experts' devices and back by all-to-all. With a capacity factor, dispatch is per
+sequence, so what a token meets does not depend on how the batch is split: each expert has
+C = ceil(capacity_factor * L * k / E) slots per sequence, filled in GShard's priority order; a choice that
+finds its expert full is dropped and the residual stream carries the token on, and an all-to-all sends
+each expert's slots to its devices. Both run inside `jax.shard_map` over the `expert` mesh axes; the
+rules must split `batch` over those axes too (the default rules do). The layer returns the load-balancing
+loss (Switch) and the router z-loss (ST-MoE) with the routing statistics; padding (segment 0) is routed
+nowhere and counts in none.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mintrain.models.layers import fold, gather, gather_split, param, plus
+from mintrain.models.transformer import grouped
 from mintrain.partitioning import AxisRules, spec_axes
 
 BLD = ('batch', 'length', 'embed')
@@ -121,6 +125,55 @@ def _experts_local(x_BLD, slot_BLA, kept_BLA, weights_BLA, w_gate_EDF, w_up_EDF,
   return jax.vmap(_combine)(y_BSD, slot_BLA, kept_BLA, weights_BLA)
 
 
+def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+                   num_experts: int, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...], kernel: str,
+                   tile: int, exchange: float, activation: Callable[[jax.Array], jax.Array]
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Dropless, one device's part inside `shard_map`: each routed choice through its expert alone (no
+  slots), by a grouped matmul (`grouped.gated_mlp`). With experts split over `expert_axes`, the choices
+  go to their experts' devices and back by all-to-all, each peer sent at most `bound` of them (`exchange`
+  times the even share; 0: all, exact); the ones past it are dropped. Returns (y_BLD, kept_BLA)."""
+  b, length, d = x_BLD.shape
+  k, local = experts_BLA.shape[-1], w_gate_EDF.shape[0]
+  n = b * length * k  # N: this device's choices.
+  expert_N = jnp.where(routed_BLA, experts_BLA, num_experts).reshape(n)  # E: padding, routed nowhere.
+  x_ND = jnp.repeat(x_BLD.reshape(b * length, d), k, axis=0)
+
+  def mlp(x_RD: jax.Array, group_R: jax.Array) -> jax.Array:
+    y_RD = grouped.gated_mlp(x_RD, group_R, w_gate_EDF, w_up_EDF, w_down_EFD, activation, kernel=kernel,
+                             tile=tile)
+    return jax.lax.psum(y_RD, mlp_axes) if mlp_axes else y_RD  # Each device summed its part of F.
+
+  if not expert_axes:
+    y_ND, kept_N = mlp(x_ND, expert_N), routed_BLA.reshape(n)
+  else:  # Sorted by expert, so by peer: peer j's choices are a run of the sorted ones.
+    ep = num_experts // local
+    bound = n if exchange <= 0 else min(n, math.ceil(exchange * n / ep))
+    order_N = jnp.argsort(expert_N, stable=True)
+    count_P = jnp.bincount(expert_N // local, length=ep + 1)[:ep]
+    start_P = jnp.cumsum(count_P) - count_P
+    sent_PB = jnp.arange(bound)[None, :] < count_P[:, None]
+    at_PB = order_N[jnp.minimum(start_P[:, None] + jnp.arange(bound)[None, :], n - 1)]
+    send_PBD = jnp.where(sent_PB[..., None], x_ND[at_PB], 0)
+    group_PB = jnp.where(sent_PB, expert_N[at_PB] % local, local)
+    # Row i of what arrives came from peer i; the outputs go back to the same places.
+    recv_PBD = jax.lax.all_to_all(send_PBD, expert_axes, 0, 0, tiled=True)
+    group_PB = jax.lax.all_to_all(group_PB, expert_axes, 0, 0, tiled=True)
+    y_RD = mlp(recv_PBD.reshape(ep * bound, d), group_PB.reshape(-1))
+    y_PBD = jax.lax.all_to_all(y_RD.reshape(ep, bound, d), expert_axes, 0, 0, tiled=True)
+    peer_N = expert_N[order_N] // local  # Of the sorted choices: the peer, and the place in its run.
+    place_N = jnp.arange(n) - start_P[jnp.minimum(peer_N, ep - 1)]
+    kept_sorted_N = (peer_N < ep) & (place_N < bound)
+    y_sorted_ND = jnp.where(kept_sorted_N[:, None],
+                            y_PBD[jnp.minimum(peer_N, ep - 1), jnp.minimum(place_N, bound - 1)], 0)
+    y_ND = jnp.zeros_like(y_sorted_ND).at[order_N].set(y_sorted_ND, unique_indices=True)
+    kept_N = jnp.zeros_like(kept_sorted_N).at[order_N].set(kept_sorted_N, unique_indices=True)
+  kept_BLA = kept_N.reshape(b, length, k)
+  y_BLAD = y_ND.reshape(b, length, k, d)
+  weights_BLA = jnp.where(kept_BLA, weights_BLA, 0).astype(y_BLAD.dtype)
+  return jnp.einsum('BLAD,BLA->BLD', y_BLAD, weights_BLA), kept_BLA
+
+
 def expert_layout(rules: AxisRules) -> tuple[P, P, P, tuple[str, ...], tuple[str, ...]]:
   """(tokens' spec, expert-in spec, expert-out spec, expert mesh axes, mlp mesh axes) of the MoE layer."""
   batch = rules.activation_spec(BLD)[0]
@@ -201,16 +254,28 @@ class MoE(nnx.Module):
                                                 groups=cfg.router_groups, group_topk=cfg.router_group_topk,
                                                 scale=cfg.routed_scaling_factor)
     cap = capacity(length, e, k, 0.0 if dropless else cfg.capacity_factor)
-    slot_BLA, kept_BLA = slots(experts_BLA, e, cap, tokens_BL)
     tokens, w_in, w_out, expert_axes, mlp_axes = expert_layout(rules)
     choice = P(tokens[0], None, None)
-    body = jax.shard_map(
-        lambda *args: _experts_local(*args, num_experts=e, cap=cap, expert_axes=expert_axes,
-                                     mlp_axes=mlp_axes, activation=self.activation),
-        in_specs=(tokens, choice, choice, choice, w_in, w_in, w_out), out_specs=tokens)
-    y_BLD = body(jax.sharding.reshard(x_BLD, tokens), slot_BLA, kept_BLA, weights_BLA.astype(dtype),
-                 gather(self.wi_gate_EDF, rules, dtype), gather(self.wi_up_EDF, rules, dtype),
-                 gather(self.wo_EFD, rules, dtype))
+    weights = (gather(self.wi_gate_EDF, rules, dtype), gather(self.wi_up_EDF, rules, dtype),
+               gather(self.wo_EFD, rules, dtype))
+    if cap == length and cfg.grouped_matmul != 'off':  # Dropless: each choice to its expert alone.
+      routed_BLA = jax.sharding.reshard(jnp.ones(experts_BLA.shape, bool) if tokens_BL is None else
+                                        jnp.broadcast_to(tokens_BL[:, :, None], experts_BLA.shape), choice)
+      body = jax.shard_map(
+          lambda *args: _grouped_local(*args, num_experts=e, expert_axes=expert_axes, mlp_axes=mlp_axes,
+                                       kernel=cfg.grouped_matmul, tile=cfg.moe_tile,
+                                       exchange=cfg.expert_exchange_factor, activation=self.activation),
+          in_specs=(tokens, choice, choice, choice, w_in, w_in, w_out), out_specs=(tokens, choice))
+      y_BLD, kept_BLA = body(jax.sharding.reshard(x_BLD, tokens), experts_BLA, routed_BLA,
+                             weights_BLA.astype(dtype), *weights)
+    else:
+      slot_BLA, kept_BLA = slots(experts_BLA, e, cap, tokens_BL)
+      body = jax.shard_map(
+          lambda *args: _experts_local(*args, num_experts=e, cap=cap, expert_axes=expert_axes,
+                                       mlp_axes=mlp_axes, activation=self.activation),
+          in_specs=(tokens, choice, choice, choice, w_in, w_in, w_out), out_specs=tokens)
+      y_BLD = body(jax.sharding.reshard(x_BLD, tokens), slot_BLA, kept_BLA, weights_BLA.astype(dtype),
+                   *weights)
     y_BLD = rules.reshard(y_BLD, BLD)
     if cfg.shared_expert_dim:
       y_BLD = y_BLD + self._shared(x_BLD, key)
