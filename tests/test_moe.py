@@ -305,12 +305,12 @@ def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kerne
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
 
 
-def test_blocks_pad_each_group_to_whole_tiles_and_the_automatic_tile_pads_an_eighth_at_most():
+def test_blocks_pad_each_group_to_whole_tiles_and_the_automatic_tile_bounds_the_buffers():
   assert grouped.padded_rows(100, 5, 8) == (13 + 4) * 8  # ceil(100 / 8) tiles, and one partial per group.
   for rows, groups in ((1024, 8), (2048, 64), (16384, 16), (64, 4)):
     tile = grouped.tile_rows(rows, groups, 0)
-    assert 8 <= tile <= 512 and tile & (tile - 1) == 0
-    assert (groups - 1) * tile <= max(rows / 8, (groups - 1) * 8)  # At most an eighth, or tiles of 8 rows.
+    assert 8 <= tile <= 256 and tile & (tile - 1) == 0
+    assert (groups - 1) * tile <= max(rows / 2, (groups - 1) * 8)  # At most half, or tiles of 8 rows.
   # The tile layout holds every row once, in its group's tiles.
   group_R = jnp.array([2, 0, 2, 2, 1, 3, 0, 2, 2], jnp.int32)  # 3: no group.
   plan = grouped.plan(group_R, 3, 'blocks', tile=2)
@@ -351,14 +351,13 @@ def test_dropless_experts_split_send_choices_by_all_to_all_and_a_bound_drops_and
   np.testing.assert_allclose(ample['loss'], exact['loss'], rtol=1e-6)
 
 
-def test_dropless_analytic_flops_count_routed_choices_and_agree_with_xla():
-  """XLA counts the static tiles, the bound for any routing: 2048 choices over 8 experts in tiles of 16
-  rows pad at most 7 x 16 rows (5.5%); the analytic count, as MFU's, the routed choices only."""
-  from test_flops import xla_train_step_flops
-  heavy = ('model.embed_dim=256', 'model.num_heads=4', 'model.head_dim=64', 'model.expert_mlp_dim=512',
-           'model.vocab_size=256', 'model.num_layers=2', 'train.seq_len=128', 'train.global_batch_size=8',
-           'data.source=synthetic', 'model.num_experts=8', 'model.moe_tile=16')
-  config = load_config('moe_ep4_dp2', *TINY, *MESHES['single'], *heavy, *dropless('blocks'))
-  analytic = report.train_flops_per_step(config, causal_half=False)
-  xla = xla_train_step_flops(config)
-  assert abs(xla / analytic - 1) < 0.10, (xla, analytic)
+def test_dropless_analytic_flops_count_routed_choices_as_a_capacity_of_one_computes_them():
+  """The analytic count of a dropless step is that of capacity factor 1, whose E x C = L x k slots compute
+  exactly the routed choices, within 10% of XLA's count (test_analytic_flops_...). XLA's cost analysis
+  counts a loop's body once, so it cannot count `blocks`' tiles; step time shows their work
+  (BENCHMARKS.md, benchmarks/moe.py)."""
+  heavy = ('model.num_experts=8', 'model.expert_mlp_dim=512', 'train.seq_len=128')
+  dropless_flops = report.train_flops_per_step(load_config('moe_ep4_dp2', *TINY, *heavy, *dropless('blocks')))
+  slots = load_config('moe_ep4_dp2', *TINY, *heavy, 'model.capacity_factor=1.0', 'model.grouped_matmul=off')
+  assert moe.capacity(128, 8, 2, 1.0) * 8 == 128 * 2
+  assert dropless_flops == report.train_flops_per_step(slots)
