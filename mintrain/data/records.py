@@ -66,6 +66,7 @@ class Pair:
 Document = str | np.ndarray | Conversation | Pair
 _log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 _OPEN_ARRAY_RECORDS = 16  # ArrayRecord files kept open per process.
+_HF_BATCH_ROWS = 1024  # Rows of a Hugging Face stream converted at once.
 
 
 def _parquet_file(path: pathlib.Path) -> Any:
@@ -289,12 +290,12 @@ class Reader:
     data, columns, where = self._dataset(), self._hf_columns, f'data.path={self.pattern!r}'
     if self.hf_streaming:
       where, shard = f'{where} shard {start}', data.shard(num_shards=data.num_shards, index=start)
-      try:
-        rows = list(shard.select_columns(columns))
+      try:  # As Arrow tables: a few times faster than a dict per row.
+        tables = list(shard.select_columns(columns).with_format('arrow').iter(batch_size=_HF_BATCH_ROWS))
       except Exception as e:  # A file that does not parse, a row that does not fit the features, I/O.
         self.bad(f'{where}: cannot be read ({_first_line(e)})')
         return []
-      table, start = {c: [row[c] for row in rows] for c in columns}, 0
+      table, start = {c: [v for t in tables for v in t.column(c).to_pylist()] for c in columns}, 0
     else:
       table = data.select_columns(columns)[start:end]
     docs: list[Document] = []
