@@ -220,6 +220,10 @@ def test_parquet_chats_read_as_the_jsonl_ones(marked, tmp_path):
     assert len(read[source]) == 6 and [d.ids.tolist() for d in read[source]] == [
         d.ids.tolist() for d in read['jsonl'][:6]]
     assert [d.weights.tolist() for d in read[source]] == [d.weights.tolist() for d in read['jsonl'][:6]]
+  streamed = records.Reader(chat_data(tmp_path, marked[1], source='hf_datasets', hf_streaming=True), tok)
+  docs = streamed.read(streamed.all_blocks(), 0)  # The JSONL file through load_dataset(streaming=True).
+  assert [(d.ids.tolist(), d.weights.tolist()) for d in docs] == [
+      (d.ids.tolist(), d.weights.tolist()) for d in read['jsonl']]
 
 
 def test_a_chat_config_needs_a_tokenizer_with_a_chat_template(bpe, tmp_path):
@@ -290,8 +294,9 @@ def test_prompts_alone_add_no_loss_and_no_gradient_on_the_logits_path_too():
     assert_no_loss_and_no_gradient(run, run.init().params, prompts)
 
 
-def test_chat_rows_resume_exactly_from_a_saved_state(marked, tmp_path):
-  cfg = chat_data(tmp_path, marked[1], shuffle_window=2, block_bytes=512)
+@pytest.mark.parametrize('source', [{}, {'source': 'hf_datasets', 'hf_streaming': True}])
+def test_chat_rows_resume_exactly_from_a_saved_state(marked, tmp_path, source):
+  cfg = chat_data(tmp_path, marked[1], shuffle_window=2, block_bytes=512, **source)
   tok = tokenizer.load(marked[1])
   straight = rows(cfg, tok, seq_len=32)
   for _ in range(3):

@@ -1,9 +1,11 @@
-"""Streamed sources (JSONL, JSONL.gz, Parquet, ArrayRecord) and mixtures, on corpora the tests write."""
+"""Streamed sources (JSONL, JSONL.gz, Parquet, ArrayRecord, Hugging Face datasets, map-style or streamed) and
+mixtures, on corpora the tests write."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import glob
 import gzip
 import json
 import logging
@@ -90,6 +92,11 @@ FORMATS = {
                                             block_bytes=1500),
     'hf_parquet': lambda root, docs: data_cfg(source='hf_datasets', path=write_parquet(root, docs),
                                               block_bytes=1500),
+    # load_dataset(streaming=True): a block per shard, a JSON file or a Parquet row group.
+    'hf_stream_json': lambda root, docs: data_cfg(source='hf_datasets', path=write_jsonl(root, docs),
+                                                  hf_streaming=True),
+    'hf_stream_parquet': lambda root, docs: data_cfg(source='hf_datasets', hf_streaming=True,
+                                                     path=write_parquet(root, docs, row_group=8)),
 }
 
 
@@ -148,7 +155,7 @@ def test_jsonl_blocks_split_at_line_starts_whatever_the_block_size(tmp_path):
     assert [d for i in range(len(blocks)) for d in reader.read(blocks, i)] == docs
 
 
-@pytest.mark.parametrize('fmt', ['jsonl', 'parquet'])
+@pytest.mark.parametrize('fmt', ['jsonl', 'parquet', 'hf_stream_parquet'])
 def test_processes_holding_some_rows_get_those_rows_of_the_one_process_batch(tmp_path, fmt):
   cfg = FORMATS[fmt](tmp_path, documents(80))
   whole = take(rows_iter(cfg), 5)
@@ -167,9 +174,13 @@ def test_micro_batches_are_rows_of_the_global_batch(tmp_path):
     assert np.array_equal(a['inputs'][[1, 3, 5, 7]], b['inputs'])
 
 
-def test_a_process_reads_only_the_blocks_of_its_rows(tmp_path, monkeypatch):
+@pytest.mark.parametrize('fmt', ['jsonl', 'hf_stream_parquet'])
+def test_a_process_reads_only_the_blocks_of_its_rows(tmp_path, monkeypatch, fmt):
   cfg = data_cfg(source='jsonl', path=write_jsonl(tmp_path, documents(400), files=4), block_bytes=600,
                  eval_fraction=0.0, shuffle_window=1)
+  if fmt == 'hf_stream_parquet':  # A shard per row group of 8 documents: 50 shards.
+    cfg = dataclasses.replace(cfg, source='hf_datasets', hf_streaming=True,
+                              path=write_parquet(tmp_path / 'parquet', documents(400), files=4, row_group=8))
   read = collections.defaultdict(set)
   original = records.Reader.read
 
@@ -238,12 +249,12 @@ def test_token_fractions_follow_the_weights_and_are_the_draws():
   assert streaming.token_fractions(mix, 0, 64, range(5, 6))['data_fraction_1'] == draws.mean()
 
 
-def test_mixture_rows_come_from_the_drawn_source_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize('second', [{'source': 'parquet'}, {'source': 'hf_datasets', 'hf_streaming': True}])
+def test_mixture_rows_come_from_the_drawn_source_and_resume_exactly(tmp_path, second):
   a = write_jsonl(tmp_path / 'a', documents(80, tag='jsonl'))
   b = write_parquet(tmp_path / 'b', documents(80, seed=1, tag='parquet'))
-  mix = data_cfg(source='mixture', mixture=(((('path', a), ('source', 'jsonl')), 1.0),
-                                            ((('path', b), ('source', 'parquet')), 1.0)),
-                 block_bytes=1500)
+  mix = data_cfg(source='mixture', block_bytes=1500,
+                 mixture=(({'path': a, 'source': 'jsonl'}, 1.0), ({'path': b, **second}, 1.0)))
   it = rows_iter(mix)
   first = take(it, 6)
   for step, batch in enumerate(first):
@@ -452,6 +463,17 @@ def test_a_removed_file_and_one_cut_short_are_named_and_their_lost_documents_nev
   assert seen and not seen & set(range(1, 90, 3)) and not seen & set(cut)
 
 
+def test_a_hugging_face_stream_whose_shards_changed_says_so_and_reads_them_next_epoch(tmp_path, capsys):
+  cfg = corpus(tmp_path, source='hf_datasets', hf_streaming=True)  # A shard per file: 3.
+  straight, state = saved_after(cfg, 30)
+  (tmp_path / 'corpus' / 'part3.jsonl').write_text(
+      ''.join(json.dumps({'text': d}) + '\n' for d in documents(30, seed=5, tag='new')))
+  resumed, said = resume(cfg, state, capsys)
+  assert "changed since the checkpoint: 1 file(s) changed (" in said and 'until epoch' in said, said
+  after = take(resumed, 300)
+  assert any('<new' in stream_text(after, row) for row in range(8))
+
+
 def test_on_corpus_change_restart_starts_the_new_corpus_order_at_the_checkpoints_step(tmp_path, capsys):
   cfg = corpus(tmp_path, on_corpus_change='restart')
   _, state = saved_after(cfg, 30)
@@ -515,3 +537,89 @@ def test_hf_datasets_reads_a_split_by_name_and_says_what_is_wrong_in_one_line(tm
                      'matches no files and is no save_to_disk directory')):
     with pytest.raises(DataError, match=re.escape(says)):
       records.Reader(cfg, tokenizer.BYTES).all_blocks()
+
+
+def read_all(cfg: DataConfig) -> tuple[records.Blocks, list[records.Document]]:
+  reader = records.Reader(cfg, tokenizer.BYTES)
+  blocks = reader.all_blocks()
+  return blocks, [d for i in range(len(blocks)) for d in reader.read(blocks, i)]
+
+
+@pytest.mark.parametrize('files', ['jsonl', 'parquet'])
+def test_hf_streaming_reads_the_documents_of_load_dataset_in_its_order_a_shard_per_block(tmp_path, files):
+  docs = documents(50)
+  path = write_jsonl(tmp_path, docs) if files == 'jsonl' else write_parquet(tmp_path, docs, row_group=8)
+  streamed, streamed_docs = read_all(data_cfg(source='hf_datasets', path=path, hf_streaming=True))
+  loaded, loaded_docs = read_all(data_cfg(source='hf_datasets', path=path, block_bytes=1500))
+  assert streamed_docs == loaded_docs and sorted(streamed_docs) == sorted(docs)
+  assert len(streamed) == (3 if files == 'jsonl' else 8)  # A shard per JSON file, per Parquet row group.
+
+
+def test_hf_streaming_holds_out_whole_shards_for_eval_in_order_and_one_shard_by_document(tmp_path):
+  docs = documents(60)
+  cfg = data_cfg(source='hf_datasets', path=write_parquet(tmp_path / 'many', docs, row_group=5),
+                 hf_streaming=True, eval_fraction=0.3)
+  train, held = (streaming.Split(cfg, tokenizer.BYTES, split, seed=0) for split in ('train', 'eval'))
+  train_docs, eval_docs = ([d for i in range(len(s.split_blocks)) for d in s.read(s.split_blocks, i)]
+                           for s in (train, held))
+  assert len(held.split_blocks) and len(train.split_blocks) + len(held.split_blocks) == 12
+  assert sorted(train_docs + eval_docs) == sorted(docs) and not set(train_docs) & set(eval_docs)
+  steps = sum(len(d) + 1 for d in eval_docs) // 16 + 2
+  evaluated = docs_of(stream_text(take(rows_iter(cfg, split='eval', rows=[0], batch=1), steps)))
+  assert evaluated[:len(eval_docs)] == eval_docs  # Unshuffled, in load_dataset's order.
+  one = data_cfg(source='hf_datasets', path=write_jsonl(tmp_path / 'one', docs, files=1), hf_streaming=True,
+                 eval_fraction=0.1)
+  train, held = (streaming.Split(one, tokenizer.BYTES, split, seed=0) for split in ('train', 'eval'))
+  train_docs, eval_docs = (s.read(s.split_blocks, 0) for s in (train, held))
+  assert len(train_docs) + len(eval_docs) == 60 and eval_docs and not set(train_docs) & set(eval_docs)
+
+
+def test_hf_streaming_of_a_hub_name_asks_load_dataset_for_a_stream_of_its_split(tmp_path, monkeypatch):
+  import datasets
+  local, real, asked = write_jsonl(tmp_path, documents(20)), datasets.load_dataset, []
+
+  def load_dataset(path, name=None, split=None, streaming=False):
+    asked.append((path, name, split, streaming))
+    return real('json', data_files=sorted(glob.glob(local)), split='train', streaming=True)
+
+  monkeypatch.setattr(datasets, 'load_dataset', load_dataset)  # Offline: a local stream stands for the Hub.
+  cfg = data_cfg(source='hf_datasets', path='someone/corpus', hf_config='en', hf_split='validation',
+                 hf_streaming=True)
+  assert sorted(read_all(cfg)[1]) == sorted(documents(20))
+  assert asked == [('someone/corpus', 'en', 'validation', True)]
+
+
+def test_hf_streaming_says_what_is_wrong_in_one_line(tmp_path):
+  (tmp_path / 'empty.jsonl').write_text('')
+  (tmp_path / 'blank.jsonl').write_text('\n\n')
+  for path, values, says in (
+      (write_saved_dataset(tmp_path / 'saved', documents(10)), {},
+       'is a save_to_disk directory, read a block at a time from the disk already; data.hf_streaming streams '
+       'load_dataset sources (files, Hub names): set it to False.'),
+      (write_jsonl(tmp_path / 'docs', documents(4)), {'text_field': 'body'},
+       "no column 'body' (data.text_field; its columns: id, text)"),
+      (str(tmp_path / 'empty.jsonl'), {}, 'the dataset has no rows (its first file is empty)'),
+      (str(tmp_path / 'blank.jsonl'), {}, 'the dataset has no rows.')):
+    with pytest.raises(DataError, match=re.escape(says)) as e:
+      read_all(data_cfg(source='hf_datasets', path=path, hf_streaming=True, **values))
+    assert '\n' not in str(e.value)
+
+
+def test_hf_streaming_names_a_bad_shard_and_a_bad_row_and_can_skip_them(tmp_path, capsys):
+  path = write_jsonl(tmp_path, documents(12))
+  with open(tmp_path / 'part1.jsonl', 'a') as f:
+    f.write('{"text": "cut\n')
+  with open(tmp_path / 'part2.jsonl', 'a') as f:
+    f.write('{"text": null, "id": 99}\n')
+  cfg = data_cfg(source='hf_datasets', path=path, hf_streaming=True)
+  reader = records.Reader(cfg, tokenizer.BYTES)
+  blocks = reader.all_blocks()
+  with pytest.raises(DataError, match=r"data.path='.*' shard 1: cannot be read \(.*\); fix it or set "):
+    reader.read(blocks, 1)
+  with pytest.raises(DataError, match=r"shard 2 row 4: column 'text' is null, not a string"):
+    reader.read(blocks, 2)
+  skipping = records.Reader(dataclasses.replace(cfg, skip_bad_records=True), tokenizer.BYTES)
+  with metrics.console_logging(print):
+    kept = [d for i in range(3) for d in skipping.read(blocks, i)]
+  assert sorted(kept) == sorted(d for i, d in enumerate(documents(12)) if i % 3 != 1)
+  assert skipping.bad.count == 2 and 'shard 1: cannot be read' in capsys.readouterr().err

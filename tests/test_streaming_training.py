@@ -69,6 +69,24 @@ def test_a_mixture_run_stopped_and_resumed_gives_the_losses_of_a_straight_run(tm
   assert state['source'] == 'mixture' and sorted(map(int, state['iterator']['rows'])) == list(range(8))
 
 
+@pytest.mark.slow  # Three runs; tests/test_streaming.py resumes a Hugging Face stream's rows in process.
+def test_a_hugging_face_stream_stopped_and_resumed_gives_the_losses_of_a_straight_run(tmp_path):
+  corpus = write_jsonl(tmp_path / 'corpus', documents(300), files=12)  # load_dataset's 12 shards.
+  args = ['--config.data.source=hf_datasets', '--config.data.hf_streaming=True',
+          f'--config.data.path={corpus}', '--config.train.steps=8', '--config.checkpoint.every_steps=100',
+          '--config.eval.steps=1', '--config.eval.every_steps=4']
+  train(tmp_path / 'straight', *args)
+  out = train(tmp_path / 'resumed', *args, stop_after=3)
+  stopped = [line for line in out.splitlines() if 'finished step' in line]
+  assert stopped and 'saved step' in stopped[0], out
+  train(tmp_path / 'resumed', *args)
+  straight, resumed = train_losses(tmp_path / 'straight'), train_losses(tmp_path / 'resumed')
+  assert len(straight) == 8 and resumed == straight  # Bit-identical, step by step.
+  evals = [[r['eval_loss'] for line in (tmp_path / run / 'metrics.jsonl').read_text().splitlines()
+            if 'eval_loss' in (r := json.loads(line))] for run in ('straight', 'resumed')]
+  assert evals[0] and evals[1][-len(evals[0]):] == evals[0]  # The held-out shards, read the same way.
+
+
 @pytest.mark.slow
 def test_a_shard_added_before_a_resume_is_said_and_the_run_continues_its_batches(tmp_path):
   corpus = write_jsonl(tmp_path / 'corpus', documents(300))

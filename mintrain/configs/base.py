@@ -187,9 +187,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.on_corpus_change = 'continue'
   # data.source='hf_datasets': data.path is a directory written by datasets' save_to_disk, a glob of local
   # files that datasets' load_dataset reads (.parquet, .json(l), .arrow, .csv, .txt), or a Hub dataset name
-  # (online only); streamed in row blocks of about data.block_bytes like the other sources.
+  # (online only); streamed in row blocks of about data.block_bytes like the other sources, or with
+  # data.hf_streaming a shard at a time (a Parquet row group, a whole JSON, CSV or text file).
   c.data.hf_split = 'train'  # The split of a DatasetDict or of a Hub dataset.
   c.data.hf_config = ''  # A Hub dataset's configuration name; '' its default.
+  c.data.hf_streaming = False  # load_dataset(streaming=True) of the files or Hub name: no download first.
   c.data.skip_bad_records = False  # Skip bad lines, records and files with a counted warning, not an error.
   # What a 'jsonl' or 'parquet' record holds: 'text' (data.text_field) or 'chat': a conversation, a list of
   # {'role', 'content'} in data.messages_field (and the record's 'tools', if any), rendered by the

@@ -19,7 +19,7 @@ PREFERENCE_SOURCES = ('jsonl', 'parquet')
 # What each source of a mixture may set; the rest (threads, prefetch) belongs to the whole mixture.
 MIXTURE_KEYS = ('source', 'path', 'eval_path', 'eval_fraction', 'token_dtype', 'text_field', 'record_format',
                 'block_bytes', 'shuffle_window', 'skip_bad_records', 'format', 'messages_field', 'loss_on',
-                'hf_split', 'hf_config')
+                'hf_split', 'hf_config', 'hf_streaming')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,7 @@ class DataConfig:
   on_corpus_change: str = option(choices=('continue', 'restart'))
   hf_split: str = option()
   hf_config: str = option()
+  hf_streaming: bool = option()  # load_dataset(..., streaming=True): a shard per block (records.Reader).
   format: str = option(choices=('text', 'chat', 'preference', 'prompt'))
   messages_field: str = option()
   loss_on: str = option(choices=('assistant', 'all'))

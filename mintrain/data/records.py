@@ -66,6 +66,7 @@ class Pair:
 Document = str | np.ndarray | Conversation | Pair
 _log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 _OPEN_ARRAY_RECORDS = 16  # ArrayRecord files kept open per process.
+_HF_BATCH_ROWS = 1024  # Rows of a Hugging Face stream converted at once.
 
 
 def _parquet_file(path: pathlib.Path) -> Any:
@@ -138,8 +139,10 @@ class Reader:
     self.bad = BadRecords(data_cfg.skip_bad_records)
     self.pattern, self.max_bytes = data_cfg.path, data_cfg.max_bytes
     self.hf_split, self.hf_config = data_cfg.hf_split, data_cfg.hf_config
+    self.hf_streaming = data_cfg.hf_streaming
     self._open: dict[pathlib.Path, Any] = {}
     self._hf: Any = None
+    self._hf_columns: list[str] = []  # The columns a dataset's documents are read from.
 
   def all_blocks(self) -> Blocks:
     """Every block of the files of `data.path`, in sorted file order."""
@@ -207,7 +210,11 @@ class Reader:
 
   def _dataset(self) -> Any:
     """`data.path` as a Hugging Face dataset: a directory written by `save_to_disk`, a glob of local files
-    (`load_dataset` of their format), or a name on the Hub (needs a connection); its `data.hf_split`."""
+    (`load_dataset` of their format), or a name on the Hub (needs a connection); its `data.hf_split`.
+
+    With `data.hf_streaming`, files or a Hub name load as an `IterableDataset`, resharded (a Parquet file's
+    row groups become shards), so a block is one shard and nothing is read before its block is.
+    """
     if self._hf is not None:
       return self._hf
     try:
@@ -219,8 +226,13 @@ class Reader:
     files = [] if path.is_dir() else [pathlib.Path(p) for p in sorted(glob.glob(str(path), recursive=True))
                                        if os.path.isfile(p)]
     datasets.disable_progress_bars()
+    first = None  # A stream's first row.
     try:
       if path.is_dir():
+        if self.hf_streaming:
+          raise DataError(f'{where} is a save_to_disk directory, read a block at a time from the disk '
+                          'already; data.hf_streaming streams load_dataset sources (files, Hub names): '
+                          'set it to False.')
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
           if self.hf_split not in loaded:
@@ -232,36 +244,60 @@ class Reader:
         if builder is None:
           raise DataError(f'{where}: Hugging Face datasets reads no {files[0].suffix!r} files; give '
                           f'{", ".join(sorted(HF_BUILDERS))} files or a save_to_disk directory.')
-        loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split='train')
+        loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split='train',
+                                       streaming=self.hf_streaming)
       elif path.is_absolute() or self.pattern.startswith(('.', '~')):
         raise DataError(f'{where} matches no files and is no save_to_disk directory; check the path.')
       else:  # A name on the Hub.
-        loaded = datasets.load_dataset(self.pattern, self.hf_config or None, split=self.hf_split)
+        loaded = datasets.load_dataset(self.pattern, self.hf_config or None, split=self.hf_split,
+                                       streaming=self.hf_streaming)
+      if self.hf_streaming:
+        loaded = loaded.reshard()
+        first = next(iter(loaded.take(1)), None)
     except DataError:
       raise
+    except StopIteration:  # load_dataset infers a JSON schema from the first file's rows.
+      raise DataError(f'{where}: the dataset has no rows (its first file is empty).') from None
     except Exception as e:  # datasets raises many kinds: FileNotFoundError, DatasetNotFoundError, ...
       raise DataError(f'{where}: Hugging Face datasets cannot load it ({_first_line(e)}).') from None
-    if self.field not in loaded.column_names:
+    if self.hf_streaming and first is None:
+      raise DataError(f'{where}: the dataset has no rows.')
+    columns = loaded.column_names or list(first or {})  # A stream's features may be known only from rows.
+    if self.field not in columns:
       raise DataError(f'{where}: no column {self.field!r} ({self.option}; its columns: '
-                      f'{", ".join(loaded.column_names)}).')
+                      f'{", ".join(columns)}).')
+    self._hf_columns = [self.field, *([TOOLS_FIELD] if self.chat and TOOLS_FIELD in columns else [])]
     self._hf = loaded
     return loaded
 
   def _dataset_blocks(self) -> Blocks:
-    """A dataset's rows in runs of about `data.block_bytes` (from its Arrow size per row)."""
+    """A dataset's rows in runs of about `data.block_bytes` (from its Arrow size per row), or a stream's
+    shards, one block each (`data.hf_streaming`)."""
     data = self._dataset()
-    rows = len(data)
-    if not rows:
-      raise DataError(f'data.path={self.pattern!r}: the dataset has no rows.')
-    per_block = max(1, rows * self.block_bytes // max(data.data.nbytes, 1))
-    spans = [(a, min(a + per_block, rows)) for a in range(0, rows, per_block)]
+    if self.hf_streaming:
+      spans = [(i, i + 1) for i in range(data.num_shards)]
+    else:
+      rows = len(data)
+      if not rows:
+        raise DataError(f'data.path={self.pattern!r}: the dataset has no rows.')
+      per_block = max(1, rows * self.block_bytes // max(data.data.nbytes, 1))
+      spans = [(a, min(a + per_block, rows)) for a in range(0, rows, per_block)]
     return Blocks([pathlib.Path(self.pattern)], [self.pattern], np.zeros(len(spans), np.int32),
                   np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64))
 
   def _read_dataset(self, start: int, end: int) -> list[Document]:
-    columns = [self.field, *([TOOLS_FIELD] if self.chat and TOOLS_FIELD in self._dataset().column_names
-                             else [])]
-    table = self._dataset().select_columns(columns)[start:end]
+    """Rows `start:end` of a dataset, or all of shard `start` of a stream, in order."""
+    data, columns, where = self._dataset(), self._hf_columns, f'data.path={self.pattern!r}'
+    if self.hf_streaming:
+      where, shard = f'{where} shard {start}', data.shard(num_shards=data.num_shards, index=start)
+      try:  # As Arrow tables: a few times faster than a dict per row.
+        tables = list(shard.select_columns(columns).with_format('arrow').iter(batch_size=_HF_BATCH_ROWS))
+      except Exception as e:  # A file that does not parse, a row that does not fit the features, I/O.
+        self.bad(f'{where}: cannot be read ({_first_line(e)})')
+        return []
+      table, start = {c: [v for t in tables for v in t.column(c).to_pylist()] for c in columns}, 0
+    else:
+      table = data.select_columns(columns)[start:end]
     docs: list[Document] = []
     for k, value in enumerate(table[self.field]):
       if self.chat:
@@ -273,7 +309,7 @@ class Reader:
         kind = 'null' if value is None else type(value).__name__
         problem = f'column {self.field!r} is {kind}, not a string'
       if problem:
-        self.bad(f'data.path={self.pattern!r} row {start + k}: {problem}')
+        self.bad(f'{where} row {start + k}: {problem}')
     return docs
 
   def read(self, blocks: Blocks, i: int) -> list[Document]:

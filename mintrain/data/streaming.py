@@ -18,8 +18,8 @@ A mixture (`data.mixture`: (settings, weight) pairs) gives each row one stream p
 source of row g at step n from the seed, in proportion to the weights; a source whose blocks run out starts
 a new epoch (said on stdout, at most every 10 s).
 A corpus may change between a checkpoint and its resume (shards added, removed, rewritten). The state
-records each source's files (path, size, modification time) for each era of the block order: the corpus
-as it was from a slot on. On resume a changed corpus is named, and `data.on_corpus_change` chooses:
+records each source's files (path, size, modification time, blocks) for each era of the block order: the
+corpus as it was from a slot on. On resume a changed corpus is named, and `data.on_corpus_change` chooses:
 'continue' keeps the checkpoint's order to the end of the epoch the rows are in (a removed or changed
 file's blocks read as empty), then orders the corpus as it is now (a new era); rows whose current window
 held none of those files continue exactly. 'restart' starts the source's order anew at the checkpoint's step.
@@ -189,7 +189,7 @@ class Split:
                  for first_slot, first_epoch, files in eras]
     added = sorted(set(now) - set(then))
     removed = sorted(set(then) - set(now))
-    changed = sorted(k for k in set(now) & set(then) if now[k][:2] != then[k][:2])
+    changed = sorted(k for k in set(now) & set(then) if now[k] != then[k])  # Size, time or blocks.
     if not (added or removed or changed):
       return None
     what = '; '.join(f'{len(keys)} file(s) {verb} ({_names(keys)})'
