@@ -283,7 +283,7 @@ def per_row_mlp(x_RD, group_R, w_gate_GDF, w_up_GDF, w_down_GFD):
   return jnp.where((group_R < w_gate_GDF.shape[0])[:, None], y_RD, 0)
 
 
-@pytest.mark.parametrize('kernel,tile', [('ragged_dot', 0), ('blocks', 0), ('blocks', 8), ('blocks', 3)])
+@pytest.mark.parametrize('kernel,tile', [('ragged_dot', 0), ('tiles', 0), ('tiles', 8), ('tiles', 3)])
 def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kernel, tile):
   keys = jax.random.split(jax.random.PRNGKey(0), 5)
   rows, groups, d, f = 100, 5, 8, 12
@@ -313,7 +313,7 @@ def test_blocks_pad_each_group_to_whole_tiles_and_the_automatic_tile_bounds_the_
     assert (groups - 1) * tile <= max(rows / 2, (groups - 1) * 8)  # At most half, or tiles of 8 rows.
   # The tile layout holds every row once, in its group's tiles.
   group_R = jnp.array([2, 0, 2, 2, 1, 3, 0, 2, 2], jnp.int32)  # 3: no group.
-  plan = grouped.plan(group_R, 3, 'blocks', tile=2)
+  plan = grouped.plan(group_R, 3, 'tiles', tile=2)
   source = np.asarray(plan.source_P).reshape(-1, 2)
   assert sorted(source[source < 9].tolist()) == list(range(8))  # The 8 grouped rows, each once.
   assert np.asarray(plan.group_N)[:4].tolist() == [0, 1, 2, 2]  # 2, 1 and 5 rows: 1, 1 and 3 tiles.
@@ -323,7 +323,7 @@ def dropless(kernel):
   return ('model.capacity_factor=0', f'model.grouped_matmul={kernel}')
 
 
-@pytest.mark.parametrize('kernel', ['blocks', 'ragged_dot'])
+@pytest.mark.parametrize('kernel', ['tiles', 'ragged_dot'])
 def test_dropless_grouped_experts_give_the_slot_paths_loss_statistics_and_gradients(kernel):
   """The same model and batch (with padding) through the grouped matmul and through L slots per expert."""
   batch = padded_batch(noise=3)
@@ -337,16 +337,16 @@ def test_dropless_grouped_experts_give_the_slot_paths_loss_statistics_and_gradie
 
 
 def test_dropless_experts_split_send_choices_by_all_to_all_and_a_bound_drops_and_reports_the_rest():
-  exact, text = step_metrics('expert4_data2', *dropless('blocks'))
-  _, single = step_metrics('single', *dropless('blocks'))
+  exact, text = step_metrics('expert4_data2', *dropless('tiles'))
+  _, single = step_metrics('single', *dropless('tiles'))
   # Rows, their experts and the outputs; the gradients of the outputs and of the rows.
   assert text.count('all-to-all(') >= 5 and 'all-to-all(' not in single
   assert exact['moe_dropped_fraction'] == 0
   # Half the even share per peer: about half of the choices find no room and are reported.
-  bounded, _ = step_metrics('expert4_data2', *dropless('blocks'), 'model.expert_exchange_factor=0.5')
+  bounded, _ = step_metrics('expert4_data2', *dropless('tiles'), 'model.expert_exchange_factor=0.5')
   assert 0.3 < bounded['moe_dropped_fraction'] < 0.7 and bounded['loss'] != exact['loss']
   # A generous bound drops nothing and changes nothing.
-  ample, _ = step_metrics('expert4_data2', *dropless('blocks'), 'model.expert_exchange_factor=4')
+  ample, _ = step_metrics('expert4_data2', *dropless('tiles'), 'model.expert_exchange_factor=4')
   assert ample['moe_dropped_fraction'] == 0
   np.testing.assert_allclose(ample['loss'], exact['loss'], rtol=1e-6)
 
@@ -354,10 +354,10 @@ def test_dropless_experts_split_send_choices_by_all_to_all_and_a_bound_drops_and
 def test_dropless_analytic_flops_count_routed_choices_as_a_capacity_of_one_computes_them():
   """The analytic count of a dropless step is that of capacity factor 1, whose E x C = L x k slots compute
   exactly the routed choices, within 10% of XLA's count (test_analytic_flops_...). XLA's cost analysis
-  counts a loop's body once, so it cannot count `blocks`' tiles; step time shows their work
+  counts a loop's body once, so it cannot count `tiles`' tiles; step time shows their work
   (BENCHMARKS.md, benchmarks/moe.py)."""
   heavy = ('model.num_experts=8', 'model.expert_mlp_dim=512', 'train.seq_len=128')
-  dropless_flops = report.train_flops_per_step(load_config('moe_ep4_dp2', *TINY, *heavy, *dropless('blocks')))
+  dropless_flops = report.train_flops_per_step(load_config('moe_ep4_dp2', *TINY, *heavy, *dropless('tiles')))
   slots = load_config('moe_ep4_dp2', *TINY, *heavy, 'model.capacity_factor=1.0', 'model.grouped_matmul=off')
   assert moe.capacity(128, 8, 2, 1.0) * 8 == 128 * 2
   assert dropless_flops == report.train_flops_per_step(slots)

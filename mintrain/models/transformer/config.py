@@ -31,7 +31,7 @@ ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, 
 # How RoPE's frequencies stretch to longer contexts, as transformers' `rope_type`s (`attention`).
 ROPE_SCALINGS = ('none', 'llama3', 'linear', 'dynamic', 'yarn')
 ROUTER_SCORES = ('softmax', 'sigmoid')
-GROUPED_MATMUL_OPTIONS = ('auto', 'ragged_dot', 'blocks', 'off')
+GROUPED_MATMUL_OPTIONS = ('auto', 'ragged_dot', 'tiles', 'off')
 
 
 def _even(value: int) -> str | None:
@@ -104,10 +104,10 @@ class TransformerConfig(Costs, ModelConfig):
   shared_expert_dim: int = option(at_least=0)  # Width of an expert every token takes; 0: none.
   shared_expert_gate: bool = option()  # Qwen2-MoE: the shared expert scaled by a sigmoid gate (DeepSeek not).
   capacity_factor: float = option(at_least=0)  # Slots per expert: factor * L * k / E; 0: dropless.
-  # Dropless experts' matmul: 'ragged_dot' (GPU, TPU), 'blocks' (tiles of moe_tile rows; CPU), 'auto'
+  # Dropless experts' matmul: 'ragged_dot' (GPU, TPU), 'tiles' (tiles of moe_tile rows; CPU), 'auto'
   # (by platform) or 'off' (every expert gets all L slots: E / k times the work).
   grouped_matmul: str = option(choices=GROUPED_MATMUL_OPTIONS)
-  moe_tile: int = option(at_least=0)  # Rows of a `blocks` tile; 0: by the rows and experts.
+  moe_tile: int = option(at_least=0)  # Rows of a 'tiles' tile; 0: by the rows and experts.
   # Dropless with experts split: choices a device sends each peer, times the even share; 0: all (exact).
   expert_exchange_factor: float = option(at_least=0)
   router_norm_topk: bool = option()  # Renormalise the top-k probabilities to sum to 1 (Mixtral).
@@ -258,7 +258,7 @@ class TransformerConfig(Costs, ModelConfig):
     chunks = self.loss_chunks if self.loss_chunks >= 0 else auto
     grouped_matmul = self.grouped_matmul
     if grouped_matmul == 'auto':
-      grouped_matmul = 'blocks' if platform == 'cpu' else 'ragged_dot'
+      grouped_matmul = 'tiles' if platform == 'cpu' else 'ragged_dot'
     return dataclasses.replace(self, loss_chunks=chunks, linear=linear_for_platform(self.linear, platform),
                                grouped_matmul=grouped_matmul)
 

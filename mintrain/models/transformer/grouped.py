@@ -6,7 +6,7 @@ Rows carry a group id; id G means none (padding, or a choice sent elsewhere) and
 kernels compute the same values:
 - `ragged_dot`: `jax.lax.ragged_dot` on the sorted rows, the platform's grouped matmul (GPU, TPU). On the
   CPU it lowers to a dense product masked per group: G times the work.
-- `blocks`: megablox's layout for the CPU. Each group's sorted rows are padded to whole tiles of T rows
+- `tiles`: megablox's layout for the CPU. Each group's sorted rows are padded to whole tiles of T rows
   (at most R / T + G - 1 tiles for any split of R rows), and a loop multiplies the tiles in use, each by
   its group's matrix read in place, with a VJP of the same loops (the input's gradient tile by tile, the
   matrices' accumulated in place). No matrix is copied per tile and unused tiles cost nothing, so the
@@ -34,7 +34,7 @@ def tile_rows(rows: int, groups: int, tile: int) -> int:
 
 
 class Plan(NamedTuple):
-  """Where the rows go: `order_R` sorts them by group, `sizes_G` counts each group's, and for `blocks`,
+  """Where the rows go: `order_R` sorts them by group, `sizes_G` counts each group's, and for `tiles`,
   `source_P` is the sorted row of each padded row (R: none), `group_N` each tile's group, `tiles` how many
   are in use and `padded_R` the padded row of each sorted one."""
   order_R: jax.Array
@@ -46,7 +46,7 @@ class Plan(NamedTuple):
 
 
 def plan(group_R: jax.Array, groups: int, kernel: str, tile: int = 0) -> Plan:
-  """The rows of `group_R` (ids in [0, G]; G: none) sorted, counted and, for `blocks`, tiled."""
+  """The rows of `group_R` (ids in [0, G]; G: none) sorted, counted and, for `tiles`, tiled."""
   rows = group_R.shape[0]
   order_R = jnp.argsort(group_R, stable=True)
   sizes_G = jnp.bincount(group_R, length=groups + 1)[:groups].astype(jnp.int32)
@@ -98,7 +98,7 @@ def _tiles_times(x_NTD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, tiles: 
 
 @jax.custom_vjp
 def tiled_matmul(x_NTD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, tiles: jax.Array) -> jax.Array:
-  """`blocks`' grouped matmul of tiles (N, T, D) by their groups' matrices (G, D, F)."""
+  """`tiles`' grouped matmul of tiles (N, T, D) by their groups' matrices (G, D, F)."""
   return _tiles_times(x_NTD, w_GDF, group_N, tiles)
 
 
@@ -127,7 +127,7 @@ tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
 
 
 def _matmul(x, w_GDF: jax.Array, p: Plan) -> jax.Array:
-  """x (sorted rows (R, D), or tiles (N, T, D) for `blocks`) times each row's group matrix."""
+  """x (sorted rows (R, D), or tiles (N, T, D) for `tiles`) times each row's group matrix."""
   if p.group_N is None:
     return jax.lax.ragged_dot(x, w_GDF, p.sizes_G)
   return tiled_matmul(x, w_GDF, p.group_N, p.tiles)
@@ -152,7 +152,7 @@ def gated_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_GDF: jax.Array, w_up_G
 
 
 def padded_rows(rows: int, groups: int, tile: int = 0) -> int:
-  """The rows `blocks` lays out for `rows` rows over `groups` groups (its buffers; the loop multiplies
+  """The rows `tiles` lays out for `rows` rows over `groups` groups (its buffers; the loop multiplies
   only the tiles in use)."""
   t = tile_rows(rows, groups, tile)
   return (math.ceil(rows / t) + groups - 1) * t
