@@ -142,6 +142,7 @@ def torch_dpo(policy, reference, cfg, tokens, weights):
   return float(loss.detach())
 
 
+@pytest.mark.slow  # the default suite's time (7 min); ln 2 at step 0 stays in it
 def test_loss_and_gradient_equal_trls_on_transformers_log_probabilities(tmp_path):
   policy, reference = tiny_llama(tmp_path / 'policy', 0), tiny_llama(tmp_path / 'reference', 1)
   rng = np.random.RandomState(0)

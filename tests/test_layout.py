@@ -58,7 +58,8 @@ def test_every_shipped_config_is_covered():
 
 
 # The new families' small configs draw more parameters: their layouts are checked in the slow set.
-SLOW_LAYOUTS = ('gemma3_dp4_tp2', 'deepseek_v3_ep4_dp2', 'qwen3_moe_ep4_dp2')
+SLOW_LAYOUTS = ('gemma3_dp4_tp2', 'deepseek_v3_ep4_dp2', 'qwen3_moe_ep4_dp2', 'pp2_dp2_tp2', 'bench_tiny',
+                'qwen3_dp4_tp2')
 
 
 @pytest.mark.parametrize('name', [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_LAYOUTS else [])

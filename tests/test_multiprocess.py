@@ -63,6 +63,7 @@ def overrides(args):
   return [a[len('--config.'):] for a in args]
 
 
+@pytest.mark.slow  # the default suite's time (7 min); 18 s
 def test_two_processes_train_with_the_losses_of_one(tmp_path):
   code, out = run_launch(2, tmp_path / 'two', '--config.train.steps=4', '--config.checkpoint.keep=0')
   assert code == 0, out

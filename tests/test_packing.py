@@ -277,6 +277,7 @@ def run(config, workdir=None, stop_at=None):
                         print_fn=print_fn if stop_at else quiet)
 
 
+@pytest.mark.slow  # the default suite's time (7 min); resume is tested unpacked
 def test_resume_after_sigterm_with_packed_rows_is_bit_identical(short_docs, tmp_path):
   config = load_config('dp4_tp2', *TINY, *text(short_docs), 'model.num_layers=1', 'train.steps=4',
                        'checkpoint.every_steps=2')

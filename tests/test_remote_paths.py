@@ -475,6 +475,7 @@ def assert_disk_full_left_the_saved_checkpoints_intact(workdir: pathlib.Path, sa
   assert logged[:saved[-1]] == list(range(1, saved[-1] + 1))  # The metrics of every saved step.
 
 
+@pytest.mark.slow  # the default suite's time (7 min); test_bad_input has a full disk
 def test_a_full_disk_is_a_one_line_error_with_the_bytes_needed_and_free(tmp_path, tmpfs):
   disk = tmpfs('disk', '2500k')
   workdir = disk / 'run'

@@ -54,14 +54,27 @@ def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time
     assert spec == expected[path], (kind, path, spec)
 
 
-def test_losses_are_the_same_on_every_mesh(short_docs):
+# Data, tensor, fsdp and context splits together in the default suite; every other mesh in the slow set.
+FAST_MESHES = ('single', 'dp4_tp2', 'fsdp4_tp2', 'cp2_dp2_tp2')
+
+
+def check_losses_are_the_same(short_docs, meshes):
   # 8 rows, one per device of the widest data split: the programs differ by mesh, not by batch size.
   # Rows of two or three documents each, which attend only within themselves.
-  losses = {name: np.array(run(name, *INVARIANCE, *short_docs).losses) for name in MESH_CONFIGS}
+  losses = {name: np.array(run(name, *INVARIANCE, *short_docs).losses) for name in ('single', *meshes)}
   reference = losses['single']
   assert reference.shape == (5,)
   for name, value in losses.items():
     np.testing.assert_allclose(value, reference, rtol=1e-4, err_msg=name)
+
+
+def test_losses_are_the_same_on_data_tensor_fsdp_and_context_meshes(short_docs):
+  check_losses_are_the_same(short_docs, FAST_MESHES[1:])
+
+
+@pytest.mark.slow
+def test_losses_are_the_same_on_every_other_mesh(short_docs):
+  check_losses_are_the_same(short_docs, [m for m in MESH_CONFIGS if m not in FAST_MESHES])
 
 
 def test_padded_rows_give_the_same_losses_on_two_meshes(short_docs):
@@ -72,6 +85,7 @@ def test_padded_rows_give_the_same_losses_on_two_meshes(short_docs):
   np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
 
 
+@pytest.mark.slow  # the default suite's time (7 min); dropout keys are tested alone
 def test_dropout_masks_are_the_same_on_every_mesh(short_docs):
   # The run without dropout is the mesh test's `single` run, whose compiled programs are then cached.
   overrides = (*INVARIANCE, *short_docs, 'model.dropout_rate=0.2')
@@ -141,6 +155,7 @@ def test_four_micro_batches_equal_one_four_times_larger_batch(short_docs, packin
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # the default suite's time (7 min); the README run trains in test_scripts
 def test_loss_falls_in_a_short_run():
   losses = run('dp4_tp2', 'train.steps=60', 'train.log_every=20', 'train.global_batch_size=16').losses
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
