@@ -35,3 +35,23 @@ def torch_logits(model, tokens):
 def mintrain_logits(model, tokens):
   graphdef, params = nnx.split(model)
   return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chatml_tokenizer(directory, corpus: str):
+  """A byte-level BPE of 300 ids trained on `corpus`, with ChatML's template and special tokens, saved by
+  transformers in `directory`; its `AutoTokenizer`, as a user's would load."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  bpe = Tokenizer(models.BPE())
+  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = decoders.ByteLevel()
+  bpe.train_from_iterator([corpus] * 3, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=['<|endoftext|>', '<|im_start|>', '<|im_end|>'],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=CHATML, eos_token='<|im_end|>',
+                                       pad_token='<|endoftext|>').save_pretrained(directory)
+  return transformers.AutoTokenizer.from_pretrained(directory)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from helpers import TINY, build, load_config, mesh_devices, quiet, train_in_process
+from hf_reference import chatml_tokenizer
 
 from mintrain import hf, report
 from mintrain import loop as train_loop
@@ -365,24 +366,9 @@ def test_an_objective_without_its_data_is_a_one_line_config_error_before_anythin
   assert not (tmp_path / 'run').exists()
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 def test_conversational_pairs_are_trls_render_by_transformers_chat_template(tmp_path):
   """Prompt: apply_chat_template with add_generation_prompt; response: what the template adds after it."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-  bpe = Tokenizer(models.BPE())
-  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  bpe.decoder = decoders.ByteLevel()
-  special = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
-  bpe.train_from_iterator([json.dumps(PAIRS)] * 3, trainers.BpeTrainer(
-      vocab_size=300, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=CHATML,
-                                                eos_token='<|im_end|>', pad_token='<|endoftext|>')
-  theirs.save_pretrained(tmp_path / 'tok')
-  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / 'tok')
+  theirs = chatml_tokenizer(tmp_path / 'tok', json.dumps(PAIRS))
   records = [{'prompt': [{'role': 'user', 'content': p['prompt']}],
               'chosen': [{'role': 'assistant', 'content': p['chosen']}],
               'rejected': [{'role': 'assistant', 'content': p['rejected']}]} for p in PAIRS[:4]]

@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from helpers import TINY, build, load_config, mesh_devices, quiet, run_script, train_in_process
+from hf_reference import chatml_tokenizer
 
 from mintrain import hf
 from mintrain import loop as train_loop
@@ -71,22 +72,8 @@ def test_prompt_records_are_bos_plus_ids_and_keep_their_fields(prompts_file):
   assert len({p.where for p in first + second}) == 8
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 def test_a_conversational_prompt_is_transformers_render_with_the_assistants_turn_opened(tmp_path):
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-  bpe = Tokenizer(models.BPE())
-  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  bpe.decoder = decoders.ByteLevel()
-  bpe.train_from_iterator(['what is 2+3? say it'] * 3, trainers.BpeTrainer(
-      vocab_size=300, special_tokens=['<|endoftext|>', '<|im_start|>', '<|im_end|>'],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=CHATML, eos_token='<|im_end|>',
-                                       pad_token='<|endoftext|>').save_pretrained(tmp_path / 'tok')
-  theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / 'tok')
+  theirs = chatml_tokenizer(tmp_path / 'tok', 'what is 2+3? say it')
   messages = [{'role': 'system', 'content': 'say it'}, {'role': 'user', 'content': 'what is 2+3?'}]
   path = tmp_path / 'prompts.jsonl'
   path.write_text(json.dumps({'prompt': messages, 'answer': '5'}) + '\n')
