@@ -205,6 +205,7 @@ def test_params_only_restore_starts_fresh_optimizer_and_step(sources):
   assert_bitwise_equal(state.opt_state, fresh.opt_state)
 
 
+@pytest.mark.slow  # the default suite's time (7 min)
 def test_keep_deletes_older_checkpoints_and_zero_disables_saving(tmp_path):
   train(small('single', 'train.steps=8', 'checkpoint.every_steps=2', 'checkpoint.keep=2'), tmp_path / 'a')
   assert ckpt_lib.Checkpoints(tmp_path / 'a' / 'checkpoints').steps() == [6, 8]
@@ -271,6 +272,7 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one_with_a_warning(tmp_pa
   assert len(warnings) == 1 and 'Falling back to step 2' in warnings[0]
 
 
+@pytest.mark.slow  # the default suite's time (7 min); the fallback itself stays in it
 def test_a_damaged_step_fallen_back_from_is_moved_aside_and_saved_anew_keeping_the_intact_one(tmp_path):
   steps = ('checkpoint.every_steps=2', 'checkpoint.keep=2')
   train(small('dp8', 'train.steps=4', *steps), tmp_path)

@@ -72,6 +72,7 @@ def test_grouped_attention_trains_with_the_same_losses_on_every_mesh(overrides, 
     assert f'note: model.num_kv_heads={kv_heads} key/value heads do not split 8 ways' in '\n'.join(lines)
 
 
+@pytest.mark.slow  # the default suite's time (7 min)
 def test_kv_heads_split_when_the_mesh_divides_them_and_are_replicated_and_reported_when_not():
   split, _ = model_of('dp4_tp2', *GQA)  # model=2 divides 2 kv heads.
   replicated, _ = model_of('tp8', *GQA)  # model=8 does not.

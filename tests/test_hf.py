@@ -92,7 +92,7 @@ SLOW_MESHES = {'qwen3_moe': ('tp8', 'fsdp8'), 'deepseek_v3': ('tp8', 'fsdp8'),
                'deepseek_v3_plain_q': ('dp4_tp2', 'tp8', 'fsdp8')}
 SLOW_FAMILIES = ('deepseek_v3_plain_q',)
 # Their generation (a compile of every decode shape) is in the slow set; Qwen2-MoE's covers a mixture's.
-SLOW_GENERATION = ('qwen3_moe', 'deepseek_v3', *SLOW_FAMILIES)
+SLOW_GENERATION = ('mixtral', 'qwen3_moe', 'deepseek_v3', *SLOW_FAMILIES)
 
 
 def random_model(family, directory, **changes):

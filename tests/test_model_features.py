@@ -140,6 +140,7 @@ def test_fused_loss_gives_the_reference_loss_and_gradients(host_params, referenc
   check_matches_reference(host_params, reference, name, f'model.loss_chunks={chunks}')
 
 
+@pytest.mark.slow  # the default suite's time (7 min)
 def test_fused_loss_with_tied_embeddings_matches_on_two_meshes(host_params):
   tied = loss_and_grads(host_params, 'single', 'model.tie_embeddings=True', 'model.loss_chunks=0')
   for name in ('single', 'dp4_tp2'):

@@ -190,7 +190,7 @@ def only_document(batch, row, segment):
 
 
 @pytest.mark.parametrize('attention,loss_chunks,context', [
-    ('einsum', 0, 'ring'), ('dot_product', 2, 'all_gather'),
+    ('einsum', 0, 'ring'), pytest.param('dot_product', 2, 'all_gather', marks=pytest.mark.slow),
     pytest.param('einsum', 2, 'all_gather', marks=pytest.mark.slow),
     pytest.param('dot_product', 0, 'ring', marks=pytest.mark.slow)])
 def test_each_document_of_a_packed_row_has_the_loss_it_has_alone(host_params, packed, alone_losses, attention,

@@ -91,7 +91,7 @@ def test_decode_in_chunks_gives_the_training_forward_logits(host_params, name, o
   np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('name', ['single', 'dp4_tp2'])
+@pytest.mark.parametrize('name', ['single', pytest.param('dp4_tp2', marks=pytest.mark.slow)])
 def test_generate_with_the_cache_equals_recomputing_the_prefix(host_params, name):
   mesh, _, model = model_on(name, host_params)
   prompt_BP = random_tokens((B, P), seed=2)

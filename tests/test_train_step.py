@@ -125,7 +125,7 @@ def test_mintrain_keys_give_the_bits_of_jax_threefry_and_compile_without_loops()
   assert ' while(' not in ours.as_text()
 
 
-@pytest.mark.parametrize('packing', ['pack', 'pad'])
+@pytest.mark.parametrize('packing', [pytest.param('pack', marks=pytest.mark.slow), 'pad'])
 def test_four_micro_batches_equal_one_four_times_larger_batch(short_docs, packing):
   # Packed stdlib rows count every target; padded short documents a different number per micro-batch,
   # and the step is still the mean over all of them.
@@ -161,6 +161,7 @@ def test_loss_falls_in_a_short_run():
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
 
 
+@pytest.mark.slow  # the default suite's time (7 min)
 def test_mlp_learns_its_teacher_under_tensor_parallelism():
   losses = run('mlp_dp4_tp2', 'train.steps=40', 'train.log_every=20').losses
   assert np.mean(losses[-5:]) < 0.2 * np.mean(losses[:5])
