@@ -139,7 +139,7 @@ def test_show_sharding_prints_one_row_per_parameter_and_totals():
     ('deepseek_v3_671b_256', 512, '671,026,419,200',
      r'blocks\.3\.mlp\.wi_gate_EDF +\(256, 7168, 2048\) .*\(expert, fsdp, model\)\s+\(32, 112, 2048\)'),
     ('qwen3_235b_256', 256, '235,093,634,560',
-     r'blocks\.mlp\.wi_gate_EDF +\(94, 128, 4096, 1536\) .*\(-, expert, fsdp, model\)\s+'
+     r'blocks\.mlp\.wi_gate_EDF +\(94, 128, 4096, 1536\) .*\(stage, expert, fsdp, model\)\s+'
      r'\(94, 16, 128, 1536\)'),
 ])
 def test_show_sharding_plans_deepseek_v3_and_qwen3_moe_sized_models_on_256_and_512_devices(
@@ -164,7 +164,7 @@ def test_show_sharding_plans_a_mixtral_8x7b_sized_model_on_256_devices_in_4_slic
   assert ('across 4 processes (DCN): data=4 x fsdp=1 x model=1; within each (ICI): data=1 x fsdp=8 x '
           'expert=8 x model=1') in proc.stdout
   # Each expert's (D, F) weights on one `expert` device, its D split 8 ways over `fsdp`.
-  expert_row = r'blocks\.mlp\.wi_gate_EDF .*\(-, expert, fsdp, model\)\s+\(32, 1, 512, 14336\)'
+  expert_row = r'blocks\.mlp\.wi_gate_EDF .*\(stage, expert, fsdp, model\)\s+\(32, 1, 512, 14336\)'
   assert re.search(expert_row, proc.stdout)
   assert 'per device: parameters 3.4 GiB, optimizer state 6.7 GiB' in proc.stdout
   assert not re.search(r'^\[[123]\] ', proc.stdout, re.M)  # Process 0 prints the plan.

@@ -99,11 +99,12 @@ class Costs:
       per_token_layer += c * 2 * heads * self.head_dim
     # An MoE layer instead: float32 router logits and probabilities, and for each of its slots (E x C per
     # sequence, wherever expert parallelism moves them) the token in and out and the gate/up/product.
-    k = self.experts_per_token
-    if self.capacity_factor == 0 and self.grouped_matmul != 'off':  # Its choices, and with the experts
-      exchange = self.expert_exchange_factor or ways('expert')  # split, what it receives for its own.
-      slots = k * seq_len * (exchange if ways('expert') > 1 else 1) * 9 / 8  # A tile pads at most 1/8.
-    else:
+    k, slots = self.experts_per_token, 0
+    if self.num_experts and self.capacity_factor == 0 and self.grouped_matmul != 'off':
+      # Its choices, and with the experts split what it may receive for its own; tiles hold 1.5x at most.
+      exchange = self.expert_exchange_factor or ways('expert')
+      slots = k * seq_len * (exchange if ways('expert') > 1 else 1) * 1.5
+    elif self.num_experts:
       slots = self.num_experts * moe.capacity(seq_len, self.num_experts, k, self.capacity_factor)
     expert_mlp = self.expert_dim / ways('mlp')
     moe_layer = (per_token_layer - c * 3 * mlp + 2 * 4 * self.num_experts
