@@ -306,8 +306,9 @@ def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kerne
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
 
 
-def test_blocks_pad_each_group_to_whole_tiles_and_the_automatic_tile_bounds_the_buffers():
-  assert grouped.padded_rows(100, 5, 8) == (13 + 4) * 8  # ceil(100 / 8) tiles, and one partial per group.
+def test_tiles_pad_each_group_to_whole_tiles_and_the_automatic_tile_bounds_the_buffers():
+  tiles = grouped.plan(jnp.zeros(100, jnp.int32), 5, 'tiles', tile=8).group_N
+  assert tiles.shape == (13 + 4,)  # ceil(100 / 8) tiles, and one partial per group.
   for rows, groups in ((1024, 8), (2048, 64), (16384, 16), (64, 4)):
     tile = grouped.tile_rows(rows, groups, 0)
     assert 8 <= tile <= 256 and tile & (tile - 1) == 0

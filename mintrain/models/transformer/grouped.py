@@ -16,7 +16,6 @@ kernels compute the same values:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -149,10 +148,3 @@ def gated_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_GDF: jax.Array, w_up_G
     y = y.reshape(-1, y.shape[-1])[p.padded_R]
     y = jnp.where((jnp.arange(rows) < jnp.sum(p.sizes_G))[:, None], y, 0)
   return jnp.zeros_like(y).at[p.order_R].set(y, unique_indices=True)
-
-
-def padded_rows(rows: int, groups: int, tile: int = 0) -> int:
-  """The rows `tiles` lays out for `rows` rows over `groups` groups (its buffers; the loop multiplies
-  only the tiles in use)."""
-  t = tile_rows(rows, groups, tile)
-  return (math.ceil(rows / t) + groups - 1) * t
