@@ -256,6 +256,7 @@ class MoE(nnx.Module):
     cap = capacity(length, e, k, 0.0 if dropless else cfg.capacity_factor)
     tokens, w_in, w_out, expert_axes, mlp_axes = expert_layout(rules)
     choice = P(tokens[0], None, None)
+    specs = (tokens, choice, choice, choice, w_in, w_in, w_out)  # Tokens, three per choice, the experts.
     weights = (gather(self.wi_gate_EDF, rules, dtype), gather(self.wi_up_EDF, rules, dtype),
                gather(self.wo_EFD, rules, dtype))
     if cap == length and cfg.grouped_matmul != 'off':  # Dropless: each choice to its expert alone.
@@ -265,7 +266,7 @@ class MoE(nnx.Module):
           lambda *args: _grouped_local(*args, num_experts=e, expert_axes=expert_axes, mlp_axes=mlp_axes,
                                        kernel=cfg.grouped_matmul, tile=cfg.moe_tile,
                                        exchange=cfg.expert_exchange_factor, activation=self.activation),
-          in_specs=(tokens, choice, choice, choice, w_in, w_in, w_out), out_specs=(tokens, choice))
+          in_specs=specs, out_specs=(tokens, choice))
       y_BLD, kept_BLA = body(jax.sharding.reshard(x_BLD, tokens), experts_BLA, routed_BLA,
                              weights_BLA.astype(dtype), *weights)
     else:
@@ -273,7 +274,7 @@ class MoE(nnx.Module):
       body = jax.shard_map(
           lambda *args: _experts_local(*args, num_experts=e, cap=cap, expert_axes=expert_axes,
                                        mlp_axes=mlp_axes, activation=self.activation),
-          in_specs=(tokens, choice, choice, choice, w_in, w_in, w_out), out_specs=tokens)
+          in_specs=specs, out_specs=tokens)
       y_BLD = body(jax.sharding.reshard(x_BLD, tokens), slot_BLA, kept_BLA, weights_BLA.astype(dtype),
                    *weights)
     y_BLD = rules.reshard(y_BLD, BLD)
