@@ -2,6 +2,8 @@
 platform. XLA:CPU has no ragged-all-to-all, so the ragged path runs here on an emulation of it, tested
 against the collective's documented semantics; the real collective is only lowered, not run."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,11 +142,63 @@ def test_ragged_exchange_on_expert4_data2_gives_one_devices_loss_statistics_and_
   check_ragged_equals_one_device('expert4_data2')
 
 
+@pytest.mark.slow  # A second mesh's step, as test_moe's dropless expert2_model2_fsdp2.
 @pytest.mark.usefixtures('emulated')
 def test_ragged_exchange_on_expert2_model2_fsdp2_gives_one_devices_loss_statistics_and_gradients():
   check_ragged_equals_one_device('expert2_model2_fsdp2')
 
 
+def layer(ragged: bool, exchange: float):
+  """The dropless layer's part inside shard_map over 4 devices of 2 experts each, as a function of the
+  tokens and the experts' weights: 8 sequences of 6 tokens, 2 choices each, the last token of every other
+  sequence padding. Call it under `FOUR`, with its arguments split over `e`."""
+  keys = jax.random.split(jax.random.PRNGKey(3), 2)
+  experts_BLA = jax.lax.top_k(jax.random.normal(keys[0], (8, 6, 8)), 2)[1]
+  routed_BLA = jnp.broadcast_to((jnp.arange(6) < 5)[None, :, None] | (jnp.arange(8) % 2 == 0)[:, None, None],
+                                experts_BLA.shape)
+  weights_BLA = jax.nn.softmax(jax.random.normal(keys[1], (8, 6, 2)), axis=-1)
+  routing = [jax.device_put(a, P('e')) for a in (experts_BLA, routed_BLA, weights_BLA)]
+  local = functools.partial(moe._grouped_local, num_experts=8, expert_axes=('e',), mlp_axes=(),
+                            kernel='tiles', tile=0, exchange=exchange, ragged=ragged, activation=jax.nn.silu)
+  body = jax.shard_map(local, in_specs=P('e'), out_specs=P('e'))
+  return lambda x_BLD, *weights: body(x_BLD, *routing, *weights)
+
+
+FOUR = jax.make_mesh((4,), ('e',), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def layer_outputs_and_gradients(ragged: bool, exchange: float, inputs) -> tuple:
+  """(y_BLD, kept_BLA, the gradients of sum(sin(y)) for the tokens and the three weights)."""
+  with jax.set_mesh(FOUR):
+    f = layer(ragged, exchange)
+    inputs = [jax.device_put(a, P('e')) for a in inputs]
+
+    def loss(*args):
+      y_BLD, kept_BLA = f(*args)
+      return jnp.sum(jnp.sin(y_BLD)), (y_BLD, kept_BLA)
+
+    (_, (y_BLD, kept_BLA)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(*inputs)
+    return y_BLD, kept_BLA, grads
+
+
+@pytest.mark.parametrize('exchange', [pytest.param(0.0, marks=pytest.mark.slow), 0.5])
+def test_ragged_and_padded_exchanges_give_a_layer_the_same_outputs_drops_and_gradients(exchange, monkeypatch):
+  """Exact (0) both keep every routed choice; at half the even share per peer both drop the same ones."""
+  monkeypatch.setattr(moe, 'ragged_all_to_all', emulated_ragged_all_to_all)
+  keys = jax.random.split(jax.random.PRNGKey(4), 4)
+  inputs = (jax.random.normal(keys[0], (8, 6, 16)), jax.random.normal(keys[1], (8, 16, 32)) / 4,
+            jax.random.normal(keys[2], (8, 16, 32)) / 4, jax.random.normal(keys[3], (8, 32, 16)) / 6)
+  y_ragged, kept_ragged, grads_ragged = layer_outputs_and_gradients(True, exchange, inputs)
+  y_padded, kept_padded, grads_padded = layer_outputs_and_gradients(False, exchange, inputs)
+  routed = 8 * 6 * 2 - 4 * 2  # Four sequences end in a padding token.
+  assert np.sum(kept_ragged) == routed if exchange == 0 else 0 < np.sum(kept_ragged) < routed
+  np.testing.assert_array_equal(kept_ragged, kept_padded)
+  np.testing.assert_allclose(y_ragged, y_padded, rtol=1e-5, atol=1e-6)
+  for ragged, padded in zip(grads_ragged, grads_padded):
+    np.testing.assert_allclose(ragged, padded, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # Two more steps compiled; the layer's test above checks the same drops in the default set.
 @pytest.mark.usefixtures('emulated')
 def test_a_bound_drops_and_reports_the_same_choices_on_the_ragged_and_the_padded_exchange():
   batch, bound = padded_batch(noise=3), 'model.expert_exchange_factor=0.5'

@@ -6,18 +6,20 @@ towards balance (`Transformer.after_step`, the auxiliary-loss-free rule), option
 groups of experts, and weights each choice by its score alone.
 
 Shape letters: B batch, L length, D embed, E experts, A the top-k choices of a token, C capacity (slots per
-expert per sequence), F expert mlp width, N a device's choices, P peers, R rows.
+expert per sequence), F expert mlp width, N a device's choices, P peers (S as senders), G a device's
+experts, R rows.
 
-Dropless routing (capacity factor 0) sorts each device's choices by expert and runs them through a
-grouped matmul (`grouped`), so the experts compute the routed tokens only; with the experts split, the
-choices travel to their experts' devices and back by all-to-all. With a capacity factor, dispatch is per
-sequence, so what a token meets does not depend on how the batch is split: each expert has
-C = ceil(capacity_factor * L * k / E) slots per sequence, filled in GShard's priority order; a choice that
-finds its expert full is dropped and the residual stream carries the token on, and an all-to-all sends
-each expert's slots to its devices. Both run inside `jax.shard_map` over the `expert` mesh axes; the
-rules must split `batch` over those axes too (the default rules do). The layer returns the load-balancing
-loss (Switch) and the router z-loss (ST-MoE) with the routing statistics; padding (segment 0) is routed
-nowhere and counts in none.
+Dropless routing (capacity factor 0) sorts each device's choices by expert and runs them through a grouped
+matmul (`grouped`), so the experts compute the routed tokens only; with the experts split, the choices
+travel to their experts' devices and back by all-to-all (`model.expert_exchange`: ragged, each peer sent
+exactly its choices, where the platform has `jax.lax.ragged_all_to_all`; else padded). With a capacity
+factor, dispatch is per sequence, so what a token meets does not depend on how the batch is split: each
+expert has C = ceil(capacity_factor * L * k / E) slots per sequence, filled in GShard's priority order; a
+choice that finds its expert full is dropped and the residual stream carries the token on, and an
+all-to-all sends each expert's slots to its devices. Both run inside `jax.shard_map` over the `expert`
+mesh axes; the rules must split `batch` over those axes too (the default rules do). The layer returns the
+load-balancing loss (Switch) and the router z-loss (ST-MoE) with the routing statistics; padding (segment
+0) is routed nowhere and counts in none.
 """
 
 from __future__ import annotations
@@ -149,29 +151,31 @@ def _ragged_exchange(x_sorted_ND: jax.Array, expert_N: jax.Array,
   expert by expert, peer 0's first, into ep x bound rows (the most it can be sent), so its grouped matmul
   gets them sorted. One all_gather of every device's count per expert gives every offset, there and back.
 
-  Slices are indexed (S, P, L): from device S to device P for P's expert L."""
+  Slices are indexed (S, P, G): from device S to device P for P's expert G."""
   d, e = x_sorted_ND.shape[1], ep * local
-  count_SPL = jax.lax.all_gather(jnp.bincount(expert_N, length=e + 1)[:e], axes).reshape(ep, ep, local)
-  start_SPL = jnp.cumsum(count_SPL.reshape(ep, e), axis=1).reshape(ep, ep, local) - count_SPL
-  reach_SPL = jnp.minimum(jnp.cumsum(count_SPL, axis=2), bound)  # Each peer's run, cut at the bound.
-  sent_SPL = jnp.diff(reach_SPL, axis=2, prepend=0)
-  taken_PL = jnp.sum(sent_SPL, axis=0)
-  at_SPL = (jnp.cumsum(taken_PL, axis=1) - taken_PL)[None] + jnp.cumsum(sent_SPL, axis=0) - sent_SPL
+  count_SPG = jax.lax.all_gather(jnp.bincount(expert_N, length=e + 1)[:e], axes).reshape(ep, ep, local)
+  start_SPG = jnp.cumsum(count_SPG.reshape(ep, e), axis=1).reshape(ep, ep, local) - count_SPG
+  reach_SPG = jnp.minimum(jnp.cumsum(count_SPG, axis=2), bound)  # Each peer's run, cut at the bound.
+  sent_SPG = jnp.diff(reach_SPG, axis=2, prepend=0)
+  taken_PG = jnp.sum(sent_SPG, axis=0)
+  # Where a slice lands in its receiver: after the rows of the receiver's earlier experts, and of its own
+  # expert from earlier senders.
+  at_SPG = (jnp.cumsum(taken_PG, axis=1) - taken_PG)[None] + jnp.cumsum(sent_SPG, axis=0) - sent_SPG
   me = jax.lax.axis_index(axes)
 
-  def sending(x_SPL: jax.Array) -> jax.Array:  # This device's slices as their sender, flat.
-    return x_SPL[me].reshape(-1).astype(jnp.int32)
+  def sending(x_SPG: jax.Array) -> jax.Array:  # This device's slices as their sender, flat.
+    return x_SPG[me].reshape(-1).astype(jnp.int32)
 
-  def receiving(x_SPL: jax.Array) -> jax.Array:  # And as their receiver.
-    return x_SPL[:, me].reshape(-1).astype(jnp.int32)
+  def receiving(x_SPG: jax.Array) -> jax.Array:  # And as their receiver.
+    return x_SPG[:, me].reshape(-1).astype(jnp.int32)
 
   rows = ep * bound
-  recv_RD = ragged_all_to_all(x_sorted_ND, jnp.zeros_like(x_sorted_ND, shape=(rows, d)), sending(start_SPL),
-                              sending(sent_SPL), sending(at_SPL), receiving(sent_SPL), axis_name=axes)
-  group_R = jnp.searchsorted(jnp.cumsum(taken_PL[me]), jnp.arange(rows), side='right')  # local: none.
+  recv_RD = ragged_all_to_all(x_sorted_ND, jnp.zeros_like(x_sorted_ND, shape=(rows, d)), sending(start_SPG),
+                              sending(sent_SPG), sending(at_SPG), receiving(sent_SPG), axis_name=axes)
+  group_R = jnp.searchsorted(jnp.cumsum(taken_PG[me]), jnp.arange(rows), side='right')  # local: none.
   y_RD = mlp(recv_RD, group_R)
-  return ragged_all_to_all(y_RD, jnp.zeros_like(x_sorted_ND), receiving(at_SPL), receiving(sent_SPL),
-                           receiving(start_SPL), sending(sent_SPL), axis_name=axes)
+  return ragged_all_to_all(y_RD, jnp.zeros_like(x_sorted_ND), receiving(at_SPG), receiving(sent_SPG),
+                           receiving(start_SPG), sending(sent_SPG), axis_name=axes)
 
 
 def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up_EDF, w_down_EFD, *,
