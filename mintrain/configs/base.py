@@ -138,6 +138,11 @@ def get_config() -> ml_collections.ConfigDict:
   # Dropless on mesh.expert: the choices a device sends each peer at most, times its even share (choices /
   # expert ways); past it they are dropped (moe_dropped_fraction). 0: all of them, never a drop.
   c.model.expert_exchange_factor = 0.0
+  # How the choices travel: 'ragged' (jax.lax.ragged_all_to_all: each peer is sent exactly its choices, up
+  # to the bound; GPU, TPU), 'padded' (all_to_all: each peer is sent room for the bound, mostly zeros when
+  # the bound is exact) or 'auto' (ragged where the platform has it, padded on the CPU). The bound and
+  # what it drops are the same on both.
+  c.model.expert_exchange = 'auto'
   c.model.router_norm_topk = True  # Top-k router weights renormalised to sum 1 (Mixtral; Qwen2-MoE: False).
   # DeepSeek-V3's router: sigmoid scores; experts chosen by score + a per-expert bias that takes no gradient
   # but moves router_bias_rate per step towards balance (bias += rate * sign(mean load - load); the

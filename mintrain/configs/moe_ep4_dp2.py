@@ -12,5 +12,6 @@ def get_config():
   c.model.expert_mlp_dim = 128  # Active expert width 2 x 128: the FLOPs of a 256-wide dense MLP.
   c.model.capacity_factor = 0.0  # Dropless.
   c.model.grouped_matmul = 'auto'  # ragged_dot on GPU and TPU, tiles of sorted rows on CPU.
-  c.model.expert_exchange_factor = 0.0  # Each peer sent room for all of a device's choices: exact.
+  c.model.expert_exchange_factor = 0.0  # No bound on what a peer is sent: exact.
+  c.model.expert_exchange = 'auto'  # ragged_all_to_all on GPU and TPU, a padded all_to_all on CPU.
   return c

@@ -32,6 +32,8 @@ ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, 
 ROPE_SCALINGS = ('none', 'llama3', 'linear', 'dynamic', 'yarn')
 ROUTER_SCORES = ('softmax', 'sigmoid')
 GROUPED_MATMUL_OPTIONS = ('auto', 'ragged_dot', 'tiles', 'off')
+EXPERT_EXCHANGE_OPTIONS = ('auto', 'ragged', 'padded')
+RAGGED_EXCHANGE_PLATFORMS = ('gpu', 'tpu')  # Where XLA implements ragged-all-to-all (XLA:CPU does not).
 
 
 def _even(value: int) -> str | None:
@@ -110,6 +112,9 @@ class TransformerConfig(Costs, ModelConfig):
   moe_tile: int = option(at_least=0)  # Rows of a 'tiles' tile; 0: by the rows and experts.
   # Dropless with experts split: choices a device sends each peer, times the even share; 0: all (exact).
   expert_exchange_factor: float = option(at_least=0)
+  # How they travel: 'ragged' (each peer sent exactly its choices; GPU, TPU), 'padded' (each peer sent room
+  # for the bound) or 'auto' (ragged where the platform has it).
+  expert_exchange: str = option(choices=EXPERT_EXCHANGE_OPTIONS)
   router_norm_topk: bool = option()  # Renormalise the top-k probabilities to sum to 1 (Mixtral).
   # 'softmax' (Mixtral, Qwen) or 'sigmoid' scores (DeepSeek-V3: chosen by score + a balancing bias that
   # takes no gradient and moves by router_bias_rate per step, weighted by the score alone).
@@ -253,14 +258,20 @@ class TransformerConfig(Costs, ModelConfig):
 
   def for_platform(self, platform: str) -> TransformerConfig:
     """The fused loss and `linear`'s custom VJP were measured to help on CPU only (BENCHMARKS.md), so
-    elsewhere 'auto' leaves them off until measured there."""
+    elsewhere 'auto' leaves them off until measured there. The ragged exchange needs the platform's
+    ragged-all-to-all."""
     auto = 1 if platform == 'cpu' and not self.final_softcap else 0
     chunks = self.loss_chunks if self.loss_chunks >= 0 else auto
     grouped_matmul = self.grouped_matmul
     if grouped_matmul == 'auto':
       grouped_matmul = 'tiles' if platform == 'cpu' else 'ragged_dot'
+    ragged = platform in RAGGED_EXCHANGE_PLATFORMS
+    if self.expert_exchange == 'ragged' and not ragged:
+      raise ConfigError(f'model.expert_exchange=ragged needs jax.lax.ragged_all_to_all, which XLA does not '
+                        f"implement on {platform}; use 'padded' or 'auto' (ragged on GPU and TPU only).")
+    exchange = self.expert_exchange if self.expert_exchange != 'auto' else 'ragged' if ragged else 'padded'
     return dataclasses.replace(self, loss_chunks=chunks, linear=linear_for_platform(self.linear, platform),
-                               grouped_matmul=grouped_matmul)
+                               grouped_matmul=grouped_matmul, expert_exchange=exchange)
 
   def placement_notes(self, placement: Placement, seq_len: int) -> list[str]:
     ways = placement.ways('length')

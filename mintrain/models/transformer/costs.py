@@ -101,9 +101,12 @@ class Costs:
     # sequence, wherever expert parallelism moves them) the token in and out and the gate/up/product.
     k, slots = self.experts_per_token, 0
     if self.num_experts and self.capacity_factor == 0 and self.grouped_matmul != 'off':
-      # Its choices, and with the experts split what it may receive for its own; tiles hold 1.5x at most.
-      exchange = self.expert_exchange_factor or ways('expert')
-      slots = k * seq_len * (exchange if ways('expert') > 1 else 1) * 1.5
+      # Its choices, and with the experts split what it may receive for its own (`moe.peer_bound` from each
+      # peer, either exchange); tiles hold 1.5x at most.
+      ep = ways('expert')
+      most = ep * min(k, self.num_experts // ep)  # A token's choices for one device are distinct experts.
+      received = min(k * self.expert_exchange_factor, most) if self.expert_exchange_factor else most
+      slots = seq_len * (received if ep > 1 else k) * 1.5
     elif self.num_experts:
       slots = self.num_experts * moe.capacity(seq_len, self.num_experts, k, self.capacity_factor)
     expert_mlp = self.expert_dim / ways('mlp')

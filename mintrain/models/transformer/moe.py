@@ -6,18 +6,20 @@ towards balance (`Transformer.after_step`, the auxiliary-loss-free rule), option
 groups of experts, and weights each choice by its score alone.
 
 Shape letters: B batch, L length, D embed, E experts, A the top-k choices of a token, C capacity (slots per
-expert per sequence), F expert mlp width, N a device's choices, P peers, R rows.
+expert per sequence), F expert mlp width, N a device's choices, P peers (S as senders), G a device's
+experts, R rows.
 
-Dropless routing (capacity factor 0) sorts each device's choices by expert and runs them through a
-grouped matmul (`grouped`), so the experts compute the routed tokens only; with the experts split, the
-choices travel to their experts' devices and back by all-to-all. With a capacity factor, dispatch is per
-sequence, so what a token meets does not depend on how the batch is split: each expert has
-C = ceil(capacity_factor * L * k / E) slots per sequence, filled in GShard's priority order; a choice that
-finds its expert full is dropped and the residual stream carries the token on, and an all-to-all sends
-each expert's slots to its devices. Both run inside `jax.shard_map` over the `expert` mesh axes; the
-rules must split `batch` over those axes too (the default rules do). The layer returns the load-balancing
-loss (Switch) and the router z-loss (ST-MoE) with the routing statistics; padding (segment 0) is routed
-nowhere and counts in none.
+Dropless routing (capacity factor 0) sorts each device's choices by expert and runs them through a grouped
+matmul (`grouped`), so the experts compute the routed tokens only; with the experts split, the choices
+travel to their experts' devices and back by all-to-all (`model.expert_exchange`: ragged, each peer sent
+exactly its choices, where the platform has `jax.lax.ragged_all_to_all`; else padded). With a capacity
+factor, dispatch is per sequence, so what a token meets does not depend on how the batch is split: each
+expert has C = ceil(capacity_factor * L * k / E) slots per sequence, filled in GShard's priority order; a
+choice that finds its expert full is dropped and the residual stream carries the token on, and an
+all-to-all sends each expert's slots to its devices. Both run inside `jax.shard_map` over the `expert`
+mesh axes; the rules must split `batch` over those axes too (the default rules do). The layer returns the
+load-balancing loss (Switch) and the router z-loss (ST-MoE) with the routing statistics; padding (segment
+0) is routed nowhere and counts in none.
 """
 
 from __future__ import annotations
@@ -125,14 +127,65 @@ def _experts_local(x_BLD, slot_BLA, kept_BLA, weights_BLA, w_gate_EDF, w_up_EDF,
   return jax.vmap(_combine)(y_BSD, slot_BLA, kept_BLA, weights_BLA)
 
 
+def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
+                      output_offsets: jax.Array, recv_sizes: jax.Array, *,
+                      axis_name: tuple[str, ...]) -> jax.Array:
+  """`jax.lax.ragged_all_to_all`, the GPU's and TPU's collective (XLA:CPU has none), called by this module's
+  name so that a test on the CPU can stand an emulation in for it."""
+  return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                   axis_name=axis_name)
+
+
+def peer_bound(tokens: int, k: int, local: int, ep: int, exchange: float) -> int:
+  """The most choices a device sends one peer: `exchange` times the even share of its tokens x k choices
+  (0: no bound), and never more than a peer can take, min(k, local) per token (a token's k are distinct)."""
+  most = tokens * min(k, local)
+  return most if exchange <= 0 else min(most, math.ceil(exchange * tokens * k / ep))
+
+
+def _ragged_exchange(x_sorted_ND: jax.Array, expert_N: jax.Array,
+                     mlp: Callable[[jax.Array, jax.Array], jax.Array], *, local: int, ep: int, bound: int,
+                     axes: tuple[str, ...]) -> jax.Array:
+  """The outputs (N, D) of the choices sorted by expert, each peer sent exactly its run of them (the first
+  `bound`; the rest get zeros) by `ragged_all_to_all`, one slice per expert. A receiver writes the rows
+  expert by expert, peer 0's first, into ep x bound rows (the most it can be sent), so its grouped matmul
+  gets them sorted. One all_gather of every device's count per expert gives every offset, there and back.
+
+  Slices are indexed (S, P, G): from device S to device P for P's expert G."""
+  d, e = x_sorted_ND.shape[1], ep * local
+  count_SPG = jax.lax.all_gather(jnp.bincount(expert_N, length=e + 1)[:e], axes).reshape(ep, ep, local)
+  start_SPG = jnp.cumsum(count_SPG.reshape(ep, e), axis=1).reshape(ep, ep, local) - count_SPG
+  reach_SPG = jnp.minimum(jnp.cumsum(count_SPG, axis=2), bound)  # Each peer's run, cut at the bound.
+  sent_SPG = jnp.diff(reach_SPG, axis=2, prepend=0)
+  taken_PG = jnp.sum(sent_SPG, axis=0)
+  # Where a slice lands in its receiver: after the rows of the receiver's earlier experts, and of its own
+  # expert from earlier senders.
+  at_SPG = (jnp.cumsum(taken_PG, axis=1) - taken_PG)[None] + jnp.cumsum(sent_SPG, axis=0) - sent_SPG
+  me = jax.lax.axis_index(axes)
+
+  def sending(x_SPG: jax.Array) -> jax.Array:  # This device's slices as their sender, flat.
+    return x_SPG[me].reshape(-1).astype(jnp.int32)
+
+  def receiving(x_SPG: jax.Array) -> jax.Array:  # And as their receiver.
+    return x_SPG[:, me].reshape(-1).astype(jnp.int32)
+
+  rows = ep * bound
+  recv_RD = ragged_all_to_all(x_sorted_ND, jnp.zeros_like(x_sorted_ND, shape=(rows, d)), sending(start_SPG),
+                              sending(sent_SPG), sending(at_SPG), receiving(sent_SPG), axis_name=axes)
+  group_R = jnp.searchsorted(jnp.cumsum(taken_PG[me]), jnp.arange(rows), side='right')  # local: none.
+  y_RD = mlp(recv_RD, group_R)
+  return ragged_all_to_all(y_RD, jnp.zeros_like(x_sorted_ND), receiving(at_SPG), receiving(sent_SPG),
+                           receiving(start_SPG), sending(sent_SPG), axis_name=axes)
+
+
 def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up_EDF, w_down_EFD, *,
                    num_experts: int, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...], kernel: str,
-                   tile: int, exchange: float, activation: Callable[[jax.Array], jax.Array]
+                   tile: int, exchange: float, ragged: bool, activation: Callable[[jax.Array], jax.Array]
                    ) -> tuple[jax.Array, jax.Array]:
   """Dropless, one device's part inside `shard_map`: each routed choice through its expert alone (no
   slots), by a grouped matmul (`grouped.gated_mlp`). With experts split over `expert_axes`, the choices
-  go to their experts' devices and back by all-to-all, each peer sent at most `bound` of them (`exchange`
-  times the even share; 0: all, exact); the ones past it are dropped. Returns (y_BLD, kept_BLA)."""
+  go to their experts' devices and back by all-to-all, ragged (`ragged`) or padded, each peer sent at most
+  `peer_bound` of them; the ones past it are dropped. Returns (y_BLD, kept_BLA)."""
   b, length, d = x_BLD.shape
   k, local = experts_BLA.shape[-1], w_gate_EDF.shape[0]
   n = b * length * k  # N: this device's choices.
@@ -148,24 +201,28 @@ def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up
     y_ND, kept_N = mlp(x_ND, expert_N), routed_BLA.reshape(n)
   else:  # Sorted by expert, so by peer: peer j's choices are a run of the sorted ones.
     ep = num_experts // local
-    bound = n if exchange <= 0 else min(n, math.ceil(exchange * n / ep))
+    bound = peer_bound(b * length, k, local, ep, exchange)
     order_N = jnp.argsort(expert_N, stable=True)
     count_P = jnp.bincount(expert_N // local, length=ep + 1)[:ep]
     start_P = jnp.cumsum(count_P) - count_P
-    sent_PB = jnp.arange(bound)[None, :] < count_P[:, None]
-    at_PB = order_N[jnp.minimum(start_P[:, None] + jnp.arange(bound)[None, :], n - 1)]
-    send_PBD = jnp.where(sent_PB[..., None], x_ND[at_PB], 0)
-    group_PB = jnp.where(sent_PB, expert_N[at_PB] % local, local)
-    # Row i of what arrives came from peer i; the outputs go back to the same places.
-    recv_PBD = jax.lax.all_to_all(send_PBD, expert_axes, 0, 0, tiled=True)
-    group_PB = jax.lax.all_to_all(group_PB, expert_axes, 0, 0, tiled=True)
-    y_RD = mlp(recv_PBD.reshape(ep * bound, d), group_PB.reshape(-1))
-    y_PBD = jax.lax.all_to_all(y_RD.reshape(ep, bound, d), expert_axes, 0, 0, tiled=True)
     peer_N = expert_N[order_N] // local  # Of the sorted choices: the peer, and the place in its run.
     place_N = jnp.arange(n) - start_P[jnp.minimum(peer_N, ep - 1)]
     kept_sorted_N = (peer_N < ep) & (place_N < bound)
-    y_sorted_ND = jnp.where(kept_sorted_N[:, None],
-                            y_PBD[jnp.minimum(peer_N, ep - 1), jnp.minimum(place_N, bound - 1)], 0)
+    if ragged:
+      y_sorted_ND = _ragged_exchange(x_ND[order_N], expert_N, mlp, local=local, ep=ep, bound=bound,
+                                     axes=expert_axes)
+    else:  # Each peer sent `bound` rows: its run, then zeros.
+      sent_PB = jnp.arange(bound)[None, :] < count_P[:, None]
+      at_PB = order_N[jnp.minimum(start_P[:, None] + jnp.arange(bound)[None, :], n - 1)]
+      send_PBD = jnp.where(sent_PB[..., None], x_ND[at_PB], 0)
+      group_PB = jnp.where(sent_PB, expert_N[at_PB] % local, local)
+      # Row i of what arrives came from peer i; the outputs go back to the same places.
+      recv_PBD = jax.lax.all_to_all(send_PBD, expert_axes, 0, 0, tiled=True)
+      group_PB = jax.lax.all_to_all(group_PB, expert_axes, 0, 0, tiled=True)
+      y_RD = mlp(recv_PBD.reshape(ep * bound, d), group_PB.reshape(-1))
+      y_PBD = jax.lax.all_to_all(y_RD.reshape(ep, bound, d), expert_axes, 0, 0, tiled=True)
+      y_sorted_ND = jnp.where(kept_sorted_N[:, None],
+                              y_PBD[jnp.minimum(peer_N, ep - 1), jnp.minimum(place_N, bound - 1)], 0)
     y_ND = jnp.zeros_like(y_sorted_ND).at[order_N].set(y_sorted_ND, unique_indices=True)
     kept_N = jnp.zeros_like(kept_sorted_N).at[order_N].set(kept_sorted_N, unique_indices=True)
   kept_BLA = kept_N.reshape(b, length, k)
@@ -265,7 +322,8 @@ class MoE(nnx.Module):
       body = jax.shard_map(
           lambda *args: _grouped_local(*args, num_experts=e, expert_axes=expert_axes, mlp_axes=mlp_axes,
                                        kernel=cfg.grouped_matmul, tile=cfg.moe_tile,
-                                       exchange=cfg.expert_exchange_factor, activation=self.activation),
+                                       exchange=cfg.expert_exchange_factor,
+                                       ragged=cfg.expert_exchange == 'ragged', activation=self.activation),
           in_specs=specs, out_specs=(tokens, choice))
       y_BLD, kept_BLA = body(jax.sharding.reshard(x_BLD, tokens), experts_BLA, routed_BLA,
                              weights_BLA.astype(dtype), *weights)
