@@ -221,6 +221,7 @@ def test_the_same_losses_on_fsdp8_and_tp8(pairs_file, name):
                              train_losses('single', pairs_file, 2, *eight_heads), rtol=2e-5)
 
 
+@pytest.mark.slow  # the default suite's time, as GRPO's
 def test_a_run_stopped_by_sigterm_resumes_bit_exactly(pairs_file, tmp_path):
   config = load_config('single', *TINY, *dpo_overrides(pairs_file, 'train.steps=4', 'train.log_every=1',
                                                        'checkpoint.every_steps=2'))

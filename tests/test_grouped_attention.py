@@ -88,7 +88,9 @@ def test_kv_heads_split_when_the_mesh_divides_them_and_are_replicated_and_report
       'replicated on every device of that split.']
 
 
-@pytest.mark.parametrize('name', ['single', 'dp4_tp2', 'tp8'])
+# The sharded caches in the slow set (the default suite's time); test_sampling decodes on dp4_tp2 and tp8.
+@pytest.mark.parametrize('name', ['single', pytest.param('dp4_tp2', marks=pytest.mark.slow),
+                                  pytest.param('tp8', marks=pytest.mark.slow)])
 def test_the_kv_cache_holds_the_kv_heads_and_decoding_gives_the_training_logits(name):
   setup, model = model_of(name, *GQA, 'model.num_kv_heads=1')
   graphdef, params = nnx.split(model)

@@ -86,11 +86,13 @@ FAMILIES = {
                                                  'moe_intermediate_size': 48, 'norm_topk_prob': False}),
 }
 MOE = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'deepseek_v3')
-# Families whose logits are checked on tp8 and fsdp8 in the slow set only (the default suite's time); the
-# plain-query DeepSeek-V3 is tested on one device alone outside the slow set.
-SLOW_MESHES = {'qwen3_moe': ('tp8', 'fsdp8'), 'deepseek_v3': ('tp8', 'fsdp8'),
+# The default suite (its time) checks Llama 3's logits on every mesh and the other families' on one device and
+# dp4_tp2; tp8 and fsdp8 are in the slow set. The plain-query DeepSeek-V3 is tested on one device alone
+# outside the slow set.
+SLOW_MESHES = {**{family: ('tp8', 'fsdp8') for family in FAMILIES if family != 'llama3'},
                'deepseek_v3_plain_q': ('dp4_tp2', 'tp8', 'fsdp8')}
 SLOW_FAMILIES = ('deepseek_v3_plain_q',)
+SLOW_EXPERT_SPLITS = ('qwen3_moe', 'deepseek_v3')  # Mixtral's and Qwen2-MoE's in the default suite.
 # Their generation (a compile of every decode shape) is in the slow set; Qwen2-MoE's covers a mixture's.
 SLOW_GENERATION = ('mixtral', 'qwen3_moe', 'deepseek_v3', *SLOW_FAMILIES)
 
@@ -112,7 +114,7 @@ def reference(request, tmp_path_factory):
 
 
 @pytest.fixture(scope='module', params=[  # The newer mixtures' expert splits in the slow set.
-    pytest.param(family, marks=[pytest.mark.slow] if family in SLOW_MESHES else []) for family in MOE])
+    pytest.param(family, marks=[pytest.mark.slow] if family in SLOW_EXPERT_SPLITS else []) for family in MOE])
 def moe_reference(request, tmp_path_factory):
   """As `reference`, of the mixtures of experts alone."""
   directory = tmp_path_factory.mktemp(request.param)

@@ -277,6 +277,7 @@ def unrolled_run(tmp_path_factory):
   return workdir, train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=quiet)
 
 
+@pytest.mark.slow  # the default suite's time; each option is tested alone there
 def test_all_options_together_train_like_the_default_model(unrolled_run):
   options = ('model.remat=save_matmuls', 'model.scan_layers=True', 'model.attention=dot_product',
              'model.mlp_overlap=True', 'train.steps=3')

@@ -137,6 +137,7 @@ def check_ragged_equals_one_device(mesh):
     np.testing.assert_allclose(got_grads[path], want, rtol=1e-4, atol=1e-6, err_msg=path)
 
 
+@pytest.mark.slow  # the default suite's time; the layer test below compares the exchanges there
 @pytest.mark.usefixtures('emulated')
 def test_ragged_exchange_on_expert4_data2_gives_one_devices_loss_statistics_and_gradients():
   check_ragged_equals_one_device('expert4_data2')

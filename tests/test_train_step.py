@@ -54,8 +54,9 @@ def test_params_grads_and_optimizer_state_carry_the_resolved_specs_at_trace_time
     assert spec == expected[path], (kind, path, spec)
 
 
-# Data, tensor, fsdp and context splits together in the default suite; every other mesh in the slow set.
-FAST_MESHES = ('single', 'dp4_tp2', 'fsdp4_tp2', 'cp2_dp2_tp2')
+# Data, tensor, fsdp and context splits in the default suite (fsdp x model, data x context x model); every
+# other mesh in the slow set.
+FAST_MESHES = ('single', 'fsdp4_tp2', 'cp2_dp2_tp2')
 
 
 def check_losses_are_the_same(short_docs, meshes):
@@ -96,6 +97,7 @@ def test_dropout_masks_are_the_same_on_every_mesh(short_docs):
   assert not np.allclose(single, no_dropout, rtol=1e-4)
 
 
+@pytest.mark.slow  # the default suite's time; test_mintrain_keys_... checks the keys' bits
 def test_dropout_keys_do_not_depend_on_the_default_prng_implementation(short_docs):
   overrides = (*INVARIANCE, *short_docs, 'model.dropout_rate=0.2', 'model.num_layers=1')
   default = run('single', *overrides).losses
