@@ -28,6 +28,12 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
   return tuple(mesh_axes)
 
 
+def _without(entry: MeshAxes, axes: Iterable[str]) -> MeshAxes:
+  """One PartitionSpec entry less the mesh axes `axes`."""
+  kept = tuple(a for a in _as_tuple(entry) if a not in axes)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
 def _is_mesh_axes(mesh_axes: Any) -> bool:
   """Flax also accepts a list of names (a config may turn tuples into lists)."""
   return (mesh_axes is None or isinstance(mesh_axes, str)
@@ -123,10 +129,15 @@ class AxisRules:
                       what: str = 'activation') -> P:
     """Layout of an activation. Given its `shape` (or its leading dimensions), a dimension of size 1
     stays whole where the current mesh would split it (one decode token over `context`); any other size
-    must divide, which `check_divisible` and the type check of `reshard` enforce."""
+    must divide, which `check_divisible` and the type check of `reshard` enforce. Inside a `shard_map`
+    (the pipeline's), the axes it splits by hand are left out: the body sees its own share already."""
     spec = resolve(logical_axes, self.rules, what=what)
     mesh = jax.sharding.get_abstract_mesh()
-    if shape is None or mesh.empty:
+    if mesh.empty:
+      return spec
+    if mesh.manual_axes:
+      spec = P(*(_without(entry, mesh.manual_axes) for entry in spec))
+    if shape is None:
       return spec
 
     def split(entry: MeshAxes) -> bool:

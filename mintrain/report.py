@@ -68,14 +68,13 @@ class MemoryPlan:
 
 def activation_bytes(config: Config, rules: AxisRules, mesh: Mesh, pipeline: Schedule = UNPIPELINED) -> int:
   """Estimated activations kept for the backward pass of one micro-batch, per device (every sequence of a
-  row: the objective's `sequences_per_row`). A pipeline stage keeps its layers' share (1 / S) for each of the
-  schedule's steps, each a microbatch (1 / M) of the rows: every step's, the idle ones' too, as the
-  schedule's scan keeps them all."""
+  row: the objective's `sequences_per_row`). Pipelined, the model counts what the schedule's steps keep
+  (a transformer's `activation_bytes`)."""
   rows = config.train.micro_batch_size // rules.ways('batch', mesh.shape)
   rows *= config.objective.sequences_per_row(config)
-  whole = config.model.activation_bytes(rows, config.train.seq_len, lambda name: rules.ways(name, mesh.shape))
-  s = pipeline
-  return whole if s.stages == 1 else whole * s.iterations // (s.stages * s.repeats * s.microbatches)
+  staged = {'schedule': pipeline} if pipeline.stages > 1 else {}  # Only a family that pipelines takes it.
+  return config.model.activation_bytes(rows, config.train.seq_len, lambda name: rules.ways(name, mesh.shape),
+                                       **staged)
 
 
 def device_memory_limit(device: jax.Device) -> tuple[int | None, str]:
@@ -168,8 +167,8 @@ def format_plan(p: MemoryPlan) -> str:
   known = p.device_limit is not None
   limit = f'{fmt_bytes(p.device_limit)} ({p.limit_source})' if known else 'an unknown limit'
   s = p.pipeline
-  staged = ('' if s.stages == 1 else f' (one stage\'s layers; activations of {s.iterations} microbatch steps '
-            f'of 1/{s.microbatches} of the rows in flight)')
+  staged = ('' if s.stages == 1 else f' (one stage\'s layers; activations of the schedule\'s {s.iterations} '
+            f'steps and one more, each a block of its layers on 1/{s.microbatches} of the rows)')
   return (f'memory plan per device{staged}: parameters {fmt_bytes(p.params)}, gradients '
           f'{fmt_bytes(p.grads)}, optimizer state {fmt_bytes(p.opt_state)}, activations '
           f'~{fmt_bytes(p.activations)}{_reference(p)}; total ~{fmt_bytes(p.total)} of {limit}')

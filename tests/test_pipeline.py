@@ -147,3 +147,17 @@ def test_a_pipelined_model_samples_on_its_mesh_as_on_one_device():
       prompt_BP = np.random.RandomState(0).randint(0, 256, (8, 5)).astype(np.int32)
       generated[name] = np.asarray(sampling.generate(model, prompt_BP, 6))
   np.testing.assert_array_equal(generated['pipelined'], generated['single'])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mesh, microbatches', [('stage2_data2_model2', 2), ('stage4_data2', 4)])
+def test_the_memory_plan_counts_what_xla_keeps_for_the_pipelined_step(mesh, microbatches):
+  # Rows and tokens enough for the schedule's activations to outweigh the step's fixed workspace.
+  config = load_config('dp4_tp2', *PIPELINED, 'data.source=synthetic', 'train.global_batch_size=32',
+                       'train.seq_len=32', *MESHES[mesh], f'pipeline.microbatches={microbatches}')
+  run = build(config)
+  with jax.set_mesh(run.mesh):
+    state = run.init()
+    batch = next(run.batches(tokenizer.load(config.data.tokenizer)))
+    temp = run.train_step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+  assert 1 / 1.5 <= run.plan.activations / temp <= 1.5, (run.plan.activations, temp)

@@ -115,7 +115,10 @@ def _linear_bwd(subscripts, out_sharding, residuals, dy):
     dw = jnp.einsum(f'{x_axes},{y_axes}->{w_axes}', x, dy, out_sharding=w_sharding)
   else:
     dw = jnp.einsum(f'{y_axes},{x_axes}->{w_axes}', dy, x, out_sharding=w_sharding)
-  return x_vjp(dy)[0], dw.astype(w.dtype)
+  # Under a shard_map that splits the rows by hand (the pipeline's), each device holds its rows' share.
+  rows = tuple(a for a in jax.typeof(dw).manual_axis_type.varying
+               if a not in jax.typeof(w).manual_axis_type.varying)
+  return x_vjp(dy)[0], (jax.lax.psum(dw, rows) if rows else dw).astype(w.dtype)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)

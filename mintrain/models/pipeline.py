@@ -48,11 +48,6 @@ class Schedule:
     """The share of the stages' steps spent idle: (S - 1) / (R * M + S - 1)."""
     return (self.stages - 1) / self.iterations
 
-  @property
-  def in_flight(self) -> int:
-    """Microbatch passes whose activations a stage keeps for the backward pass at once (all of its steps)."""
-    return self.iterations if self.stages > 1 else 1
-
 
 UNPIPELINED = Schedule()
 
@@ -77,6 +72,12 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
   x_MbLD = _microbatches(x_BLD, m)
   args_M = [_microbatches(a, m) if s else a for a, s in zip(args, split)]
   block = params_N[0].shape[0] // (stages * repeats)
+  # The rows' mesh axes are split by hand too: a shard_map's outputs, the residuals that autodiff saves of
+  # the schedule included, are whole on every axis it does not split by hand, so over an explicit `data`
+  # every device would keep all of the rows' residuals.
+  rows_axes = _axes(jax.typeof(x_MbLD).sharding.spec, 1)
+  by_hand = (STAGE, *rows_axes)
+  rows_spec = P(None, rows_axes or None)
 
   def stage_body(params_local: list[jax.Array], x_MbLD: jax.Array, key: jax.Array | None,
                  args_M: list[jax.Array | None]):
@@ -105,14 +106,38 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
       out_MbLD = out_MbLD.at[mb].set(jnp.where(last, y_BLD, out_MbLD[mb]))
       return (y_BLD, waiting_MbLD, out_MbLD), None
 
-    zeros_MbLD = jax.lax.pcast(jnp.zeros_like(x_MbLD), (STAGE,), to='varying')  # Each stage's own.
+    zeros_MbLD = jnp.zeros_like(x_MbLD)
+    unvaried = tuple(a for a in by_hand if a not in jax.typeof(zeros_MbLD).manual_axis_type.varying)
+    zeros_MbLD = jax.lax.pcast(zeros_MbLD, unvaried, to='varying')  # Each stage's (and rows') own.
     carry = (zeros_MbLD[0], zeros_MbLD if repeats > 1 else None, zeros_MbLD)
     (_, _, out_MbLD), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.iterations))
     return jax.lax.psum(out_MbLD, STAGE)  # Only the last stage's are not zeros.
 
-  staged = jax.shard_map(stage_body, in_specs=([P(STAGE)] * len(params_N), P(), P(), [P()] * len(args_M)),
-                         out_specs=P(), axis_names={STAGE})
+  staged = jax.shard_map(stage_body, in_specs=([P(STAGE)] * len(params_N), rows_spec, P(),
+                                               [_by_hand(a, by_hand) for a in args_M]),
+                         out_specs=rows_spec, axis_names=set(by_hand))
+  # The weights whole over the rows' axes (FSDP's gather) before the shard_map, where its transpose sums them.
+  params_N = [jax.sharding.reshard(p, _without(jax.typeof(p).sharding.spec, rows_axes)) for p in params_N]
   return _whole(staged(params_N, x_MbLD, key, args_M), rows)
+
+
+def _axes(spec: P, dim: int) -> tuple[str, ...]:
+  """The mesh axes that split dimension `dim` of an array laid out as `spec`."""
+  entry = tuple(spec)[dim] if dim < len(spec) else None
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _without(spec: P, axes: Sequence[str]) -> P:
+  """`spec` less the mesh axes `axes`."""
+  return P(*(tuple(a for a in _axes(spec, d) if a not in axes) or None for d in range(len(spec))))
+
+
+def _by_hand(a: jax.Array | None, axes: Sequence[str]) -> P:
+  """The layout of `a` on the mesh axes `axes` alone: its in_spec for a shard_map over them."""
+  if a is None:
+    return P()
+  spec = jax.typeof(a).sharding.spec
+  return P(*(tuple(x for x in _axes(spec, d) if x in axes) or None for d in range(a.ndim)))
 
 
 def _circular(p_N: jax.Array, stages: int, repeats: int) -> jax.Array:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mintrain.models.family import Ways
+from mintrain.models.pipeline import UNPIPELINED, Schedule
 from mintrain.models.transformer import moe
 
 
@@ -77,21 +78,54 @@ class Costs:
     mlps = (self.num_layers - self.moe_layers) * 3 * d * f + self.moe_layers * moe_mlp
     return v * d + self.num_layers * block + mlps + d + (0 if self.tie_embeddings else d * v)
 
-  def activation_bytes(self, rows: int, seq_len: int, ways: Ways) -> int:
+  def activation_bytes(self, rows: int, seq_len: int, ways: Ways, schedule: Schedule = UNPIPELINED) -> int:
     """What the backward pass keeps for `rows` sequences on one device.
 
-    Per layer, the inputs of every matmul, norm and nonlinearity and the attention probabilities; plus
-    the float32 logits and their softmax (with the fused loss, one chunk's at a time, and the hidden
-    states' gradient that it keeps instead). With remat, a layer keeps only its input ('full') or its
-    input and its matmul outputs ('save_matmuls'), and one layer's full activations are live again
-    while its backward pass recomputes them. With `length` split (`mesh.context`) a device keeps its
-    share of the tokens, each still scoring every key, and the keys and values it gathered.
+    Per layer, what autodiff saves (`_layer_bytes`); plus the float32 logits and their softmax (with the
+    fused loss, one chunk's at a time, and the hidden states' gradient that it keeps instead). Pipelined
+    (`schedule`), each step of the schedule runs a stage's block of 1 / (S R) of the layers on a microbatch
+    of 1 / M of the rows, and its scan keeps every step's, the idle ones' too, and one step's more while
+    copying it into or out of the stack, and without remat each step's copy of the block's matmul weights
+    (a layer forms its stacked q/k/v and gate/up); the loss still sees all the rows.
+    """
+    c = np.dtype(self.compute_dtype).itemsize
+    pipelined = schedule.stages > 1
+    layer, once = self._layer_bytes(rows // schedule.microbatches if pipelined else rows, seq_len, ways)
+    if pipelined:
+      block = self.num_layers // (schedule.stages * schedule.repeats)
+      layers = (schedule.iterations + 1) * block * layer + once
+      if self.remat == 'none':  # And every step's copy of the weights as the block's matmuls read them.
+        layers += schedule.iterations * block * self._matmul_weight_bytes(ways)
+    else:
+      layers = self.num_layers * layer + once
+    tokens = rows * seq_len / ways('length')
+    chunks = self.loss_chunks
+    logits = 2 * 4 * self.vocab_size / ways('vocab') / max(chunks, 1)  # Float32, and softmax.
+    loss_grad = c * self.embed_dim if chunks > 0 else 0  # The fused loss keeps d loss / d hidden states.
+    return int(layers + tokens * (logits + loss_grad + c * self.embed_dim))
+
+  def _matmul_weight_bytes(self, ways: Ways) -> float:
+    """One dense layer's matmul weights in their compute dtype and layout (q/k/v and gate/up stacked)."""
+    d, h, kv, k = self.embed_dim, self.num_heads, self.kv_heads, self.head_dim
+    attention = (self._mla_projections() // 2 if self.mla else d * (h + 2 * kv) * k) + h * self.value_dim * d
+    mlp = 3 * d * self.mlp_dim / ways('mlp')
+    return np.dtype(self.compute_dtype).itemsize * (attention / ways('heads') + mlp)
+
+  def _layer_bytes(self, rows: int, seq_len: int, ways: Ways) -> tuple[float, float]:
+    """(what one layer keeps for `rows` sequences, on average over the layers; what is live once beside).
+
+    Each norm's normalised and scaled input, the residual sum and the layer's output; q, k, v and the
+    heads' output; the attention scores (float32) and probabilities; gate, up, SiLU's three and their
+    product. With remat, a layer keeps only its input ('full') or its input and its matmul outputs
+    ('save_matmuls'), and one layer's full activations are live again while its backward pass recomputes
+    them. With `length` split (`mesh.context`) a device keeps its share of the tokens, each still scoring
+    every key, and the keys and values it gathered.
     """
     c, d = np.dtype(self.compute_dtype).itemsize, self.embed_dim
     heads, mlp = self.num_heads / ways('heads'), self.mlp_dim / ways('mlp')
     tokens = rows * seq_len / ways('length')  # This device's queries.
-    # Norms, q/k/v/out, gate/up/product; attention scores (float32) and probabilities.
-    per_token_layer = (c * (4 * d + 2 * heads * (self._qk_dim + self.value_dim) + 3 * mlp)
+    # Norms (2 each), residual sum and output; q/k/v/out; gate/up/SiLU's/product; scores and probabilities.
+    per_token_layer = (c * (6 * d + 2 * heads * (self._qk_dim + self.value_dim) + 6 * mlp)
                        + heads * seq_len * (4 + c))
     if self.mla:  # The latents: queries', keys' and values' (normed and not), and the rotary key.
       per_token_layer += c * (2 * self.q_lora_rank + 2 * self.kv_lora_rank + 2 * self.head_dim)
@@ -110,21 +144,16 @@ class Costs:
     elif self.num_experts:
       slots = self.num_experts * moe.capacity(seq_len, self.num_experts, k, self.capacity_factor)
     expert_mlp = self.expert_dim / ways('mlp')
-    moe_layer = (per_token_layer - c * 3 * mlp + 2 * 4 * self.num_experts
+    moe_layer = (per_token_layer - c * 6 * mlp + 2 * 4 * self.num_experts
                  + slots / seq_len * c * (2 * d + 3 * expert_mlp)
                  + c * 3 * self.shared_expert_dim / ways('mlp'))
     moe_layers = self.moe_layers
     # Keys and values of the whole sequence, gathered (all_gather; the ring keeps as much, block by block).
     gathered = 2 * c * heads * self.head_dim * rows * seq_len if ways('length') > 1 else 0
     dense_full, moe_full = tokens * per_token_layer + gathered, tokens * moe_layer + gathered
-    if self.remat == 'none':
-      layers = (self.num_layers - moe_layers) * dense_full + moe_layers * moe_full
-    else:
+    if self.remat != 'none':
       # Input; plus, when saving matmuls, q/k/v, the attention projection, gate, up and down outputs.
       kept = c * d if self.remat == 'full' else c * (3 * d + 3 * heads * self.head_dim + 2 * mlp)
-      largest = moe_full if moe_layers else dense_full  # One layer's, recomputed for its backward.
-      layers = self.num_layers * tokens * kept + largest
-    chunks = self.loss_chunks
-    logits = 2 * 4 * self.vocab_size / ways('vocab') / max(chunks, 1)  # Float32, and softmax.
-    loss_grad = c * d if chunks > 0 else 0  # The fused loss keeps d loss / d hidden states from its forward.
-    return int(layers + tokens * (logits + loss_grad + c * d))
+      return tokens * kept, moe_full if moe_layers else dense_full  # One layer's, recomputed.
+    n = self.num_layers
+    return ((n - moe_layers) * dense_full + moe_layers * moe_full) / n, 0.0
