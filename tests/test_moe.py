@@ -325,7 +325,8 @@ def dropless(kernel):
   return ('model.capacity_factor=0', f'model.grouped_matmul={kernel}')
 
 
-@pytest.mark.parametrize('kernel', ['tiles', 'ragged_dot'])
+# ragged_dot's model step in the slow set (the default suite's time); its kernel is tested below.
+@pytest.mark.parametrize('kernel', ['tiles', pytest.param('ragged_dot', marks=pytest.mark.slow)])
 def test_dropless_grouped_experts_give_the_slot_paths_loss_statistics_and_gradients(kernel):
   """The same model and batch (with padding) through the grouped matmul and through L slots per expert."""
   batch = padded_batch(noise=3)
@@ -338,6 +339,7 @@ def test_dropless_grouped_experts_give_the_slot_paths_loss_statistics_and_gradie
     np.testing.assert_allclose(got_grads[path], want, rtol=1e-5, atol=1e-7, err_msg=path)
 
 
+@pytest.mark.slow  # the default suite's time; test_moe_exchange checks the lowered step's all-to-alls
 def test_dropless_experts_split_send_their_choices_by_all_to_all():
   exact, text = step_metrics('expert4_data2', *dropless('tiles'))
   _, single = step_metrics('single', *dropless('tiles'))
