@@ -52,7 +52,7 @@ RESULT = 'RESULT '  # The line a measuring process prints, then JSON.
 FIRST_STEP = 'FIRST STEP DONE'  # mintrain's process prints it once its first step has finished.
 # MaxText's training loop logs each step as it is flushed, after the step has finished.
 MAXTEXT_STEP = re.compile(r'completed step: (\d+), seconds: ([0-9.]+),.*?loss: ([0-9.]+)')
-MAXTEXT_PARAMS = re.compile(r'[Nn]umber of model params[=:]\s*([0-9.]+)\s*billion')
+MAXTEXT_PARAMS = re.compile(r'number parameters: ([0-9.]+) billion')
 FRAMEWORKS = ('mintrain', 'maxtext')
 TIMEOUT_S = 1800  # One process; a loaded 2-core machine takes minutes to compile bench_tiny.
 
@@ -83,6 +83,7 @@ def maxtext_arguments(config, steps: int, output_dir: str) -> list[str]:
                      f'{devices} devices do not divide')
   return ['hardware=cpu', 'run_name=peers', f'base_output_directory={output_dir}', 'dataset_type=synthetic',
           f'steps={steps}', 'enable_checkpointing=false', 'enable_tensorboard=false', 'jax_cache_dir=',
+          'skip_jax_distributed_system=true',  # hardware=cpu alone expects a multi-host launcher.
           'log_config=false', 'decoder_block=llama2', 'mlp_activations=[silu,linear]',
           f'base_emb_dim={m.embed_dim}', f'base_num_query_heads={m.num_heads}',
           f'base_num_kv_heads={m.num_kv_heads or m.num_heads}', f'head_dim={m.head_dim}',
@@ -149,7 +150,8 @@ def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool) -
   print(FIRST_STEP, flush=True)
   times, _ = harness.time_steps(compiled, built, batches[1:] + batches[:1], warmup=warmup - 1, steps=steps)
   print(RESULT + json.dumps({'times': times, 'loss0': float(metrics['loss']),
-                             'params': harness.param_count(built), 'arenas': malloc_arenas(), **probe}),
+                             'params_billion': f'{harness.param_count(built) / 1e9:.3f}',  # As MaxText logs.
+                             'arenas': malloc_arenas(), **probe}),
         flush=True)
 
 
@@ -170,8 +172,10 @@ def maxtext_process(arguments: list[str]) -> int:
   return code
 
 
-def measure(command: list[str], env: dict[str, str], first_step: re.Pattern) -> tuple[dict, float, list[str]]:
-  """(the process's RESULT, seconds from its start to the first line matching `first_step`, its output)."""
+def measure(command: list[str], env: dict[str, str], first_step: re.Pattern, log: pathlib.Path | None
+            ) -> tuple[dict, float, list[str]]:
+  """(the process's RESULT, seconds from its start to the first line matching `first_step`, its output);
+  the output also goes to `log` when one is given."""
   start = time.perf_counter()
   proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
@@ -183,26 +187,30 @@ def measure(command: list[str], env: dict[str, str], first_step: re.Pattern) -> 
     if line.startswith(RESULT):
       result = json.loads(line[len(RESULT):])
   code = proc.wait(timeout=TIMEOUT_S)
+  if log is not None:
+    log.write_text('\n'.join(lines) + '\n')
   if code != 0 or result is None or first is None:
     tail = '\n'.join(lines[-40:])
     raise RuntimeError(f'{" ".join(command[:4])} ... failed (exit {code}):\n{tail}')
   return result, first, lines
 
 
-def run_mintrain(configuration: str, warmup: int, steps: int, smoke: bool, env: dict[str, str]) -> dict:
+def run_mintrain(configuration: str, warmup: int, steps: int, smoke: bool, env: dict[str, str],
+                 log: pathlib.Path | None) -> dict:
   command = [sys.executable, __file__, '--process', 'mintrain', '--configs', configuration,
              '--warmup', str(warmup), '--steps', str(steps), *(['--smoke'] if smoke else [])]
-  result, first, _ = measure(command, mintrain_env(env), re.compile(re.escape(FIRST_STEP)))
+  result, first, _ = measure(command, mintrain_env(env), re.compile(re.escape(FIRST_STEP)), log)
   return {**result, 'first_step_s': first}
 
 
-def run_maxtext(python: str, arguments: list[str], warmup: int, env: dict[str, str]) -> dict:
+def run_maxtext(python: str, arguments: list[str], warmup: int, env: dict[str, str],
+                log: pathlib.Path | None) -> dict:
   result, first, lines = measure([python, __file__, '--process', 'maxtext', '--', *arguments], env,
-                                 re.compile(r'completed step: 0,'))
+                                 re.compile(r'completed step: 0,'), log)
   steps = [m.groups() for m in map(MAXTEXT_STEP.search, lines) if m]
   params = [m.group(1) for m in map(MAXTEXT_PARAMS.search, lines) if m]
   return {**result, 'first_step_s': first, 'times': [float(s) for i, s, _ in steps if int(i) >= warmup],
-          'loss0': float(steps[0][2]), 'params': f'{params[0]}e9' if params else '?'}
+          'loss0': float(steps[0][2]), 'params_billion': params[0] if params else '?'}
 
 
 def maxtext_problem(python: str | None) -> str | None:
@@ -241,6 +249,8 @@ def main() -> int:
   parser.add_argument('--steps', type=int, default=4, help='timed steps per process')
   parser.add_argument('--warmup', type=int, default=6, help='untimed steps first, the first one included')
   parser.add_argument('--smoke', action='store_true', help="the tests' small model, one round, one step")
+  parser.add_argument('--logs', type=pathlib.Path, default=None, metavar='DIR',
+                      help="keep each process's output in DIR/<round>_<configuration>_<framework>.log")
   parser.add_argument('--process', choices=FRAMEWORKS, help=argparse.SUPPRESS)
   parser.add_argument('maxtext_arguments', nargs='*', help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -264,19 +274,22 @@ def main() -> int:
 
   env = child_env(host_allocator.glibc_tunables())
   path, base = harness.bench_tiny()
+  if args.logs:
+    args.logs.mkdir(parents=True, exist_ok=True)
   load_average = os.getloadavg()
   results = {}  # (configuration, framework) -> one result per round
   with tempfile.TemporaryDirectory(prefix='peers_') as output_dir:
     for i in range(rounds):
       for configuration in args.configs:
         for framework in frameworks:
+          log = args.logs / f'{i + 1}_{configuration}_{framework}.log' if args.logs else None
           if framework == 'mintrain':
-            result = run_mintrain(configuration, warmup, steps, args.smoke, env)
+            result = run_mintrain(configuration, warmup, steps, args.smoke, env, log)
           else:
             config = harness.load(path, (*base, *(harness.SMOKE if args.smoke else ())))
             arguments = [*maxtext_arguments(config, warmup + steps, output_dir),
                          *CONFIGURATIONS[configuration].maxtext]
-            result = run_maxtext(args.maxtext_python, arguments, warmup, env)
+            result = run_maxtext(args.maxtext_python, arguments, warmup, env, log)
           results.setdefault((configuration, framework), []).append(result)
           print(f'round {i + 1}: {configuration} {framework}: {statistics.median(result["times"]):.3f} '
                 f's/step, first step after {result["first_step_s"]:.1f} s; allocator: '
@@ -305,9 +318,9 @@ def print_report(results: dict, frameworks: list[str], configurations: list[str]
     for i, r in enumerate(runs):
       rows.append([configuration, framework, str(i + 1), f'{statistics.median(r["times"]):.3f}',
                    harness.spread(r['times']), f'{r["first_step_s"]:.1f}', f'{r["loss0"]:.4f}',
-                   str(r['params']), describe_allocator(r)])
+                   r['params_billion'], describe_allocator(r)])
   print(harness.table(['configuration', 'framework', 'round', 's_per_step', 'spread', 'to_first_step_s',
-                       'loss_step_0', 'params', 'allocator'], rows))
+                       'loss_step_0', 'params_billion', 'allocator'], rows))
   if len(frameworks) < 2:
     return
   rows = []
