@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -54,6 +55,9 @@ FIRST_STEP = 'FIRST STEP DONE'  # mintrain's process prints it once its first st
 MAXTEXT_STEP = re.compile(r'completed step: (\d+), seconds: ([0-9.]+),.*?loss: ([0-9.]+)')
 MAXTEXT_PARAMS = re.compile(r'number parameters: ([0-9.]+) billion')
 FRAMEWORKS = ('mintrain', 'maxtext')
+# mintrain: mintrain's malloc setting in every process (GLIBC_TUNABLES, and mintrain's own mallopt);
+# glibc: glibc's defaults in every process (mintrain's process skips its mallopt).
+ALLOCATORS = ('mintrain', 'glibc')
 TIMEOUT_S = 1800  # One process; a loaded 2-core machine takes minutes to compile bench_tiny.
 
 
@@ -129,17 +133,22 @@ def malloc_arenas() -> int:
 
 def describe_allocator(probe: dict) -> str:
   arenas = f"{probe['arenas']} arena{'s' if probe['arenas'] != 1 else ''}"
-  return (f"{arenas}, big blocks {'mmapped' if probe['mmap'] else 'from the heap'}, "
-          f"{'trims' if probe['trim'] else 'no trim'}")
+  if probe['mmap']:
+    return f'{arenas}, big blocks mmapped'
+  return f"{arenas}, big blocks from the heap, {'trims' if probe['trim'] else 'no trim'}"
 
 
-def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool) -> None:
+def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool, allocator: str) -> None:
   """One fresh mintrain process (run by `measure`): prints the first-step line, then a RESULT."""
-  probe = allocator_probe()  # Before JAX starts: GLIBC_TUNABLES alone, not mintrain's own mallopt.
   import harness
   import jax
 
-  devices = harness.start_devices()
+  from mintrain import mesh
+
+  if allocator == 'mintrain':
+    devices = harness.start_devices()  # Which also calls mallopt, as every mintrain script does.
+  else:  # glibc's defaults: the devices (JAX_NUM_CPU_DEVICES) without mintrain's mallopt.
+    devices, _ = mesh.pick_devices(harness.DEVICES)
   path, base = harness.bench_tiny()
   overrides = (*base, *CONFIGURATIONS[configuration].mintrain, *(harness.SMOKE if smoke else ()))
   built = harness.build(harness.load(path, overrides), devices)
@@ -151,7 +160,7 @@ def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool) -
   times, _ = harness.time_steps(compiled, built, batches[1:] + batches[:1], warmup=warmup - 1, steps=steps)
   print(RESULT + json.dumps({'times': times, 'loss0': float(metrics['loss']),
                              'params_billion': f'{harness.param_count(built) / 1e9:.3f}',  # As MaxText logs.
-                             'arenas': malloc_arenas(), **probe}),
+                             'arenas': malloc_arenas(), **allocator_probe()}),
         flush=True)
 
 
@@ -160,7 +169,6 @@ def maxtext_process(arguments: list[str]) -> int:
   import importlib.util
   import runpy
 
-  probe = allocator_probe()
   base_yml = pathlib.Path(importlib.util.find_spec('maxtext').origin).parent / 'configs' / 'base.yml'
   sys.argv = ['train.py', str(base_yml), *arguments]
   try:
@@ -168,49 +176,80 @@ def maxtext_process(arguments: list[str]) -> int:
     code = 0
   except SystemExit as exit_:
     code = exit_.code or 0
-  print(RESULT + json.dumps({'arenas': malloc_arenas(), **probe}), flush=True)
+  print(RESULT + json.dumps({'arenas': malloc_arenas(), **allocator_probe()}), flush=True)
   return code
 
 
-def measure(command: list[str], env: dict[str, str], first_step: re.Pattern, log: pathlib.Path | None
-            ) -> tuple[dict, float, list[str]]:
-  """(the process's RESULT, seconds from its start to the first line matching `first_step`, its output);
-  the output also goes to `log` when one is given."""
-  start = time.perf_counter()
-  proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-  lines, first, result = [], None, None
-  for line in proc.stdout:
-    lines.append(line.rstrip('\n'))
-    if first is None and first_step.search(line):
-      first = time.perf_counter() - start
-    if line.startswith(RESULT):
-      result = json.loads(line[len(RESULT):])
-  code = proc.wait(timeout=TIMEOUT_S)
-  if log is not None:
-    log.write_text('\n'.join(lines) + '\n')
-  if code != 0 or result is None or first is None:
-    tail = '\n'.join(lines[-40:])
-    raise RuntimeError(f'{" ".join(command[:4])} ... failed (exit {code}):\n{tail}')
-  return result, first, lines
+@dataclasses.dataclass
+class Launch:
+  """How every measuring process starts: its environment, where its output goes, its memory limit."""
+  env: dict[str, str]
+  logs: pathlib.Path | None
+  max_rss_gib: float
+
+  def measure(self, command: list[str], first_step: re.Pattern, name: str, env: dict[str, str] | None = None
+              ) -> tuple[dict, list[str]]:
+    """(the process's RESULT with `first_step_s`, the seconds from its start to the first line matching
+    `first_step`, and `peak_rss_gib`; its output). A process killed over the memory limit gives
+    {'killed': ...} instead of a RESULT; any other failure raises."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=REPO, env=env or self.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    peak = [0.0]  # Resident GiB, sampled.
+    watcher = threading.Thread(target=watch_memory, args=(proc, peak, self.max_rss_gib), daemon=True)
+    watcher.start()
+    lines, first, result = [], None, None
+    for line in proc.stdout:
+      lines.append(line.rstrip('\n'))
+      if first is None and first_step.search(line):
+        first = time.perf_counter() - start
+      if line.startswith(RESULT):
+        result = json.loads(line[len(RESULT):])
+    code = proc.wait(timeout=TIMEOUT_S)
+    watcher.join()
+    if self.logs is not None:
+      (self.logs / f'{name}.log').write_text('\n'.join(lines) + '\n')
+    if peak[0] > self.max_rss_gib:
+      return {'killed': f'killed over --max-rss-gib at {peak[0]:.1f} GiB', 'peak_rss_gib': peak[0]}, lines
+    if code != 0 or result is None or first is None:
+      tail = '\n'.join(lines[-40:])
+      raise RuntimeError(f'{" ".join(command[:4])} ... failed (exit {code}):\n{tail}')
+    return {**result, 'first_step_s': first, 'peak_rss_gib': peak[0]}, lines
 
 
-def run_mintrain(configuration: str, warmup: int, steps: int, smoke: bool, env: dict[str, str],
-                 log: pathlib.Path | None) -> dict:
-  command = [sys.executable, __file__, '--process', 'mintrain', '--configs', configuration,
-             '--warmup', str(warmup), '--steps', str(steps), *(['--smoke'] if smoke else [])]
-  result, first, _ = measure(command, mintrain_env(env), re.compile(re.escape(FIRST_STEP)), log)
-  return {**result, 'first_step_s': first}
+def watch_memory(proc: subprocess.Popen, peak: list[float], limit_gib: float) -> None:
+  """Samples the process's resident memory into `peak[0]` until it exits; kills it past `limit_gib` (the
+  machine is shared: better one failed measurement than the kernel's OOM killer choosing a victim)."""
+  status = pathlib.Path(f'/proc/{proc.pid}/status')
+  while proc.poll() is None:
+    try:
+      kib = int(re.search(r'VmRSS:\s*(\d+) kB', status.read_text()).group(1))
+    except (OSError, AttributeError):
+      break
+    peak[0] = max(peak[0], kib / 2**20)
+    if peak[0] > limit_gib:
+      proc.kill()
+      break
+    time.sleep(0.2)
 
 
-def run_maxtext(python: str, arguments: list[str], warmup: int, env: dict[str, str],
-                log: pathlib.Path | None) -> dict:
-  result, first, lines = measure([python, __file__, '--process', 'maxtext', '--', *arguments], env,
-                                 re.compile(r'completed step: 0,'), log)
+def run_mintrain(launch: Launch, name: str, configuration: str, warmup: int, steps: int, smoke: bool,
+                 allocator: str) -> dict:
+  command = [sys.executable, __file__, '--process', 'mintrain', '--configs', configuration, '--allocator',
+             allocator, '--warmup', str(warmup), '--steps', str(steps), *(['--smoke'] if smoke else [])]
+  result, _ = launch.measure(command, re.compile(re.escape(FIRST_STEP)), name, mintrain_env(launch.env))
+  return result
+
+
+def run_maxtext(launch: Launch, name: str, python: str, arguments: list[str], warmup: int) -> dict:
+  result, lines = launch.measure([python, __file__, '--process', 'maxtext', '--', *arguments],
+                                 re.compile(r'completed step: 0,'), name)
   steps = [m.groups() for m in map(MAXTEXT_STEP.search, lines) if m]
   params = [m.group(1) for m in map(MAXTEXT_PARAMS.search, lines) if m]
-  return {**result, 'first_step_s': first, 'times': [float(s) for i, s, _ in steps if int(i) >= warmup],
-          'loss0': float(steps[0][2]), 'params_billion': params[0] if params else '?'}
+  result.update(steps_done=len(steps), params_billion=params[0] if params else '?')
+  if 'killed' not in result:
+    result.update(times=[float(s) for i, s, _ in steps if int(i) >= warmup], loss0=float(steps[0][2]))
+  return result
 
 
 def maxtext_problem(python: str | None) -> str | None:
@@ -227,10 +266,15 @@ def maxtext_problem(python: str | None) -> str | None:
   return None
 
 
-def child_env(tunables: str) -> dict[str, str]:
+def child_env(allocator: str) -> dict[str, str]:
   """Both frameworks' environment: one allocator setting, the CPU backend, 8 devices, no compilation cache."""
-  env = {k: v for k, v in os.environ.items() if k not in ('JAX_COMPILATION_CACHE_DIR', 'PYTHONPATH')}
-  env.update(GLIBC_TUNABLES=tunables, JAX_PLATFORMS='cpu', JAX_NUM_CPU_DEVICES='8', PYTHONUNBUFFERED='1')
+  from mintrain.runtime import host_allocator
+
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('JAX_COMPILATION_CACHE_DIR', 'PYTHONPATH', 'GLIBC_TUNABLES')}
+  env.update(JAX_PLATFORMS='cpu', JAX_NUM_CPU_DEVICES='8', PYTHONUNBUFFERED='1')
+  if allocator == 'mintrain':
+    env['GLIBC_TUNABLES'] = host_allocator.glibc_tunables()
   return env
 
 
@@ -245,10 +289,14 @@ def main() -> int:
                       help='the python of an environment with MaxText 0.2.5 (see above)')
   parser.add_argument('--only', choices=FRAMEWORKS, default=None, help='run one framework only')
   parser.add_argument('--configs', nargs='+', choices=sorted(CONFIGURATIONS), default=list(CONFIGURATIONS))
+  parser.add_argument('--allocator', choices=ALLOCATORS, default='mintrain',
+                      help="every process's malloc: mintrain's setting (default) or glibc's defaults")
   parser.add_argument('--rounds', type=int, default=2, help='fresh processes per framework and configuration')
   parser.add_argument('--steps', type=int, default=4, help='timed steps per process')
   parser.add_argument('--warmup', type=int, default=6, help='untimed steps first, the first one included')
   parser.add_argument('--smoke', action='store_true', help="the tests' small model, one round, one step")
+  parser.add_argument('--max-rss-gib', type=float, default=8.0,
+                      help='kill a process whose resident memory passes this (default 8)')
   parser.add_argument('--logs', type=pathlib.Path, default=None, metavar='DIR',
                       help="keep each process's output in DIR/<round>_<configuration>_<framework>.log")
   parser.add_argument('--process', choices=FRAMEWORKS, help=argparse.SUPPRESS)
@@ -257,7 +305,7 @@ def main() -> int:
   if args.process == 'maxtext':
     return maxtext_process(args.maxtext_arguments)
   if args.process == 'mintrain':
-    mintrain_process(args.configs[0], args.warmup, args.steps, args.smoke)
+    mintrain_process(args.configs[0], args.warmup, args.steps, args.smoke, args.allocator)
     return 0
 
   frameworks = [args.only] if args.only else list(FRAMEWORKS)
@@ -270,34 +318,41 @@ def main() -> int:
 
   import harness
 
-  from mintrain.runtime import host_allocator
-
-  env = child_env(host_allocator.glibc_tunables())
   path, base = harness.bench_tiny()
+  config = harness.load(path, (*base, *(harness.SMOKE if args.smoke else ())))
   if args.logs:
     args.logs.mkdir(parents=True, exist_ok=True)
+  launch = Launch(child_env(args.allocator), args.logs, args.max_rss_gib)
   load_average = os.getloadavg()
   results = {}  # (configuration, framework) -> one result per round
   with tempfile.TemporaryDirectory(prefix='peers_') as output_dir:
     for i in range(rounds):
       for configuration in args.configs:
         for framework in frameworks:
-          log = args.logs / f'{i + 1}_{configuration}_{framework}.log' if args.logs else None
+          name = f'{i + 1}_{configuration}_{framework}'
           if framework == 'mintrain':
-            result = run_mintrain(configuration, warmup, steps, args.smoke, env, log)
+            result = run_mintrain(launch, name, configuration, warmup, steps, args.smoke, args.allocator)
           else:
-            config = harness.load(path, (*base, *(harness.SMOKE if args.smoke else ())))
             arguments = [*maxtext_arguments(config, warmup + steps, output_dir),
                          *CONFIGURATIONS[configuration].maxtext]
-            result = run_maxtext(args.maxtext_python, arguments, warmup, env, log)
+            result = run_maxtext(launch, name, args.maxtext_python, arguments, warmup)
           results.setdefault((configuration, framework), []).append(result)
-          print(f'round {i + 1}: {configuration} {framework}: {statistics.median(result["times"]):.3f} '
-                f's/step, first step after {result["first_step_s"]:.1f} s; allocator: '
-                f'{describe_allocator(result)}', flush=True)
+          print(f'round {i + 1}: {configuration} {framework}: {describe_run(result)}', flush=True)
   load_average += os.getloadavg()
-  print_report(results, frameworks, args.configs, harness.describe_config(path, base), rounds, warmup, steps,
-               load_average)
+  print(f'\nconfig {harness.describe_config(path, base)}; allocator {args.allocator} '
+        f'({launch.env.get("GLIBC_TUNABLES", "no GLIBC_TUNABLES")}); medians of {steps} timed steps after '
+        f'{warmup} warm-up per fresh process, {rounds} round(s) taken in turn. Load average (1, 5, 15 min) '
+        f'before: {", ".join(f"{x:.1f}" for x in load_average[:3])}; after: '
+        f'{", ".join(f"{x:.1f}" for x in load_average[3:])}.\n')
+  print_report(results, frameworks, args.configs)
   return 0
+
+
+def describe_run(r: dict) -> str:
+  if 'killed' in r:
+    return f"{r['killed']}, after {r.get('steps_done', 0)} step(s)"
+  return (f'{statistics.median(r["times"]):.3f} s/step, first step after {r["first_step_s"]:.1f} s, '
+          f'peak {r["peak_rss_gib"]:.2f} GiB; allocator: {describe_allocator(r)}')
 
 
 def paired_ratio(mine: list[float], theirs: list[float]) -> float:
@@ -305,33 +360,36 @@ def paired_ratio(mine: list[float], theirs: list[float]) -> float:
   return statistics.median(a / b for a, b in zip(mine, theirs))
 
 
-def print_report(results: dict, frameworks: list[str], configurations: list[str], described: str, rounds: int,
-                 warmup: int, steps: int, load_average: tuple[float, ...]) -> None:
+def print_report(results: dict, frameworks: list[str], configurations: list[str]) -> None:
   import harness
 
-  print(f'\nconfig {described}; medians of {steps} timed steps after {warmup} warm-up per fresh process, '
-        f'{rounds} round(s) taken in turn. Load average (1, 5, 15 min) before: '
-        f'{", ".join(f"{x:.1f}" for x in load_average[:3])}; after: '
-        f'{", ".join(f"{x:.1f}" for x in load_average[3:])}.\n')
   rows = []
   for (configuration, framework), runs in results.items():
     for i, r in enumerate(runs):
+      if 'killed' in r:
+        rows.append([configuration, framework, str(i + 1), *['-'] * 4, r['params_billion'],
+                     f'{r["peak_rss_gib"]:.2f}', f"{r['killed']}, after {r['steps_done']} step(s)"])
+        continue
       rows.append([configuration, framework, str(i + 1), f'{statistics.median(r["times"]):.3f}',
                    harness.spread(r['times']), f'{r["first_step_s"]:.1f}', f'{r["loss0"]:.4f}',
-                   r['params_billion'], describe_allocator(r)])
+                   r['params_billion'], f'{r["peak_rss_gib"]:.2f}', describe_allocator(r)])
   print(harness.table(['configuration', 'framework', 'round', 's_per_step', 'spread', 'to_first_step_s',
-                       'loss_step_0', 'params_billion', 'allocator'], rows))
+                       'loss_step_0', 'params_billion', 'peak_rss_GiB', 'allocator'], rows))
   if len(frameworks) < 2:
     return
   rows = []
   for configuration in configurations:
-    mine, theirs = results[(configuration, 'mintrain')], results[(configuration, 'maxtext')]
-    step = [statistics.median(a['times']) for a in mine], [statistics.median(b['times']) for b in theirs]
-    first = [a['first_step_s'] for a in mine], [b['first_step_s'] for b in theirs]
+    pairs = [(a, b) for a, b in zip(results[(configuration, 'mintrain')], results[(configuration, 'maxtext')])
+             if 'killed' not in a and 'killed' not in b]
+    if not pairs:
+      rows.append([configuration, *['-'] * 6])
+      continue
+    step = [[statistics.median(r['times']) for r in pair] for pair in zip(*pairs)]
+    first = [[r['first_step_s'] for r in pair] for pair in zip(*pairs)]
     rows.append([configuration, f'{statistics.median(step[0]):.3f}', f'{statistics.median(step[1]):.3f}',
                  f'{paired_ratio(*step):.2f}', f'{statistics.median(first[0]):.1f}',
                  f'{statistics.median(first[1]):.1f}', f'{paired_ratio(*first):.2f}'])
-  print('\nratios: median over rounds of mintrain / MaxText within the round\n')
+  print('\nratios: median over rounds (where both ran) of mintrain / MaxText within the round\n')
   print(harness.table(['configuration', 'mintrain_s_per_step', 'maxtext_s_per_step', 'step_ratio',
                        'mintrain_to_first_step_s', 'maxtext_to_first_step_s', 'first_step_ratio'], rows))
 
