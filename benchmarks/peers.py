@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """mintrain against MaxText on bench_tiny: seconds per step and time to first step, side by side.
 
-Every measurement is a fresh process, and every process of both frameworks starts with the host allocator
-setting that mintrain applies to itself on the CPU backend (mintrain/runtime/host_allocator.py: one
-malloc arena, no `mmap` for big blocks, no trimming), given to it as GLIBC_TUNABLES. Without it a CPU step
-page-faults its temporaries every step (BENCHMARKS.md), and the comparison would measure the heaps, not the
-frameworks. Each process reports what its allocator does (`allocator_probe`), so a setting that did not
-take is seen.
+Every measurement is a fresh process, and every process of both frameworks gets the same malloc setting
+(`--allocator`). The default is the one mintrain applies to itself on the CPU backend
+(mintrain/runtime/host_allocator.py: one malloc arena, no `mmap` for big blocks, no trimming), given to
+every process as GLIBC_TUNABLES: without it a CPU step page-faults its temporaries every step
+(BENCHMARKS.md), and the comparison would measure the heaps, not the frameworks. `--allocator glibc` runs
+every process on glibc's defaults instead (MaxText's heap keeps growing under mintrain's setting:
+BENCHMARKS.md). Each process reports what its malloc did (`allocator_probe`, after its steps) and its peak
+resident memory; one that passes --max-rss-gib is killed and reported.
 
 Rounds run every (configuration, framework) once, in turn, so load from other processes falls on all alike;
 the ratios pair the two frameworks of the same round. The model, batch and mesh are bench_tiny's
@@ -26,8 +28,8 @@ Flax and the rest of its dependencies (libtpu lies unused: the processes run wit
   python3.12 -m venv /tmp/maxtext-venv
   /tmp/maxtext-venv/bin/pip install 'maxtext[tpu]==0.2.5'
 
-  python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python   # 2 rounds, ~25 min quiet
-  python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python --configs float32 --rounds 1
+  python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python   # 2 rounds, ~15 min quiet
+  python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python --allocator glibc
   python benchmarks/peers.py --only mintrain --smoke     # the tests' small model, mintrain, one step
 """
 

@@ -51,7 +51,7 @@ def test_peers_mintrain_half_runs_bench_tiny_steps_in_a_fresh_process_with_mintr
   [row] = table(proc.stdout)
   assert (row['configuration'], row['framework']) == ('float32', 'mintrain')
   assert float(row['s_per_step']) > 0 and float(row['to_first_step_s']) > float(row['s_per_step'])
-  # Probed before JAX starts, so GLIBC_TUNABLES alone gave the process mintrain's malloc setting.
+  # Probed after the steps: what the steps ran under.
   assert row['allocator'] == '1 arena, big blocks from the heap, no trim'
 
 
