@@ -4,10 +4,16 @@ bench_tiny's ratio to the matmul rate is recorded once, in BENCHMARKS.md (`RECOR
 slow test and the document cannot disagree; re-recording it there moves the bar.
 """
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
-from helpers import REPO, run_script
+from helpers import REPO, run_script, script_env
+
+from mintrain.runtime import host_allocator
 
 RECORDED_RATIO = re.compile(r'Recorded bench_tiny ratio to the matmul rate[^*]*\*\*([0-9.]+)%\*\*')
 TOLERANCE = 0.9  # A drop of more than 10% below the recorded ratio fails.
@@ -35,9 +41,10 @@ def recorded_ratio() -> float:
 
 @pytest.mark.slow
 def test_bench_tiny_keeps_at_least_nine_tenths_of_its_recorded_share_of_the_matmul_rate():
-  # Full XLA optimisation and a multi-threaded matmul, as the benchmark runs outside the tests.
-  proc = run_script('benchmarks/step.py', '--only', 'baseline', '--steps', '3', timeout=1200,
-                    env_extra={'XLA_FLAGS': ''})
+  # As the benchmark runs outside the tests: full XLA optimisation, multi-threaded matmuls, no cache.
+  env = {k: v for k, v in script_env().items() if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
+  proc = subprocess.run([sys.executable, 'benchmarks/step.py', '--only', 'baseline', '--steps', '3'],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
   [row] = table(proc.stdout)
   ratio = float(row['ratio'].rstrip('%')) / 100
@@ -60,3 +67,18 @@ def test_peers_without_a_maxtext_python_says_so_in_one_line_and_exits_2():
   assert proc.returncode == 2
   assert proc.stdout == '' and len(proc.stderr.strip().splitlines()) == 1
   assert '--maxtext-python is required' in proc.stderr
+
+
+def test_glibc_tunables_give_a_process_that_never_calls_mallopt_mintrains_malloc_behaviour():
+  probe = ('import json, sys; sys.path.insert(0, "benchmarks"); import peers; '
+           'print(json.dumps({**peers.allocator_probe(), "arenas": peers.malloc_arenas()}))')
+
+  def behaviour(tunables: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}
+    env.update({'GLIBC_TUNABLES': tunables} if tunables else {})
+    proc = subprocess.run([sys.executable, '-c', probe], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+  assert behaviour(host_allocator.glibc_tunables()) == {'mmap': False, 'trim': False, 'arenas': 1}
+  assert behaviour(None)['mmap']  # The probe tells the two apart: glibc maps a 64 MiB block by default.
