@@ -28,7 +28,7 @@ Flax and the rest of its dependencies (libtpu lies unused: the processes run wit
   python3.12 -m venv /tmp/maxtext-venv
   /tmp/maxtext-venv/bin/pip install 'maxtext[tpu]==0.2.5'
 
-  python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python   # 2 rounds, ~15 min quiet
+  python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python   # 2 rounds: 19 min at load 10
   python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python --allocator glibc
   python benchmarks/peers.py --only mintrain --smoke     # the tests' small model, mintrain, one step
 """
