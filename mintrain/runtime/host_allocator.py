@@ -28,10 +28,10 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-# mallopt(3) parameters.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
-_M_ARENA_MAX = -8
+# mallopt(3) parameter, the glibc tunable (glibc.malloc.*) that sets the same, and the value.
+_SETTINGS = ((-8, 'arena_max', 1),  # M_ARENA_MAX
+             (-4, 'mmap_max', 0),  # M_MMAP_MAX
+             (-1, 'trim_threshold', -1))  # M_TRIM_THRESHOLD; mallopt's -1 is SIZE_MAX as a size_t.
 
 _applied: bool | None = None
 ADOPT_ALIGNMENT = 64  # JAX's CPU backend takes a host array this aligned as a device buffer without a copy.
@@ -46,8 +46,14 @@ def keep_freed_memory() -> bool:
   """
   global _applied
   if _applied is None:
-    _applied = _mallopt([(_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)])
+    _applied = _mallopt([(param, value) for param, _, value in _SETTINGS])
   return _applied
+
+
+def glibc_tunables() -> str:
+  """`keep_freed_memory`'s setting as GLIBC_TUNABLES, for a process that does not call it (a peer
+  framework's in benchmarks/peers.py): glibc reads it when the process starts, before any thread."""
+  return ':'.join(f'glibc.malloc.{name}={ctypes.c_size_t(value).value}' for _, name, value in _SETTINGS)
 
 
 def keep_freed_memory_if_cpu() -> bool:

@@ -1,0 +1,84 @@
+"""Performance regressions and the peer comparison's own checks.
+
+bench_tiny's ratio to the matmul rate is recorded once, in BENCHMARKS.md (`RECORDED_RATIO` reads it), so the
+slow test and the document cannot disagree; re-recording it there moves the bar.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, run_script, script_env
+
+from mintrain.runtime import host_allocator
+
+RECORDED_RATIO = re.compile(r'Recorded bench_tiny ratio to the matmul rate[^*]*\*\*([0-9.]+)%\*\*')
+TOLERANCE = 0.9  # A drop of more than 10% below the recorded ratio fails.
+
+
+def table(stdout: str) -> list[dict[str, str]]:
+  """The rows of the first Markdown table in `stdout`, as {column: cell}."""
+  rows, started = [], False
+  for line in stdout.splitlines():
+    if line.startswith('|'):
+      started = True
+      if '---' not in line:
+        rows.append([c.strip() for c in line.strip('|').split('|')])
+    elif started:
+      break
+  header, *body = rows
+  return [dict(zip(header, row)) for row in body]
+
+
+def recorded_ratio() -> float:
+  found = RECORDED_RATIO.findall((REPO / 'BENCHMARKS.md').read_text())
+  assert len(found) == 1, 'BENCHMARKS.md must record the bench_tiny ratio exactly once'
+  return float(found[0]) / 100
+
+
+@pytest.mark.slow
+def test_bench_tiny_keeps_at_least_nine_tenths_of_its_recorded_share_of_the_matmul_rate():
+  # As the benchmark runs outside the tests: full XLA optimisation, multi-threaded matmuls, no cache.
+  env = {k: v for k, v in script_env().items() if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
+  proc = subprocess.run([sys.executable, 'benchmarks/step.py', '--only', 'baseline', '--steps', '3'],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  [row] = table(proc.stdout)
+  ratio = float(row['ratio'].rstrip('%')) / 100
+  assert ratio >= TOLERANCE * recorded_ratio(), (
+      f'bench_tiny reaches {ratio:.1%} of the matmul rate; BENCHMARKS.md records {recorded_ratio():.1%}')
+
+
+def test_peers_mintrain_half_runs_bench_tiny_steps_in_a_fresh_process_with_mintrains_allocator_setting():
+  proc = run_script('benchmarks/peers.py', '--only', 'mintrain', '--smoke', '--configs', 'float32')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  [row] = table(proc.stdout)
+  assert (row['configuration'], row['framework']) == ('float32', 'mintrain')
+  assert float(row['s_per_step']) > 0 and float(row['to_first_step_s']) > float(row['s_per_step'])
+  # Probed after the steps: what the steps ran under.
+  assert row['allocator'] == '1 arena, big blocks from the heap, no trim'
+
+
+def test_peers_without_a_maxtext_python_says_so_in_one_line_and_exits_2():
+  proc = run_script('benchmarks/peers.py', '--configs', 'float32')
+  assert proc.returncode == 2
+  assert proc.stdout == '' and len(proc.stderr.strip().splitlines()) == 1
+  assert '--maxtext-python is required' in proc.stderr
+
+
+def test_glibc_tunables_give_a_process_that_never_calls_mallopt_mintrains_malloc_behaviour():
+  probe = ('import json, sys; sys.path.insert(0, "benchmarks"); import peers; '
+           'print(json.dumps({**peers.allocator_probe(), "arenas": peers.malloc_arenas()}))')
+
+  def behaviour(tunables: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}
+    env.update({'GLIBC_TUNABLES': tunables} if tunables else {})
+    proc = subprocess.run([sys.executable, '-c', probe], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+  assert behaviour(host_allocator.glibc_tunables()) == {'mmap': False, 'trim': False, 'arenas': 1}
+  assert behaviour(None)['mmap']  # The probe tells the two apart: glibc maps a 64 MiB block by default.
