@@ -15,12 +15,15 @@ runs on all 8 devices:
   8e top-2 capacity 1.25, EP4     1.25 x the even share of slots per expert, the rest dropped
   64e top-4 grouped               data 8
   64e top-4 grouped, EP4, bound 2 expert 4 x data 2
+  64e top-4 grouped, EP8          expert 8: each device 8 whole experts, none replicated (exact)
+  64e top-4 grouped, EP8, bound 2 the same, each peer sent at most twice its even share
 
 The ratio column is each step time over the dense one. Model TFLOP/s use the analytic count (active
 experts only), as the training loop's MFU does.
 
   python benchmarks/moe.py             # the table above
   python benchmarks/moe.py --smoke     # tiny models, one step each: it still runs
+  python benchmarks/moe.py --variant '64e top-4 grouped, EP8'   # dense and the named ones only
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from mintrain import report
 
 DATA8 = ('mesh.data=8', 'mesh.fsdp=1', 'mesh.expert=1', 'mesh.model=1')
 EP4 = ('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1')
+EP8 = ('mesh.data=1', 'mesh.fsdp=1', 'mesh.expert=8', 'mesh.model=1')
 E8 = ('model.num_experts=8', 'model.experts_per_token=2', 'model.expert_mlp_dim=512')
 E64 = ('model.num_experts=64', 'model.experts_per_token=4', 'model.expert_mlp_dim=256')
 BOUND2 = ('model.expert_exchange_factor=2',)
@@ -47,6 +51,8 @@ VARIANTS = {
     '8e top-2 capacity 1.25, EP4': (*EP4, *E8, 'model.capacity_factor=1.25'),
     '64e top-4 grouped': (*DATA8, *E64),
     '64e top-4 grouped, EP4, bound 2': (*EP4, *E64, *BOUND2),
+    '64e top-4 grouped, EP8': (*EP8, *E64),
+    '64e top-4 grouped, EP8, bound 2': (*EP8, *E64, *BOUND2),
 }
 SMOKE = ('model.embed_dim=32', 'model.num_heads=2', 'model.head_dim=16', 'model.mlp_dim=64',
          'model.expert_mlp_dim=32', 'model.num_layers=2', 'model.vocab_size=256', 'train.global_batch_size=8',
@@ -58,12 +64,16 @@ def main() -> int:
   parser.add_argument('--steps', type=int, default=5, help='timed steps per variant')
   parser.add_argument('--warmup', type=int, default=harness.WARMUP, help='untimed steps after compiling')
   parser.add_argument('--smoke', action='store_true', help='tiny models, one step each')
+  parser.add_argument('--variant', action='append', choices=list(VARIANTS)[1:], default=[],
+                      help='run the dense step and this variant only; repeatable (default: all)')
   args = parser.parse_args()
   devices = harness.start_devices()
   path, base = harness.bench_tiny()
   steps, warmup = (1, 1) if args.smoke else (args.steps, args.warmup)
   rows, dense_s = [], None
   for name, overrides in VARIANTS.items():
+    if args.variant and name != 'dense' and name not in args.variant:
+      continue
     overrides = (*base, *overrides, *(SMOKE if args.smoke else ()))
     config = harness.load(path, overrides)
     built = harness.build(config, devices)

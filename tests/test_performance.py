@@ -39,16 +39,27 @@ def recorded_ratio() -> float:
   return float(found[0]) / 100
 
 
-@pytest.mark.slow
-def test_bench_tiny_keeps_at_least_nine_tenths_of_its_recorded_share_of_the_matmul_rate():
-  # As the benchmark runs outside the tests: full XLA optimisation, multi-threaded matmuls, no cache.
+def matmul_rate_ratio() -> float:
+  """bench_tiny's model FLOP/s over the matmul calibration of the same run, as step.py reports it outside
+  the tests: full XLA optimisation, multi-threaded matmuls, no compilation cache."""
   env = {k: v for k, v in script_env().items() if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
   proc = subprocess.run([sys.executable, 'benchmarks/step.py', '--only', 'baseline', '--steps', '3'],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
   [row] = table(proc.stdout)
-  ratio = float(row['ratio'].rstrip('%')) / 100
-  assert ratio >= TOLERANCE * recorded_ratio(), (
+  return float(row['ratio'].rstrip('%')) / 100
+
+
+# Marker `performance` too: CI runs it alone after the slow set (-n 0), since other tests' load on the
+# same cores lowers the ratio. A second measurement is taken before failing: a regression lowers both.
+@pytest.mark.slow
+@pytest.mark.performance
+def test_bench_tiny_keeps_at_least_nine_tenths_of_its_recorded_share_of_the_matmul_rate():
+  bar = TOLERANCE * recorded_ratio()
+  ratio = matmul_rate_ratio()
+  if ratio < bar:
+    ratio = max(ratio, matmul_rate_ratio())
+  assert ratio >= bar, (
       f'bench_tiny reaches {ratio:.1%} of the matmul rate; BENCHMARKS.md records {recorded_ratio():.1%}')
 
 
