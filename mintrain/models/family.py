@@ -45,8 +45,9 @@ class Placement:
 class ModelConfig:
   """Base of a family's config (a frozen dataclass of `fields.option`s). A family defines `param_count()`,
   `train_flops_per_row(seq_len, causal_half)`, `activation_bytes(rows, seq_len, ways)` (kept for the
-  backward pass on one device) and `synthetic_rows(seed, step, rows, seq_len)` (a pure function of
-  (seed, step, row)); the rest are defaults it may override."""
+  backward pass on one device; a family that pipelines also takes `schedule=`, the pipeline's, when
+  `mesh.stage` > 1) and `synthetic_rows(seed, step, rows, seq_len)` (a pure function of (seed, step,
+  row)); the rest are defaults it may override."""
 
   compute_dtype: str = 'float32'  # Of its matmuls: which peak FLOP/s MFU divides by.
   vocab_size: int | None = None  # Token ids it reads; None: data ids are checked against the tokenizer's.
