@@ -104,11 +104,12 @@ def test_moe_benchmark_smoke_times_the_mixtures_against_the_dense_model():
   assert header[:2] == ['variant', 'mesh'] and 'step / dense' in header
   variants = ['dense', '8e top-2 grouped', '8e top-2 grouped, EP4', '8e top-2 grouped, EP4, bound 2',
               '8e top-2 slots, EP4', '8e top-2 capacity 1.25, EP4', '64e top-4 grouped',
-              '64e top-4 grouped, EP4, bound 2']
+              '64e top-4 grouped, EP4, bound 2', '64e top-4 grouped, EP8', '64e top-4 grouped, EP8, bound 2']
   assert [row[0] for row in body] == variants
   cells = [dict(zip(header, row)) for row in body]
   assert cells[0]['step / dense'] == '1.00' and all(float(c['step ms']) > 0 for c in cells)
   assert 'expert=4' in cells[2]['mesh'] and 'expert' not in cells[1]['mesh']
+  assert 'expert=8' in cells[8]['mesh']
   # The analytic count is of the active experts: the same whatever the dispatch and the capacity.
   assert len({c['GFLOP per step (active)'] for c in cells[1:6]}) == 1
 
