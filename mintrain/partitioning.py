@@ -28,7 +28,7 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
   return tuple(mesh_axes)
 
 
-def _without(entry: MeshAxes, axes: Iterable[str]) -> MeshAxes:
+def without_axes(entry: MeshAxes, axes: Iterable[str]) -> MeshAxes:
   """One PartitionSpec entry less the mesh axes `axes`."""
   kept = tuple(a for a in _as_tuple(entry) if a not in axes)
   return None if not kept else kept[0] if len(kept) == 1 else kept
@@ -136,7 +136,7 @@ class AxisRules:
     if mesh.empty:
       return spec
     if mesh.manual_axes:
-      spec = P(*(_without(entry, mesh.manual_axes) for entry in spec))
+      spec = P(*(without_axes(entry, mesh.manual_axes) for entry in spec))
     if shape is None:
       return spec
 

@@ -105,6 +105,19 @@ def _linear_fwd(subscripts, x, w, out_sharding):
   return _linear(subscripts, x, w, out_sharding), (x, w)
 
 
+def varying_axes(*xs: jax.Array) -> frozenset:
+  """The mesh axes (inside `shard_map`) over which any of `xs` varies."""
+  return frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in xs))
+
+
+def summed_as(grad: jax.Array, primal: jax.Array) -> jax.Array:
+  """A cotangent summed over the mesh axes its primal does not vary over (as autodiff's transpose of the
+  implicit broadcast there: a weight over the devices of its rows, an expert's matrix over those of its
+  tokens), for custom VJPs inside `shard_map`."""
+  axes = tuple(sorted(varying_axes(grad) - varying_axes(primal)))
+  return jax.lax.psum(grad, axes) if axes else grad
+
+
 def _linear_bwd(subscripts, out_sharding, residuals, dy):
   x, w = residuals
   x_axes, rest = subscripts.split(',')
@@ -116,9 +129,7 @@ def _linear_bwd(subscripts, out_sharding, residuals, dy):
   else:
     dw = jnp.einsum(f'{y_axes},{x_axes}->{w_axes}', dy, x, out_sharding=w_sharding)
   # Under a shard_map that splits the rows by hand (the pipeline's), each device holds its rows' share.
-  rows = tuple(a for a in jax.typeof(dw).manual_axis_type.varying
-               if a not in jax.typeof(w).manual_axis_type.varying)
-  return x_vjp(dy)[0], (jax.lax.psum(dw, rows) if rows else dw).astype(w.dtype)
+  return x_vjp(dy)[0], summed_as(dw, w).astype(w.dtype)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mintrain.fields import option
+from mintrain.partitioning import spec_axes, without_axes
 
 STAGE = 'stage'  # The mesh axis of pipeline stages.
 
@@ -123,13 +124,12 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
 
 def _axes(spec: P, dim: int) -> tuple[str, ...]:
   """The mesh axes that split dimension `dim` of an array laid out as `spec`."""
-  entry = tuple(spec)[dim] if dim < len(spec) else None
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  return spec_axes(tuple(spec)[dim]) if dim < len(spec) else ()
 
 
 def _without(spec: P, axes: Sequence[str]) -> P:
   """`spec` less the mesh axes `axes`."""
-  return P(*(tuple(a for a in _axes(spec, d) if a not in axes) or None for d in range(len(spec))))
+  return P(*(without_axes(entry, axes) for entry in spec))
 
 
 def _by_hand(a: jax.Array | None, axes: Sequence[str]) -> P:

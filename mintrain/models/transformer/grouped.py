@@ -22,6 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mintrain.models.layers import summed_as, varying_axes
+
 
 def tile_rows(rows: int, groups: int, tile: int) -> int:
   """T: `tile`, or (0) the largest power of two in [8, 256] at most half a group's even share, so that
@@ -67,23 +69,11 @@ def plan(group_R: jax.Array, groups: int, kernel: str, tile: int = 0) -> Plan:
   return Plan(order_R, sizes_G, source_P, group_N.astype(jnp.int32), tile_end_G[-1], padded_R)
 
 
-def _varying(*xs: jax.Array) -> frozenset:
-  """The mesh axes (inside `shard_map`) over which any of `xs` varies."""
-  return frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in xs))
-
-
 def _zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
   """Zeros for a loop's carry, varying over the mesh axes that `like` vary over."""
-  axes = tuple(sorted(_varying(*like)))
+  axes = tuple(sorted(varying_axes(*like)))
   zeros = jnp.zeros(shape, dtype)
   return jax.lax.pcast(zeros, axes, to='varying') if axes else zeros
-
-
-def _summed_as(grad: jax.Array, primal: jax.Array) -> jax.Array:
-  """A cotangent summed over the mesh axes its primal does not vary over (as autodiff's transpose of the
-  implicit broadcast there: an expert's matrix over the devices of its tokens, rows over `model`)."""
-  axes = tuple(sorted(_varying(grad) - _varying(primal)))
-  return jax.lax.psum(grad, axes) if axes else grad
 
 
 def _tiles_times(x_NTD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, tiles: jax.Array) -> jax.Array:
@@ -119,7 +109,7 @@ def _tiled_matmul_bwd(residuals, dy_NTF):
   like = (x_NTD, w_GDF, dy_NTF)
   grads = (_zeros(x_NTD.shape, x_NTD.dtype, *like), _zeros(w_GDF.shape, w_GDF.dtype, *like))
   dx_NTD, dw_GDF = jax.lax.fori_loop(0, tiles, body, grads)
-  return _summed_as(dx_NTD, x_NTD), _summed_as(dw_GDF, w_GDF), None, None
+  return summed_as(dx_NTD, x_NTD), summed_as(dw_GDF, w_GDF), None, None
 
 
 tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
