@@ -138,9 +138,8 @@ class Costs:
       # Its choices, and with the experts split what it may receive for its own (`moe.peer_bound` from each
       # peer, either exchange); tiles hold 1.5x at most.
       ep = ways('expert')
-      most = ep * min(k, self.num_experts // ep)  # A token's choices for one device are distinct experts.
-      received = min(k * self.expert_exchange_factor, most) if self.expert_exchange_factor else most
-      slots = seq_len * (received if ep > 1 else k) * 1.5
+      received = ep * moe.peer_bound(seq_len, k, self.num_experts // ep, ep, self.expert_exchange_factor)
+      slots = (received if ep > 1 else seq_len * k) * 1.5
     elif self.num_experts:
       slots = self.num_experts * moe.capacity(seq_len, self.num_experts, k, self.capacity_factor)
     expert_mlp = self.expert_dim / ways('mlp')
