@@ -31,6 +31,17 @@ Flax and the rest of its dependencies (libtpu lies unused: the processes run wit
   python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python   # 2 rounds: 19 min at load 10
   python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python --allocator glibc
   python benchmarks/peers.py --only mintrain --smoke     # the tests' small model, mintrain, one step
+
+Both on MaxText's JAX release (0.12.0.1; mintrain's own environment has 0.10.x): mintrain in a Python 3.12
+environment with that release and mintrain's other dependencies, mintrain itself installed without its
+pins (`pip install --no-deps -e .`), run with --mintrain-python:
+
+  python3.12 -m venv /tmp/mintrain-jax12
+  /tmp/mintrain-jax12/bin/pip install jax==0.12.0.1 flax==0.12.12 optax orbax-checkpoint ml-collections \
+      grain tensorboardX matplotlib safetensors tokenizers sentencepiece jinja2 pyarrow array-record
+  /tmp/mintrain-jax12/bin/pip install --no-deps -e .
+  python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python \
+      --mintrain-python /tmp/mintrain-jax12/bin/python
 """
 
 from __future__ import annotations
@@ -160,7 +171,7 @@ def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool, a
     compiled.state, metrics = jax.block_until_ready(compiled.compiled(compiled.state, batches[0]))
   print(FIRST_STEP, flush=True)
   times, _ = harness.time_steps(compiled, built, batches[1:] + batches[:1], warmup=warmup - 1, steps=steps)
-  print(RESULT + json.dumps({'times': times, 'loss0': float(metrics['loss']),
+  print(RESULT + json.dumps({'times': times, 'loss0': float(metrics['loss']), 'jax': jax.__version__,
                              'params_billion': f'{harness.param_count(built) / 1e9:.3f}',  # As MaxText logs.
                              'arenas': malloc_arenas(), **allocator_probe()}),
         flush=True)
@@ -178,7 +189,10 @@ def maxtext_process(arguments: list[str]) -> int:
     code = 0
   except SystemExit as exit_:
     code = exit_.code or 0
-  print(RESULT + json.dumps({'arenas': malloc_arenas(), **allocator_probe()}), flush=True)
+  import jax
+
+  print(RESULT + json.dumps({'arenas': malloc_arenas(), 'jax': jax.__version__, **allocator_probe()}),
+        flush=True)
   return code
 
 
@@ -235,9 +249,9 @@ def watch_memory(proc: subprocess.Popen, peak: list[float], limit_gib: float) ->
     time.sleep(0.2)
 
 
-def run_mintrain(launch: Launch, name: str, configuration: str, warmup: int, steps: int, smoke: bool,
-                 allocator: str) -> dict:
-  command = [sys.executable, __file__, '--process', 'mintrain', '--configs', configuration, '--allocator',
+def run_mintrain(launch: Launch, name: str, python: str, configuration: str, warmup: int, steps: int,
+                 smoke: bool, allocator: str) -> dict:
+  command = [python, __file__, '--process', 'mintrain', '--configs', configuration, '--allocator',
              allocator, '--warmup', str(warmup), '--steps', str(steps), *(['--smoke'] if smoke else [])]
   result, _ = launch.measure(command, re.compile(re.escape(FIRST_STEP)), name, mintrain_env(launch.env))
   return result
@@ -289,6 +303,9 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   parser.add_argument('--maxtext-python', default=None, metavar='PATH',
                       help='the python of an environment with MaxText 0.2.5 (see above)')
+  parser.add_argument('--mintrain-python', default=sys.executable, metavar='PATH',
+                      help="the python that runs mintrain (default this one); one with MaxText's JAX "
+                           'release compares the two on the same JAX (see above)')
   parser.add_argument('--only', choices=FRAMEWORKS, default=None, help='run one framework only')
   parser.add_argument('--configs', nargs='+', choices=sorted(CONFIGURATIONS), default=list(CONFIGURATIONS))
   parser.add_argument('--allocator', choices=ALLOCATORS, default='mintrain',
@@ -333,7 +350,8 @@ def main() -> int:
         for framework in frameworks:
           name = f'{i + 1}_{configuration}_{framework}'
           if framework == 'mintrain':
-            result = run_mintrain(launch, name, configuration, warmup, steps, args.smoke, args.allocator)
+            result = run_mintrain(launch, name, args.mintrain_python, configuration, warmup, steps,
+                                  args.smoke, args.allocator)
           else:
             arguments = [*maxtext_arguments(config, warmup + steps, output_dir),
                          *CONFIGURATIONS[configuration].maxtext]
@@ -369,14 +387,16 @@ def print_report(results: dict, frameworks: list[str], configurations: list[str]
   for (configuration, framework), runs in results.items():
     for i, r in enumerate(runs):
       if 'killed' in r:
-        rows.append([configuration, framework, str(i + 1), *['-'] * 4, r['params_billion'],
+        rows.append([configuration, framework, str(i + 1), *['-'] * 5, r['params_billion'],
                      f'{r["peak_rss_gib"]:.2f}', f"{r['killed']}, after {r['steps_done']} step(s)"])
         continue
-      rows.append([configuration, framework, str(i + 1), f'{statistics.median(r["times"]):.3f}',
-                   harness.spread(r['times']), f'{r["first_step_s"]:.1f}', f'{r["loss0"]:.4f}',
+      rows.append([configuration, framework, str(i + 1), r.get('jax', '?'),
+                   f'{statistics.median(r["times"]):.3f}', harness.spread(r['times']),
+                   f'{r["first_step_s"]:.1f}', f'{r["loss0"]:.4f}',
                    r['params_billion'], f'{r["peak_rss_gib"]:.2f}', describe_allocator(r)])
-  print(harness.table(['configuration', 'framework', 'round', 's_per_step', 'spread', 'to_first_step_s',
-                       'loss_step_0', 'params_billion', 'peak_rss_GiB', 'allocator'], rows))
+  print(harness.table(['configuration', 'framework', 'round', 'jax', 's_per_step', 'spread',
+                       'to_first_step_s', 'loss_step_0', 'params_billion', 'peak_rss_GiB', 'allocator'],
+                      rows))
   if len(frameworks) < 2:
     return
   rows = []

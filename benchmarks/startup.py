@@ -55,7 +55,7 @@ def measure_process(smoke: bool) -> None:
   with jax.set_mesh(run.mesh):
     init = run.init.lower().compile()
     mark('init_compile_s')
-    state = jax.block_until_ready(init())
+    state = jax.block_until_ready(init(*getattr(run.init, 'args', ())))  # Its keys (none before 2026-11-28).
     mark('init_run_s')
     batch = harness.device_batches(run, 1)[0]
     mark('batch_s')

@@ -44,7 +44,7 @@ class Run:
   graphdef: nnx.GraphDef
   tx: optax.GradientTransformation
   abstract_state: TrainState  # ShapeDtypeStructs with concrete NamedShardings of `mesh`.
-  init: Callable[[], TrainState]  # Jitted; call under the mesh.
+  init: Callable[[], TrainState]  # Jitted, with its keys (`train_state.Bound`); call under the mesh.
   from_params: Callable[[nnx.State], TrainState]  # Jitted: fresh optimizer state and step 0 around params.
   train_step: Callable  # Jitted, state donated: (state, batch) -> (state, metrics).
   # Jitted: (params, batch, reference=None) -> (summed loss, count) over its counted targets (or pairs).
@@ -88,25 +88,27 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
     return lora.apply(model, config.lora, family.lora_targets, config.seed, rules)
 
   make = (lambda rngs: with_lora(make_base(rngs))) if config.lora.enabled else make_base
-  abstract = train_state.abstract_model(make, config.seed)
+  abstract, draws = train_state.abstract_model(make, config.seed)
   layout = train_state.param_layout(abstract, rules, mesh)
   graphdef, _, _ = nnx.split(abstract, nnx.Param, Frozen)
   objective = config.objective
   updates = objective.updates_per_step(config)
   tx = make_optimizer(config.optimizer, config.train.steps * updates)
-  init, from_params = train_state.make_init(make, tx, config.seed, objective.keeps_reference(config))
-  init = jax.jit(init)
+  draw, from_params = train_state.make_init(make, tx, config.seed, objective.keeps_reference(config))
+  keys = train_state.draw_keys(config.seed, draws)  # Host arrays: building allocates nothing on devices.
   with jax.set_mesh(mesh):
-    abstract_state = _concrete(jax.eval_shape(init), mesh)
+    abstract_state = _concrete(jax.eval_shape(draw, keys), mesh)
   shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-  frozen_from_seed = jax.jit(lambda: init().frozen, out_shardings=shardings.frozen)
+  init = train_state.Bound(jax.jit(draw), (keys,))
+  frozen = jax.jit(lambda keys: draw(keys).frozen, out_shardings=shardings.frozen)
+  frozen_from_seed = train_state.Bound(frozen, (keys,))
   from_base = from_params
   base_params = abstract_state.params
   if config.lora.enabled:
-    base_graphdef = nnx.split(train_state.abstract_model(make_base, config.seed), nnx.Param)[0]
+    base_graphdef = nnx.split(train_state.abstract_model(make_base, config.seed)[0], nnx.Param)[0]
     with jax.set_mesh(mesh):
       base_params = _concrete(jax.eval_shape(
-          lambda: nnx.split(make_base(nnx.Rngs(params=train_state.key(config.seed))), nnx.Param)[1]), mesh)
+          lambda: nnx.split(make_base(train_state.ParamKeys(config.seed)), nnx.Param)[1]), mesh)
 
     def from_base(params: nnx.State) -> TrainState:
       return from_params(*nnx.split(with_lora(nnx.merge(base_graphdef, params)), nnx.Param, Frozen)[1:])

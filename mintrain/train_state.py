@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -137,11 +137,41 @@ def _is_variable(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def abstract_model(make: Callable[[nnx.Rngs], nnx.Module], seed: int) -> nnx.Module:
-  """The model `make` builds, with ShapeDtypeStructs for parameters, found outside any mesh: allocates
-  nothing."""
+class ParamKeys:
+  """The keys a model's parameters are drawn with, handed out in order where `nnx.Rngs` would be: the n-th
+  is `fold_in(key(seed), n)`, what `nnx.Rngs(params=key(seed)).params()` gives, so a seed draws the same
+  parameters either way. Built from `seed`, it folds each key as asked and counts them; built from
+  `given` (the initialiser's arguments), it wraps those in turn."""
+
+  def __init__(self, seed: int | None = None, given: Sequence[jax.Array] | None = None):
+    self._base = None if seed is None else key(seed)
+    self._given, self.count = given, 0
+
+  def params(self) -> jax.Array:
+    if self._given is None:
+      drawn = jax.random.fold_in(self._base, self.count)
+    else:
+      drawn = jax.random.wrap_key_data(self._given[self.count], impl=PRNG_IMPL)
+    self.count += 1
+    return drawn
+
+
+def draw_keys(seed: int, n: int) -> list[np.ndarray]:
+  """The data (uint32[2]) of `ParamKeys(seed)`'s first n keys, computed on the host: given to the
+  initialiser as arguments, they let XLA compile like-shaped draws once. A key folded inside the program
+  is a constant of its draw's kernel, so every draw was a different kernel to compile (BENCHMARKS.md)."""
+  base = np.asarray(jax.random.key_data(key(seed)))
+  with np.errstate(over='ignore'):
+    bits1, bits2 = _threefry_hash(base[0], base[1], np.zeros(n, np.uint32), np.arange(n, dtype=np.uint32))
+  return list(np.stack([bits1, bits2], axis=1))
+
+
+def abstract_model(make: Callable[[nnx.Rngs], nnx.Module], seed: int) -> tuple[nnx.Module, int]:
+  """The model `make` builds, with ShapeDtypeStructs for parameters, found outside any mesh (allocates
+  nothing), and how many keys its parameters draw."""
+  keys = ParamKeys(seed)
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    return nnx.eval_shape(lambda: make(nnx.Rngs(params=key(seed))))
+    return nnx.eval_shape(lambda: make(keys)), keys.count
 
 
 def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[ParamInfo]:
@@ -163,10 +193,10 @@ def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[Par
 
 def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation, seed: int,
               keeps_reference: bool = False
-              ) -> tuple[Callable[[], TrainState], Callable[[nnx.State], TrainState]]:
-  """(init, from_params): the whole state drawn from the seed, or built around given parameters (and
-  frozen ones; a fresh optimizer state, step 0, and with `keeps_reference` a frozen copy of the trained
-  parameters). Call them under `jit` on the mesh."""
+              ) -> tuple[Callable[[Sequence[jax.Array]], TrainState], Callable[[nnx.State], TrainState]]:
+  """(init, from_params): the whole state drawn from the data of the parameters' keys (`draw_keys`), or
+  built around given parameters (and frozen ones; a fresh optimizer state, step 0, and with
+  `keeps_reference` a frozen copy of the trained parameters). Call them under `jit` on the mesh."""
 
   def from_params(params: nnx.State, frozen: nnx.State | None = None) -> TrainState:
     rng = jax.random.key_data(key(seed + 1))
@@ -174,11 +204,26 @@ def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransfor
                       frozen=frozen if frozen is not None else nnx.State({}),
                       reference=objective.reference(keeps_reference, params))
 
-  def init() -> TrainState:
-    _, params, frozen = nnx.split(make(nnx.Rngs(params=key(seed))), nnx.Param, Frozen)
+  def init(keys: Sequence[jax.Array]) -> TrainState:
+    _, params, frozen = nnx.split(make(ParamKeys(given=keys)), nnx.Param, Frozen)
     return from_params(params, frozen)
 
   return init, from_params
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """A jitted function with its arguments: `()` runs it, `lower()` lowers it (the initialiser with its
+  keys, which stay arguments so that XLA sees them as such)."""
+
+  fn: Any
+  args: tuple
+
+  def __call__(self) -> Any:
+    return self.fn(*self.args)
+
+  def lower(self) -> jax.stages.Lowered:
+    return self.fn.lower(*self.args)
 
 
 def state_bytes_per_device(tree) -> int:

@@ -1,6 +1,7 @@
 """The sharded train step: types, mesh invariance, gradient accumulation, learning, NaN."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -125,6 +126,51 @@ def test_mintrain_keys_give_the_bits_of_jax_threefry_and_compile_without_loops()
       for a, b in zip(ours(train_state.key(seed)), theirs(threefry), strict=True):
         np.testing.assert_array_equal(a, b)
   assert ' while(' not in ours.as_text()
+
+
+def test_parameter_keys_are_those_of_nnx_rngs_from_the_seed():
+  for seed in (0, 7, 2**31 - 1):
+    rngs, counted = nnx.Rngs(params=train_state.key(seed)), train_state.ParamKeys(seed)
+    expected = [jax.random.key_data(rngs.params()) for _ in range(40)]
+    given = train_state.ParamKeys(given=train_state.draw_keys(seed, 40))
+    for want in expected:
+      np.testing.assert_array_equal(jax.random.key_data(counted.params()), want)
+      np.testing.assert_array_equal(jax.random.key_data(given.params()), want)
+    assert counted.count == given.count == 40
+
+
+def _fused_computations(hlo: str) -> dict[str, str]:
+  """{fusion's output shape: its fused computation with every name erased}, one entry per distinct one."""
+  bodies, name, lines = {}, None, []
+  for line in hlo.splitlines():
+    if line.startswith('%fused_computation'):
+      name, lines = line.split(' ')[0][1:], []
+    elif name and line == '}':
+      bodies[name], name = '\n'.join(lines), None
+    elif name:
+      lines.append(re.sub(r'metadata=\{[^}]*\}', '', re.sub(r'%[\w.\-]+', '%', line)))
+  shapes = re.findall(r'= (\S+) fusion\(.*calls=%(fused_computation[\w.]*)', hlo)
+  return {f'{shape} {bodies[called]}' for shape, called in shapes}
+
+
+def test_the_initialiser_draws_the_seeds_parameters_with_one_kernel_per_shape():
+  # Its keys are arguments, so like-shaped draws are one computation to XLA, compiled once; a key folded
+  # inside the program is a constant of its draw, and every draw a kernel of its own to compile. The
+  # parameters are bit for bit those of the model built from `nnx.Rngs(params=key(seed))`.
+  config = load_config('dp4_tp2', 'model.num_layers=3')
+  setup = build(config)
+  make = setup.config.family.make
+  with jax.set_mesh(setup.mesh):
+    compiled = setup.init.lower().compile()
+    params = compiled(*setup.init.args).params
+    rngs = jax.jit(lambda: nnx.state(make(setup.config.model, setup.rules, setup.placement,
+                                          nnx.Rngs(params=train_state.key(config.seed))), nnx.Param))()
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rngs), strict=True):
+    np.testing.assert_array_equal(a, b)
+  draws = [info for info in setup.layout if len(info.shape) > 1]
+  assert len(draws) > len({info.shard_shape for info in draws})  # Layers repeat shapes.
+  kernels = _fused_computations(compiled.as_text())
+  assert len(kernels) <= len({info.shard_shape for info in setup.layout}) + 2, sorted(kernels)[:2]
 
 
 @pytest.mark.parametrize('packing', [pytest.param('pack', marks=pytest.mark.slow), 'pad'])
