@@ -11,6 +11,7 @@ in turn, so load from other processes falls on all of them alike; each row is th
   python benchmarks/startup.py                                  # this checkout, 5 rounds, ~2 min quiet
   python benchmarks/startup.py --tree /tmp/before --tree .      # before and after, interleaved
   python benchmarks/startup.py --smoke                          # the tests' small model, one round
+  python benchmarks/startup.py --set model.scan_layers=True     # bench_tiny with its layers scanned
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ PHASES = ['import_s', 'build_s', 'init_compile_s', 'init_run_s', 'batch_s', 'ste
 HEADER = ['tree', *PHASES, 'to_first_step_s', 'init_loops']
 
 
-def measure_process(smoke: bool) -> None:
+def measure_process(smoke: bool, overrides: list[str]) -> None:
   """One fresh process: prints each phase's seconds (run by `main`)."""
   marks = {}
 
@@ -49,8 +50,8 @@ def measure_process(smoke: bool) -> None:
   mark('import_s')
   jax.config.update('jax_enable_compilation_cache', False)
   devices = harness.start_devices()
-  path, overrides = harness.bench_tiny()
-  run = harness.build(harness.load(path, (*overrides, *(harness.SMOKE if smoke else ()))), devices)
+  path, base = harness.bench_tiny()
+  run = harness.build(harness.load(path, (*base, *overrides, *(harness.SMOKE if smoke else ()))), devices)
   mark('build_s')
   with jax.set_mesh(run.mesh):
     init = run.init.lower().compile()
@@ -74,11 +75,12 @@ def measure_process(smoke: bool) -> None:
   print(RESULT + json.dumps(seconds), flush=True)
 
 
-def measure(tree: pathlib.Path, smoke: bool) -> dict[str, float]:
+def measure(tree: pathlib.Path, smoke: bool, overrides: list[str]) -> dict[str, float]:
   """The phases of one fresh process importing mintrain from `tree`."""
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
   env['PYTHONPATH'] = os.pathsep.join([str(tree), *filter(None, [os.environ.get('PYTHONPATH')])])
-  command = [sys.executable, __file__, '--process', *(['--smoke'] if smoke else [])]
+  command = [sys.executable, __file__, '--process', *(['--smoke'] if smoke else []),
+             *(f'--set={o}' for o in overrides)]
   proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   results = [json.loads(line.split(RESULT, 1)[1]) for line in proc.stdout.splitlines() if RESULT in line]
   if proc.returncode != 0 or not results:
@@ -92,10 +94,12 @@ def main() -> int:
                       help='a repository root whose mintrain to time (repeatable; default: this checkout)')
   parser.add_argument('--rounds', type=int, default=5, help='fresh processes per tree (default 5)')
   parser.add_argument('--smoke', action='store_true', help="the tests' small model, one round")
+  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                      help="a config override on top of bench_tiny's, e.g. --set model.scan_layers=True")
   parser.add_argument('--process', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.process:
-    measure_process(args.smoke)
+    measure_process(args.smoke, args.set)
     return 0
   trees = [t.resolve() for t in args.tree] or [REPO]
   rounds = 1 if args.smoke else args.rounds
@@ -103,12 +107,13 @@ def main() -> int:
   results = {tree: [] for tree in trees}
   for i in range(rounds):
     for tree in trees:
-      results[tree].append(measure(tree, args.smoke))
+      results[tree].append(measure(tree, args.smoke, args.set))
     print(f'round {i + 1} of {rounds} done', flush=True)
   load_average += os.getloadavg()
   import harness
 
-  print(f'\nMedians of {rounds} fresh process(es) per tree, taken in turn. Load average (1, 5, 15 min) '
+  print(f'\nbench_tiny{"".join(f" {o}" for o in args.set)}. '
+        f'Medians of {rounds} fresh process(es) per tree, taken in turn. Load average (1, 5, 15 min) '
         f'before: {", ".join(f"{x:.1f}" for x in load_average[:3])}; after: '
         f'{", ".join(f"{x:.1f}" for x in load_average[3:])}.')
   for i, what in enumerate(('wall', 'CPU')):

@@ -21,7 +21,7 @@ from mintrain.data.prompts import PromptBatches
 from mintrain.data.tokenizer import Tokenizer
 from mintrain.errors import ConfigError
 from mintrain.models.family import Placement
-from mintrain.models.layers import Frozen, merge
+from mintrain.models.layers import Frozen, ParamKeys, merge
 from mintrain.optimizer import make_optimizer, schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState
@@ -108,7 +108,7 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
     base_graphdef = nnx.split(train_state.abstract_model(make_base, config.seed)[0], nnx.Param)[0]
     with jax.set_mesh(mesh):
       base_params = _concrete(jax.eval_shape(
-          lambda: nnx.split(make_base(train_state.ParamKeys(config.seed)), nnx.Param)[1]), mesh)
+          lambda: nnx.split(make_base(ParamKeys(base=train_state.key(config.seed))), nnx.Param)[1]), mesh)
 
     def from_base(params: nnx.State) -> TrainState:
       return from_params(*nnx.split(with_lora(nnx.merge(base_graphdef, params)), nnx.Param, Frozen)[1:])

@@ -17,7 +17,7 @@ from jax.extend import random as jax_random
 from jax.sharding import Mesh, PartitionSpec
 
 from mintrain import partitioning
-from mintrain.models.layers import Frozen
+from mintrain.models.layers import Frozen, ParamKeys
 from mintrain.objectives import objective
 from mintrain.partitioning import AxisRules
 
@@ -137,29 +137,10 @@ def _is_variable(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-class ParamKeys:
-  """The keys a model's parameters are drawn with, handed out in order where `nnx.Rngs` would be: the n-th
-  is `fold_in(key(seed), n)`, what `nnx.Rngs(params=key(seed)).params()` gives, so a seed draws the same
-  parameters either way. Built from `seed`, it folds each key as asked and counts them; built from
-  `given` (the initialiser's arguments), it wraps those in turn."""
-
-  def __init__(self, seed: int | None = None, given: Sequence[jax.Array] | None = None):
-    self._base = None if seed is None else key(seed)
-    self._given, self.count = given, 0
-
-  def params(self) -> jax.Array:
-    if self._given is None:
-      drawn = jax.random.fold_in(self._base, self.count)
-    else:
-      drawn = jax.random.wrap_key_data(self._given[self.count], impl=PRNG_IMPL)
-    self.count += 1
-    return drawn
-
-
 def draw_keys(seed: int, n: int) -> list[np.ndarray]:
-  """The data (uint32[2]) of `ParamKeys(seed)`'s first n keys, computed on the host: given to the
-  initialiser as arguments, they let XLA compile like-shaped draws once. A key folded inside the program
-  is a constant of its draw's kernel, so every draw was a different kernel to compile (BENCHMARKS.md)."""
+  """The data (uint32[2]) of the first n keys `nnx.Rngs(params=key(seed))` gives (`fold_in(key(seed), i)`),
+  computed on the host. The initialiser takes them as arguments (`layers.ParamKeys`): a key folded inside
+  the program is a constant of its draw's kernel, which XLA:CPU compiles 2-3x slower (BENCHMARKS.md)."""
   base = np.asarray(jax.random.key_data(key(seed)))
   with np.errstate(over='ignore'):
     bits1, bits2 = _threefry_hash(base[0], base[1], np.zeros(n, np.uint32), np.arange(n, dtype=np.uint32))
@@ -169,7 +150,7 @@ def draw_keys(seed: int, n: int) -> list[np.ndarray]:
 def abstract_model(make: Callable[[nnx.Rngs], nnx.Module], seed: int) -> tuple[nnx.Module, int]:
   """The model `make` builds, with ShapeDtypeStructs for parameters, found outside any mesh (allocates
   nothing), and how many keys its parameters draw."""
-  keys = ParamKeys(seed)
+  keys = ParamKeys(base=key(seed))
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
     return nnx.eval_shape(lambda: make(keys)), keys.count
 
@@ -205,7 +186,8 @@ def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransfor
                       reference=objective.reference(keeps_reference, params))
 
   def init(keys: Sequence[jax.Array]) -> TrainState:
-    _, params, frozen = nnx.split(make(ParamKeys(given=keys)), nnx.Param, Frozen)
+    given = [jax.random.wrap_key_data(k, impl=PRNG_IMPL) for k in keys]
+    _, params, frozen = nnx.split(make(ParamKeys(given=given)), nnx.Param, Frozen)
     return from_params(params, frozen)
 
   return init, from_params

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import MESH_CONFIGS, build, load_config, mesh_devices, quiet, spec_entries
+from helpers import MESH_CONFIGS, build, convert_layers, load_config, mesh_devices, quiet, spec_entries
 
 from mintrain import loop as train_loop
 from mintrain import train_state
@@ -15,10 +15,17 @@ from mintrain.data import tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import NonFiniteLossError
 from mintrain.mesh import make_mesh
+from mintrain.models.layers import ParamKeys
 from mintrain.objectives.lm import loss as loss_fn
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_step import make_train_step
+
+
+def flat(tree) -> dict:
+  return {train_state.path_str(path): np.asarray(x)
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
 
 INVARIANCE = ('train.steps=5', 'train.log_every=5', 'train.global_batch_size=8')
 
@@ -130,17 +137,17 @@ def test_mintrain_keys_give_the_bits_of_jax_threefry_and_compile_without_loops()
 
 def test_parameter_keys_are_those_of_nnx_rngs_from_the_seed():
   for seed in (0, 7, 2**31 - 1):
-    rngs, counted = nnx.Rngs(params=train_state.key(seed)), train_state.ParamKeys(seed)
+    rngs, counted = nnx.Rngs(params=train_state.key(seed)), ParamKeys(base=train_state.key(seed))
     expected = [jax.random.key_data(rngs.params()) for _ in range(40)]
-    given = train_state.ParamKeys(given=train_state.draw_keys(seed, 40))
+    given = ParamKeys(given=train_state.draw_keys(seed, 40))
     for want in expected:
       np.testing.assert_array_equal(jax.random.key_data(counted.params()), want)
-      np.testing.assert_array_equal(jax.random.key_data(given.params()), want)
+      np.testing.assert_array_equal(given.params(), want)
     assert counted.count == given.count == 40
 
 
-def _fused_computations(hlo: str) -> dict[str, str]:
-  """{fusion's output shape: its fused computation with every name erased}, one entry per distinct one."""
+def _fused_computations(hlo: str) -> set[str]:
+  """The distinct fused computations of a compiled module, with their output shapes and no names."""
   bodies, name, lines = {}, None, []
   for line in hlo.splitlines():
     if line.startswith('%fused_computation'):
@@ -154,23 +161,28 @@ def _fused_computations(hlo: str) -> dict[str, str]:
 
 
 def test_the_initialiser_draws_the_seeds_parameters_with_one_kernel_per_shape():
-  # Its keys are arguments, so like-shaped draws are one computation to XLA, compiled once; a key folded
-  # inside the program is a constant of its draw, and every draw a kernel of its own to compile. The
-  # parameters are bit for bit those of the model built from `nnx.Rngs(params=key(seed))`.
-  config = load_config('dp4_tp2', 'model.num_layers=3')
-  setup = build(config)
-  make = setup.config.family.make
+  # Its keys are arguments, so like-shaped draws are one computation to XLA; a key folded inside the
+  # program is a constant of its draw, and every draw a kernel of its own to compile. Unrolled, the
+  # parameters are bit for bit those of the model built from `nnx.Rngs(params=key(seed))`; scanned (each
+  # parameter of all layers one vmapped draw), those same layers stacked.
+  drawn = {}
+  for scanned in (False, True):
+    setup = build(load_config('dp4_tp2', 'model.num_layers=3', f'model.scan_layers={scanned}'))
+    with jax.set_mesh(setup.mesh):
+      compiled = setup.init.lower().compile()
+      drawn[scanned] = flat(jax.device_get(compiled(*setup.init.args).params))
+    kernels = _fused_computations(compiled.as_text())
+    assert len(kernels) <= len({info.shard_shape for info in setup.layout}) + 2, sorted(kernels)[:2]
   with jax.set_mesh(setup.mesh):
-    compiled = setup.init.lower().compile()
-    params = compiled(*setup.init.args).params
-    rngs = jax.jit(lambda: nnx.state(make(setup.config.model, setup.rules, setup.placement,
-                                          nnx.Rngs(params=train_state.key(config.seed))), nnx.Param))()
-  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rngs), strict=True):
-    np.testing.assert_array_equal(a, b)
-  draws = [info for info in setup.layout if len(info.shape) > 1]
-  assert len(draws) > len({info.shard_shape for info in draws})  # Layers repeat shapes.
-  kernels = _fused_computations(compiled.as_text())
-  assert len(kernels) <= len({info.shard_shape for info in setup.layout}) + 2, sorted(kernels)[:2]
+    make = setup.config.family.make
+    cfg = dataclasses.replace(setup.config.model, scan_layers=False)
+    rngs = jax.jit(lambda: nnx.state(make(cfg, setup.rules, setup.placement,
+                                          nnx.Rngs(params=train_state.key(setup.config.seed))), nnx.Param))()
+  reference = flat(jax.device_get(rngs))
+  for unrolled in (drawn[False], convert_layers(drawn[True], to_scanned=False)):
+    assert unrolled.keys() == reference.keys()
+    for path, x in reference.items():
+      np.testing.assert_array_equal(unrolled[path], x, err_msg=path)
 
 
 @pytest.mark.parametrize('packing', [pytest.param('pack', marks=pytest.mark.slow), 'pad'])

@@ -12,6 +12,7 @@ meaning in mintrain/configs/base.py) computes the same function as the default.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -179,10 +180,13 @@ class Transformer(nnx.Module):
     embed_init = nnx.initializers.normal(cfg.embed_dim ** -0.5)
     self.embedding_VD = param(rngs, embed_init, (cfg.vocab_size, cfg.embed_dim), ('vocab', 'embed'), dtype,
                               rules, decay=False)  # A lookup table: decay would pull rare tokens to zero.
-    blocks = [Block(cfg, placement, rules=rules, rngs=rngs, moe_layer=cfg.is_moe(i), window=cfg.window(i))
-              for i in range(cfg.num_layers)]
-    # With scan_layers, one Block whose parameters are all layers' stacked on a leading `layers` axis.
-    self.blocks = stack_layers(blocks, rules) if cfg.scan_layers else nnx.List(blocks)
+    def block(i: int, rngs: nnx.Rngs) -> Block:
+      return Block(cfg, placement, rules=rules, rngs=rngs, moe_layer=cfg.is_moe(i), window=cfg.window(i))
+
+    # With scan_layers, one Block whose parameters are all layers' stacked on a leading `layers` axis (the
+    # blocks are identical: `check`).
+    self.blocks = (stack_layers(functools.partial(block, 0), cfg.num_layers, rngs, rules) if cfg.scan_layers
+                   else nnx.List([block(i, rngs) for i in range(cfg.num_layers)]))
     self.final_norm = norm(cfg, rules, rngs)
     if not cfg.tie_embeddings:
       self.unembed_DV = param(rngs, nnx.initializers.lecun_normal(), (cfg.embed_dim, cfg.vocab_size),
