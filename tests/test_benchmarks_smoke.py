@@ -180,3 +180,13 @@ def test_pipeline_benchmark_smoke_times_one_and_two_stages_against_their_bubble(
   assert header[:4] == ['stages', 'microbatches', 'bubble', 'predicted_ms']
   assert [(row[0], row[2]) for row in body] == [('1', '0.0%'), ('2', '33.3%')]  # (S - 1) / (M + S - 1).
   assert all(n > 0 for row in body for n in numbers(row[3:]))
+
+
+def test_scaling_benchmark_smoke_compares_step_time_growth_with_flop_growth():
+  stdout, header, body = smoke('scaling.py')
+  assert [row[1] for row in body] == ['num_layers=1', 'num_layers=2']
+  cells = [dict(zip(header, row)) for row in body]
+  assert float(cells[0]['time_x']) == float(cells[0]['flops_x']) == 1.0
+  assert float(cells[1]['flops_x']) > 1.0 and float(cells[1]['time_x']) > 0
+  quotient = float(cells[1]['time_x']) / float(cells[1]['flops_x'])
+  assert abs(float(cells[1]['time_x / flops_x']) - quotient) <= 0.01

@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Whether the train step's cost grows with its FLOPs: bench_tiny at more layers and larger batches.
+
+Each point is bench_tiny with `model.num_layers` or `train.global_batch_size` changed, built, compiled
+ahead and timed as `step.py` times a variant (medians of jitted steps after warm-up, a matmul calibration
+after each step). Against the first point of its series it reports how much the step time grew
+(`time_x`), how much the analytic model FLOPs grew (`flops_x`, `report.train_flops_per_step`), and their
+quotient `time_x / flops_x`: 1.00 is linear in FLOPs, above 1 the added work runs slower than the first
+point's. `ratio` is the step's model FLOP/s over the matmul rate, as in `step.py`: it should not fall as
+the model deepens.
+
+  python benchmarks/scaling.py                          # 4, 8, 16, 32 layers; batch 16, 32, 64 (~15 min)
+  python benchmarks/scaling.py --layers 4 8 --batches   # depth only, two points
+  python benchmarks/scaling.py --smoke                  # the tests' small model, 1 and 2 layers, one step
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import harness
+from step import calibrator
+
+from mintrain import report
+
+
+def measure(path, base: tuple[str, ...], overrides: tuple[str, ...], devices, steps: int, warmup: int,
+            size: int, seconds: float) -> dict:
+  """One point: median step seconds, model FLOPs per step, and the median ratio to the matmul rate."""
+  config = harness.load(path, (*base, *overrides))
+  built = harness.build(config, devices)
+  batches = harness.device_batches(built, 2)
+  compiled = harness.compile_step(built, batches[0])
+  calibrations, calibrate = calibrator(config.model.compute_dtype, size, seconds, devices[0])
+  times, _ = harness.time_steps(compiled, built, batches, warmup=warmup, steps=steps, after_step=calibrate)
+  flops = report.train_flops_per_step(config)
+  per = 1 if devices[0].platform == 'cpu' else built.mesh.size  # Simulated CPU devices share the host.
+  ratio = statistics.median(flops / per / 1e12 / t / c for t, c in zip(times, calibrations))
+  return {'step_s': statistics.median(times), 'spread': harness.spread(times), 'flops': flops,
+          'ratio': ratio, 'compile_s': compiled.total_s}
+
+
+def series_rows(name: str, key: str, values: list[int], points: list[dict]) -> list[list[str]]:
+  first = points[0]
+  rows = []
+  for value, p in zip(values, points):
+    time_x, flops_x = p['step_s'] / first['step_s'], p['flops'] / first['flops']
+    rows.append([name, f'{key}={value}', f'{p["compile_s"]:.1f}', f'{p["step_s"] * 1e3:.1f}', p['spread'],
+                 f'{p["flops"] / 1e9:.1f}', f'{time_x:.2f}', f'{flops_x:.2f}', f'{time_x / flops_x:.2f}',
+                 f'{p["ratio"]:.1%}'])
+  return rows
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  harness.config_arguments(parser, 'config override applied to every point; repeatable')
+  parser.add_argument('--layers', nargs='*', type=int, default=[4, 8, 16, 32],
+                      help='model.num_layers of the depth series (none: skip it)')
+  parser.add_argument('--batches', nargs='*', type=int, default=[16, 32, 64],
+                      help='train.global_batch_size of the batch series (none: skip it)')
+  parser.add_argument('--steps', type=int, default=4, help='timed steps per point')
+  parser.add_argument('--warmup', type=int, default=harness.WARMUP, help='untimed steps after compiling')
+  parser.add_argument('--calibration_size', type=int, default=1024, help='square matmul size')
+  parser.add_argument('--smoke', action='store_true', help="the tests' small model, 1 and 2 layers")
+  args = parser.parse_args()
+
+  devices = harness.start_devices()
+  if args.config is None:
+    path, base = harness.bench_tiny()
+  else:
+    path, base = args.config.resolve(), ()
+  base = base + tuple(args.override) + (harness.SMOKE if args.smoke else ())
+  steps, warmup, size, seconds = ((1, 1, 256, 0.2) if args.smoke else
+                                  (args.steps, args.warmup, args.calibration_size, 1.0))
+  layers, batches = ([1, 2], []) if args.smoke else (args.layers, args.batches)
+  series = [('depth', 'model.num_layers', layers), ('batch', 'train.global_batch_size', batches)]
+  rows = []
+  for name, key, values in series:
+    points = []
+    for value in values:
+      points.append(measure(path, base, (f'{key}={value}',), devices, steps, warmup, size, seconds))
+      print(f'measured {key}={value}', flush=True)
+    if points:
+      rows += series_rows(name, key.split('.')[-1], values, points)
+  print(f'\nconfig {harness.describe_config(path, base)}; median of {steps} steps after {warmup} warm-up '
+        f'per point; x: against the first point of the series; ratio: model FLOP/s over a '
+        f'{size}x{size} matmul rate timed after each step\n')
+  print(harness.table(['series', 'point', 'compile_s', 'step_ms', 'spread', 'GFLOP', 'time_x', 'flops_x',
+                       'time_x / flops_x', 'ratio'], rows))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
