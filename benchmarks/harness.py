@@ -51,6 +51,47 @@ def config_arguments(parser: argparse.ArgumentParser, override_help: str = 'conf
   parser.add_argument('--override', action='append', default=[], metavar='KEY=VALUE', help=override_help)
 
 
+def timing_arguments(parser: argparse.ArgumentParser, steps: int, smoke_help: str) -> None:
+  """The --steps / --warmup / --calibration_size / --smoke of the benchmarks that time steps against a
+  matmul calibration."""
+  parser.add_argument('--steps', type=int, default=steps, help='timed steps per measurement')
+  parser.add_argument('--warmup', type=int, default=WARMUP, help='untimed steps after compiling')
+  parser.add_argument('--calibration_size', type=int, default=1024, help='square matmul size')
+  parser.add_argument('--smoke', action='store_true', help=smoke_help)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """What `timing_arguments` asked for: the config, its overrides, and how to time and calibrate."""
+  path: pathlib.Path
+  base: tuple[str, ...]  # Overrides on every measurement (the fallback's, --override, the smoke's).
+  steps: int
+  warmup: int
+  calibration_size: int
+  calibration_s: float
+
+
+def timing(args: argparse.Namespace) -> Timing:
+  """The config (`--config` or bench_tiny) and timing of `config_arguments` and `timing_arguments`."""
+  path, base = bench_tiny() if args.config is None else (args.config.resolve(), ())
+  base = base + tuple(args.override) + (SMOKE if args.smoke else ())
+  if args.smoke:
+    return Timing(path, base, 1, 1, 256, 0.2)
+  return Timing(path, base, args.steps, args.warmup, args.calibration_size, 1.0)
+
+
+def calibrator(dtype: str, size: int, seconds: float, device: jax.Device
+               ) -> tuple[list[float], Callable[[], None]]:
+  """A list, and a function that appends one matmul calibration (TFLOP/s) in the model's dtype to it."""
+  from mintrain.runtime import hardware
+
+  results = []
+
+  def calibrate() -> None:
+    results.append(hardware.measure_matmul_tflops(dtype, size=size, seconds=seconds, device=device))
+  return results, calibrate
+
+
 def start_devices() -> list[jax.Device]:
   """The 8 devices the meshes use, simulated on CPU without an accelerator; call before any jax query."""
   mesh_lib.simulate_cpu_devices(DEVICES)

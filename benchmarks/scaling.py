@@ -21,20 +21,20 @@ import statistics
 import sys
 
 import harness
-from step import calibrator
 
 from mintrain import report
 
 
-def measure(path, base: tuple[str, ...], overrides: tuple[str, ...], devices, steps: int, warmup: int,
-            size: int, seconds: float) -> dict:
+def measure(t: harness.Timing, overrides: tuple[str, ...], devices) -> dict:
   """One point: median step seconds, model FLOPs per step, and the median ratio to the matmul rate."""
-  config = harness.load(path, (*base, *overrides))
+  config = harness.load(t.path, (*t.base, *overrides))
   built = harness.build(config, devices)
   batches = harness.device_batches(built, 2)
   compiled = harness.compile_step(built, batches[0])
-  calibrations, calibrate = calibrator(config.model.compute_dtype, size, seconds, devices[0])
-  times, _ = harness.time_steps(compiled, built, batches, warmup=warmup, steps=steps, after_step=calibrate)
+  calibrations, calibrate = harness.calibrator(config.model.compute_dtype, t.calibration_size,
+                                               t.calibration_s, devices[0])
+  times, _ = harness.time_steps(compiled, built, batches, warmup=t.warmup, steps=t.steps,
+                                after_step=calibrate)
   flops = report.train_flops_per_step(config)
   per = 1 if devices[0].platform == 'cpu' else built.mesh.size  # Simulated CPU devices share the host.
   ratio = statistics.median(flops / per / 1e12 / t / c for t, c in zip(times, calibrations))
@@ -60,33 +60,24 @@ def main() -> int:
                       help='model.num_layers of the depth series (none: skip it)')
   parser.add_argument('--batches', nargs='*', type=int, default=[16, 32, 64],
                       help='train.global_batch_size of the batch series (none: skip it)')
-  parser.add_argument('--steps', type=int, default=4, help='timed steps per point')
-  parser.add_argument('--warmup', type=int, default=harness.WARMUP, help='untimed steps after compiling')
-  parser.add_argument('--calibration_size', type=int, default=1024, help='square matmul size')
-  parser.add_argument('--smoke', action='store_true', help="the tests' small model, 1 and 2 layers")
+  harness.timing_arguments(parser, 4, "the tests' small model, 1 and 2 layers")
   args = parser.parse_args()
 
   devices = harness.start_devices()
-  if args.config is None:
-    path, base = harness.bench_tiny()
-  else:
-    path, base = args.config.resolve(), ()
-  base = base + tuple(args.override) + (harness.SMOKE if args.smoke else ())
-  steps, warmup, size, seconds = ((1, 1, 256, 0.2) if args.smoke else
-                                  (args.steps, args.warmup, args.calibration_size, 1.0))
+  t = harness.timing(args)
   layers, batches = ([1, 2], []) if args.smoke else (args.layers, args.batches)
   series = [('depth', 'model.num_layers', layers), ('batch', 'train.global_batch_size', batches)]
   rows = []
   for name, key, values in series:
     points = []
     for value in values:
-      points.append(measure(path, base, (f'{key}={value}',), devices, steps, warmup, size, seconds))
+      points.append(measure(t, (f'{key}={value}',), devices))
       print(f'measured {key}={value}', flush=True)
     if points:
       rows += series_rows(name, key.split('.')[-1], values, points)
-  print(f'\nconfig {harness.describe_config(path, base)}; median of {steps} steps after {warmup} warm-up '
-        f'per point; x: against the first point of the series; ratio: model FLOP/s over a '
-        f'{size}x{size} matmul rate timed after each step\n')
+  print(f'\nconfig {harness.describe_config(t.path, t.base)}; median of {t.steps} steps after {t.warmup} '
+        f'warm-up per point; x: against the first point of the series; ratio: model FLOP/s over a '
+        f'{t.calibration_size}x{t.calibration_size} matmul rate timed after each step\n')
   print(harness.table(['series', 'point', 'compile_s', 'step_ms', 'spread', 'GFLOP', 'time_x', 'flops_x',
                        'time_x / flops_x', 'ratio'], rows))
   return 0

@@ -26,12 +26,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable
 
 import harness
 
 from mintrain import report
-from mintrain.runtime import hardware
 
 # Variant name -> config overrides on top of the config (and of --override).
 VARIANTS = {
@@ -46,32 +44,17 @@ VARIANTS = {
 }
 
 
-def calibrator(dtype: str, size: int, seconds: float, device) -> tuple[list[float], Callable[[], None]]:
-  """A list, and a function that appends one matmul calibration (TFLOP/s) in the model's dtype to it."""
-  results = []
-  def calibrate() -> None:
-    results.append(hardware.measure_matmul_tflops(dtype, size=size, seconds=seconds, device=device))
-  return results, calibrate
-
-
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   harness.config_arguments(parser, 'config override applied to every variant; repeatable')
   parser.add_argument('--only', nargs='+', choices=sorted(VARIANTS), default=None, help='variants to run')
-  parser.add_argument('--steps', type=int, default=5, help='timed steps per variant')
-  parser.add_argument('--warmup', type=int, default=harness.WARMUP, help='untimed steps after compiling')
-  parser.add_argument('--calibration_size', type=int, default=1024, help='square matmul size')
-  parser.add_argument('--smoke', action='store_true', help='tiny model, baseline, one step')
+  harness.timing_arguments(parser, 5, 'tiny model, baseline, one step')
   args = parser.parse_args()
 
   devices = harness.start_devices()
-  if args.config is None:
-    path, base = harness.bench_tiny()
-  else:
-    path, base = args.config.resolve(), ()
-  base = base + tuple(args.override) + (harness.SMOKE if args.smoke else ())
-  steps, warmup, size, seconds = ((1, 1, 256, 0.2) if args.smoke else
-                                  (args.steps, args.warmup, args.calibration_size, 1.0))
+  t = harness.timing(args)
+  path, base, steps, warmup = t.path, t.base, t.steps, t.warmup
+  size, seconds = t.calibration_size, t.calibration_s
 
   shares_host = devices[0].platform == 'cpu'
   rows, first = [], None
@@ -86,7 +69,7 @@ def main() -> int:
     batches = harness.device_batches(built, 2)
     compiled = harness.compile_step(built, batches[0])
     # A calibration right after each timed step: other load on a shared machine slows both alike.
-    calibrations, calibrate = calibrator(config.model.compute_dtype, size, seconds, devices[0])
+    calibrations, calibrate = harness.calibrator(config.model.compute_dtype, size, seconds, devices[0])
     times, losses = harness.time_steps(compiled, built, batches, warmup=warmup, steps=steps,
                                        after_step=calibrate)
     step_s = statistics.median(times)

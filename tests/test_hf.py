@@ -36,7 +36,7 @@ from mintrain.hf import safetensors as safetensors_reader
 from mintrain.mesh import make_mesh
 from mintrain.models import hf_model_options
 from mintrain.models.transformer import hf as hf_llama
-from mintrain.models.transformer import sampling
+from mintrain.models.transformer import hf_config, sampling
 from mintrain.runtime import host_allocator
 
 COMMON = {'vocab_size': 256, 'hidden_size': 64, 'intermediate_size': 96, 'num_hidden_layers': 2,
@@ -342,13 +342,13 @@ def test_qwen2_moe_mlp_only_layers_become_dense_layers():
 
 def test_qwen2_sliding_window_applies_to_the_layers_from_max_window_layers_on():
   qwen2 = {'model_type': 'qwen2', **COMMON, 'sliding_window': 8}
-  assert hf_llama.windows({**qwen2, 'use_sliding_window': False}) == (0, 0)
-  assert hf_llama.windows({**qwen2, 'use_sliding_window': True, 'max_window_layers': 0}) == (8, 0)
-  assert hf_llama.windows({**qwen2, 'use_sliding_window': True, 'max_window_layers': 2}) == (0, 0)
+  assert hf_config.windows({**qwen2, 'use_sliding_window': False}) == (0, 0)
+  assert hf_config.windows({**qwen2, 'use_sliding_window': True, 'max_window_layers': 0}) == (8, 0)
+  assert hf_config.windows({**qwen2, 'use_sliding_window': True, 'max_window_layers': 2}) == (0, 0)
   # Local layers after global ones are not a pattern mintrain has (all but every N-th local).
   with pytest.raises(ConfigError, match=r'^config.json layer_types \[.*\] is not supported'):
-    hf_llama.windows({**qwen2, 'use_sliding_window': True, 'max_window_layers': 1})
-  assert hf_llama.windows({'model_type': 'mistral', **COMMON, 'sliding_window': None}) == (0, 0)
+    hf_config.windows({**qwen2, 'use_sliding_window': True, 'max_window_layers': 1})
+  assert hf_config.windows({'model_type': 'mistral', **COMMON, 'sliding_window': None}) == (0, 0)
 
 
 def test_unsupported_checkpoints_are_one_line_errors(tmp_path):
