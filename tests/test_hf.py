@@ -1,7 +1,9 @@
 """Hugging Face checkpoints: tiny random `transformers` models of each family, loaded by `mintrain.hf`,
 give transformers' logits on several meshes; saved back, transformers loads them with the same logits."""
 
+import ctypes
 import json
+import os
 import re
 import subprocess
 import sys
@@ -594,3 +596,30 @@ def test_two_processes_each_grow_by_under_0_6x_the_checkpoint_while_loading_it_o
   assert saved.keys() == original.keys()
   for name, tensor in original.items():  # Every weight arrived where it belongs.
     np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
+
+
+ONE_DEVICE = {'data': 1, 'fsdp': 1, 'model': 1}
+DP4_TP2 = {'data': 4, 'fsdp': 1, 'model': 2}
+
+
+@pytest.mark.skipif(not hasattr(os, 'memfd_create'), reason='memory files are Linux-only')
+def test_on_dp4_tp2_replicas_share_one_memory_file_and_a_write_to_one_leaves_the_others_and_the_file(
+    llama3, monkeypatch):
+  from test_host_memory import memfd_mapped
+  directory, _ = llama3
+  file_bytes = (directory / hf.SINGLE).read_bytes()
+  expected = hf.load_params(directory, build(hf.make_config(directory, mesh_sizes=ONE_DEVICE)))
+  monkeypatch.setattr(host_allocator, 'HUGE_ARRAY_BYTES', 1)  # Every slice of this tiny model.
+  params = hf.load_params(directory, build(hf.make_config(directory, mesh_sizes=DP4_TP2)))
+  loaded = dict(nnx.to_flat_state(params))
+  for path, want in nnx.to_flat_state(expected):  # Bit for bit those of one device.
+    np.testing.assert_array_equal(np.asarray(loaded[path][...]), np.asarray(want[...]), err_msg=str(path))
+  shards = next(v for path, v in loaded.items() if 'embed' in str(path))[...].addressable_shards
+  replicas = [s for s in shards if s.index == shards[0].index]
+  assert len(replicas) == 4 and all(memfd_mapped(s.data.unsafe_buffer_pointer()) for s in replicas)
+  before = np.asarray(replicas[1].data).copy()
+  ctypes.memset(replicas[0].data.unsafe_buffer_pointer(), 0, before.nbytes)  # As an in-place update would.
+  assert not np.asarray(replicas[0].data).any()
+  for replica in replicas[1:]:
+    np.testing.assert_array_equal(np.asarray(replica.data), before)
+  assert (directory / hf.SINGLE).read_bytes() == file_bytes

@@ -18,6 +18,7 @@ is (layers, experts, ...) of one tensor per layer and expert.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -231,13 +232,18 @@ def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tenso
           dtype: np.dtype, sharding: NamedSharding) -> jax.Array:
   """One parameter, each of this process's devices given its slice; devices that hold the same slice
   (replicas) share its read, and each distinct slice is read in one pass over the tensor's rows."""
+  devices = [(device, tuple(s.indices(n)[:2] for s, n in zip(index, shape)))
+             for device, index in sharding.addressable_devices_indices_map(shape).items()]
+  adopted = devices[0][0].platform == 'cpu'  # Other backends copy the host array: replicas may share it.
   slices: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-  devices = []
-  for device, index in sharding.addressable_devices_indices_map(shape).items():
-    bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-    if bounds not in slices:
-      slices[bounds] = host_allocator.adoptable_empty(tuple(b - a for a, b in bounds), dtype)
-    devices.append((device, bounds))
+  replicas: dict[tuple[tuple[int, int], ...], list[np.ndarray]] = {}
+  for bounds, count in collections.Counter(bounds for _, bounds in devices).items():
+    slice_shape = tuple(b - a for a, b in bounds)
+    shared = host_allocator.copy_on_write_empty(slice_shape, dtype, count) if adopted and count > 1 else None
+    if shared:
+      slices[bounds], replicas[bounds] = shared
+    else:
+      slices[bounds] = host_allocator.adoptable_empty(slice_shape, dtype)
   targets = [(tuple(slice(a, b) for a, b in bounds), out) for bounds, out in slices.items()]
   n = len(source.lead)
   # The tensor at leading index `at` (a layer's, an expert's) fills `at - start` of each slice holding it.
@@ -247,8 +253,11 @@ def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tenso
     if part:
       conversion.read(source.kind, file, part, shape[n:])
   arrays, taken = [], set()
-  for device, bounds in devices:  # A replica gets a copy of its own (a device buffer is never shared).
-    host = slices[bounds] if bounds not in taken else _copy(slices[bounds])
+  for device, bounds in devices:  # On the CPU a device buffer is never shared: its replica's own pages.
+    if bounds in replicas:
+      host = replicas[bounds].pop()
+    else:
+      host = _copy(slices[bounds]) if adopted and bounds in taken else slices[bounds]
     taken.add(bounds)
     arrays.append(jax.device_put(host, device))
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

@@ -9,8 +9,9 @@ CPU backend only (`keep_freed_memory_if_cpu`), decided before JAX starts from wh
 first platform of `jax_platforms` when it is set; else whether no accelerator is installed (no PJRT plugin,
 no `libtpu`, no library named by TPU_LIBRARY_PATH or PJRT_NAMES_AND_LIBRARY_PATHS).
 
-Host arrays that become device buffers (a loaded checkpoint's slices) come from `adoptable_empty`, and
-are filled with transposed host arrays by `copy_transposed`.
+Host arrays that become device buffers (a loaded checkpoint's slices) come from `adoptable_empty`, or,
+for replicas of one slice, from `copy_on_write_empty`; they are filled with transposed host arrays by
+`copy_transposed`.
 """
 
 from __future__ import annotations
@@ -116,6 +117,28 @@ def adoptable_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   raw = np.empty(size + ADOPT_ALIGNMENT, np.uint8)
   start = -raw.ctypes.data % ADOPT_ALIGNMENT
   return raw[start:start + size].view(dtype).reshape(shape)
+
+
+def copy_on_write_empty(shape: tuple[int, ...], dtype: np.dtype,
+                       count: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+  """(an uninitialised array to fill, `count` adoptable arrays that show what it holds): private mappings of
+  one memory file, so replicas share one copy of their pages until each is written, and a donated buffer
+  written in place changes only its own replica. None below `HUGE_ARRAY_BYTES` or without `memfd_create`."""
+  size = math.prod(shape) * np.dtype(dtype).itemsize
+  if size < HUGE_ARRAY_BYTES or not hasattr(os, 'memfd_create'):
+    return None
+  try:
+    fd = os.memfd_create('mintrain-replicas', os.MFD_CLOEXEC)
+  except OSError:
+    return None
+  try:  # Linux maps a private page to the file's until it is written: later fills show through.
+    os.ftruncate(fd, size)
+    shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    replicas = [mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE) for _ in range(count)]
+  finally:
+    os.close(fd)  # The mappings keep the file; it is freed with the last of them.
+  return (np.frombuffer(shared, np.dtype(dtype)).reshape(shape),
+          [np.frombuffer(m, np.dtype(dtype)).reshape(shape) for m in replicas])
 
 
 def copy_transposed(out_BA: np.ndarray, x_AB: np.ndarray) -> None:
