@@ -63,7 +63,8 @@ def test_adoptable_arrays_become_device_buffers_without_a_copy_and_outlive_their
 
 
 def test_copy_transposed_equals_numpy_transpose_for_shapes_the_tiles_do_not_divide(monkeypatch):
-  monkeypatch.setattr(host_allocator, 'TILE', 4)
+  monkeypatch.setattr(host_allocator, 'TILE_ROWS', 4)
+  monkeypatch.setattr(host_allocator, 'TILE_COLUMNS', 5)
   x = np.random.default_rng(0).standard_normal((10, 7)).astype(np.float32)
   out = np.zeros((9, 12), np.float32)
   host_allocator.copy_transposed(out[1:8, 2:12], x)  # Into a strided view, as the loader does.

@@ -37,7 +37,9 @@ _SETTINGS = ((-8, 'arena_max', 1),  # M_ARENA_MAX
 _applied: bool | None = None
 ADOPT_ALIGNMENT = 64  # JAX's CPU backend takes a host array this aligned as a device buffer without a copy.
 HUGE_ARRAY_BYTES = 2 << 20  # From this size up, an array gets its own mapping backed by huge pages.
-TILE = 128  # Rows and columns of the square tiles `copy_transposed` moves at a time.
+# The tiles `copy_transposed` moves at a time: few source rows, so the cache lines a tile reads (one per
+# row) stay in L1 while the destination rows they feed are written.
+TILE_ROWS, TILE_COLUMNS = 16, 256
 
 
 def keep_freed_memory() -> bool:
@@ -142,9 +144,9 @@ def copy_on_write_empty(shape: tuple[int, ...], dtype: np.dtype,
 
 
 def copy_transposed(out_BA: np.ndarray, x_AB: np.ndarray) -> None:
-  """`out_BA[...] = x_AB.T` in square tiles that stay in the cache: numpy's own copy strides across the
-  whole of one of the two arrays."""
+  """`out_BA[...] = x_AB.T` in tiles that stay in the cache: numpy's own copy strides across the whole of
+  one of the two arrays."""
   a, b = x_AB.shape
-  for i in range(0, a, TILE):
-    for j in range(0, b, TILE):
-      out_BA[j:j + TILE, i:i + TILE] = x_AB[i:i + TILE, j:j + TILE].T
+  for i in range(0, a, TILE_ROWS):
+    for j in range(0, b, TILE_COLUMNS):
+      out_BA[j:j + TILE_COLUMNS, i:i + TILE_ROWS] = x_AB[i:i + TILE_ROWS, j:j + TILE_COLUMNS].T
