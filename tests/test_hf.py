@@ -557,6 +557,22 @@ def test_slices_of_whole_rows_or_heads_read_straight_or_tile_by_tile_give_back_t
           np.testing.assert_array_equal(out, ours[index])
 
 
+def test_row_blocks_of_two_tensors_read_at_once_or_in_turn_give_their_own_rows(tmp_path, monkeypatch):
+  # A file's tensors pass one block buffer on; two reads under way at once must not share it.
+  monkeypatch.setattr(safetensors_reader, 'BLOCK_BYTES', 64)
+  rng = np.random.default_rng(0)
+  a, b = rng.standard_normal((12, 4)).astype(np.float32), rng.standard_normal((5, 30)).astype(np.float32)
+  save_file({'a': a, 'b': b}, tmp_path / 'w.safetensors')
+  with safetensors_reader.File(tmp_path / 'w.safetensors') as file:
+    for _ in range(2):  # The second time, from the buffer the first left.
+      blocks = [file.tensors[name].row_blocks(slice(None)) for name in 'ab']
+      for (at, rows_a), (bt, rows_b) in zip(*blocks):
+        np.testing.assert_array_equal(rows_a, a[at:at + len(rows_a)])
+        np.testing.assert_array_equal(rows_b, b[bt:bt + len(rows_b)])
+      np.testing.assert_array_equal(file.tensors['a'][2:9, 1:3], a[2:9, 1:3])
+      np.testing.assert_array_equal(file.tensors['b'][1:4], b[1:4])
+
+
 LOAD_AND_MEASURE = """
 import json, sys
 import jax

@@ -62,6 +62,19 @@ def test_adoptable_arrays_become_device_buffers_without_a_copy_and_outlive_their
   np.testing.assert_array_equal(np.asarray(device), expected)
 
 
+def test_arrays_carved_from_one_allocation_are_each_adopted_and_keep_their_own_values():
+  shapes = [(3, 5), (0, 5), (1000, 300), (7,)]  # Together above HUGE_ARRAY_BYTES.
+  hosts = host_allocator.adoptable_arrays(shapes, np.float32)
+  assert [h.shape for h in hosts] == shapes
+  for i, host in enumerate(hosts):
+    host[...] = i
+  devices = [jax.device_put(host, device) for host, device in zip(hosts, jax.devices('cpu'))]
+  assert [d.unsafe_buffer_pointer() for d in devices if d.size] == [h.ctypes.data for h in hosts if h.size]
+  del hosts
+  for i, device in enumerate(devices):
+    assert device.size == 0 or (np.asarray(device) == i).all()
+
+
 def test_copy_transposed_equals_numpy_transpose_for_shapes_the_tiles_do_not_divide(monkeypatch):
   monkeypatch.setattr(host_allocator, 'TILE_ROWS', 4)
   monkeypatch.setattr(host_allocator, 'TILE_COLUMNS', 5)

@@ -121,6 +121,19 @@ def adoptable_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   return raw[start:start + size].view(dtype).reshape(shape)
 
 
+def adoptable_arrays(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> list[np.ndarray]:
+  """Uninitialised arrays of `shapes`, each adoptable, carved from one `adoptable_empty`: slices too small
+  for huge pages on their own get them together. The memory is freed with the last of them."""
+  itemsize = np.dtype(dtype).itemsize
+  sizes = [math.prod(shape) * itemsize for shape in shapes]
+  starts = [0]
+  for size in sizes:
+    starts.append(starts[-1] + -(-size // ADOPT_ALIGNMENT) * ADOPT_ALIGNMENT)
+  memory = adoptable_empty((starts[-1],), np.uint8)
+  return [memory[start:start + size].view(dtype).reshape(shape)
+          for start, size, shape in zip(starts, sizes, shapes)]
+
+
 def copy_on_write_empty(shape: tuple[int, ...], dtype: np.dtype,
                        count: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
   """(an uninitialised array to fill, `count` adoptable arrays that show what it holds): private mappings of
