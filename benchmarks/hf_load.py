@@ -89,18 +89,19 @@ def evict(path: pathlib.Path) -> None:
     os.close(fd)
 
 
-def read_seconds(path: pathlib.Path, cache: str, buffer: str, reused: memoryview) -> tuple[float, float]:
+def read_seconds(path: pathlib.Path, cache: str, reused: memoryview | None) -> tuple[float, float]:
   """(wall, CPU) seconds to read the whole file, from the disk ('cold') or the page cache ('warm'), into
-  `reused` (as large as the file) or, for `buffer` 'fresh', into a newly allocated 64-byte-aligned one."""
+  `reused` (as large as the file) or, when None, into a newly allocated 64-byte-aligned buffer."""
   import numpy as np
 
   if cache == 'cold':
     evict(path)
   start, cpu = time.perf_counter(), time.process_time()
-  if buffer == 'fresh':
-    raw = np.empty(len(reused) + 64, np.uint8)
+  if reused is None:
+    size = path.stat().st_size
+    raw = np.empty(size + 64, np.uint8)
     offset = -raw.ctypes.data % 64
-    reused = memoryview(raw[offset:offset + len(reused)])
+    reused = memoryview(raw[offset:offset + size])
   done, block = 0, 16 << 20
   with open(path, 'rb', buffering=0) as f:
     while n := f.readinto(reused[done:done + block]):
@@ -136,7 +137,7 @@ def measure_process(directory: pathlib.Path, mesh_name: str, cache: str) -> None
   OWN_PROCESS, the time of the file read into a fresh aligned buffer in a process as new as a load's."""
   if mesh_name == OWN_PROCESS:
     path = directory / 'model.safetensors'
-    read, cpu = read_seconds(path, cache, 'fresh', memoryview(bytearray(path.stat().st_size)))
+    read, cpu = read_seconds(path, cache, None)
     print(RESULT + json.dumps({'seconds': read, 'cpu': cpu, 'read': 0, 'growth': 0}), flush=True)
     return
   from mintrain import mesh as mesh_lib
@@ -222,7 +223,7 @@ def main() -> int:
     own = {cache: [] for cache in dict.fromkeys(cache for *_, cache in loads)}
     for _ in range(rounds):
       for (cache, buffer), times in reads.items():
-        times.append(read_seconds(path, cache, buffer, reused))
+        times.append(read_seconds(path, cache, reused if buffer == 'reused' else None))
       for cache, results in own.items():
         results.append(load(directory, None, 1, OWN_PROCESS, cache))
       for load_key, results in measured.items():
