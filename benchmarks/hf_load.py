@@ -12,7 +12,7 @@ loading (`VmHWM` after `/proc/self/clear_refs`, or its final RSS plus the memory
 against the checkpoint's size. Every read and load runs once per round, rounds repeat, and each row is the
 median over rounds.
 
-  python benchmarks/hf_load.py          # ~2 min on 2 CPU cores
+  python benchmarks/hf_load.py          # ~3 min on 2 CPU cores
   python benchmarks/hf_load.py --tree /tmp/before --tree .   # two checkouts' loaders, interleaved
   python benchmarks/hf_load.py --smoke  # a 1 MB checkpoint, fsdp8 in one and two processes
 """
@@ -249,7 +249,7 @@ def main() -> int:
     growth = max(r['growth'] for one in results for r in one)
     bytes_in = max(r['read'] for one in results for r in one)
     what = f'hf.load_params ({tree.name})' if tree else 'hf.load_params'
-    rows.append([what, f'{processes} x {harness.DEVICES // processes}', mesh_name, cache,
+    rows.append([what, f'{processes} x {math.prod(MESHES[mesh_name]) // processes}', mesh_name, cache,
                  f'{seconds * 1e3:.1f}', f'{cpu * 1e3:.1f}', f'{seconds / read[cache, "reused"][0]:.2f}',
                  f'{seconds / read[cache, "fresh"][0]:.2f}', f'{cpu / read[cache, "fresh"][1]:.2f}',
                  harness.mib(bytes_in), harness.mib(growth),
