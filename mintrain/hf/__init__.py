@@ -235,7 +235,7 @@ def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tenso
   replicas are copy-on-write mappings of one copy; the other slices share one allocation, for huge pages."""
   devices = [(device, tuple(s.indices(n)[:2] for s, n in zip(index, shape)))
              for device, index in sharding.addressable_devices_indices_map(shape).items()]
-  adopted = devices[0][0].platform == 'cpu'  # Other backends copy the host array: replicas may share it.
+  adopted = all(d.platform == 'cpu' for d, _ in devices)  # Others copy the host array: replicas may share it.
   slices: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
   replicas: dict[tuple[tuple[int, int], ...], list[np.ndarray]] = {}
   for bounds, count in collections.Counter(bounds for _, bounds in devices).items():
