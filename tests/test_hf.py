@@ -640,3 +640,16 @@ def test_on_dp4_tp2_replicas_share_one_memory_file_and_a_write_to_one_leaves_the
   for replica in replicas[1:]:
     np.testing.assert_array_equal(np.asarray(replica.data), before)
   assert (directory / hf.SINGLE).read_bytes() == file_bytes
+
+
+def test_a_donating_step_over_memory_file_replicas_on_dp4_tp2_gives_the_values_of_one_device(llama3,
+                                                                                             monkeypatch):
+  directory, _ = llama3
+  expected = hf.load_params(directory, build(hf.make_config(directory, mesh_sizes=ONE_DEVICE)))
+  monkeypatch.setattr(host_allocator, 'HUGE_ARRAY_BYTES', 1)
+  params = hf.load_params(directory, build(hf.make_config(directory, mesh_sizes=DP4_TP2)))
+  step = jax.jit(lambda p: jax.tree.map(lambda x: x * 2 + 1, p), donate_argnums=0)
+  stepped = dict(nnx.to_flat_state(step(params)))
+  for path, want in nnx.to_flat_state(expected):
+    np.testing.assert_array_equal(np.asarray(stepped[path][...]), np.asarray(want[...]) * 2 + 1,
+                                  err_msg=str(path))
