@@ -131,6 +131,7 @@ def test_hf_load_benchmark_smoke_times_loads_against_reading_the_file_and_their_
                                        ['read file, fresh aligned buffer', '1', '-', 'cold'],
                                        ['read file, reused buffer', '1', '-', 'warm'],
                                        ['read file, fresh aligned buffer', '1', '-', 'warm'],
+                                       ['read file, fresh aligned buffer, own process', '1', '-', 'warm'],
                                        ['hf.load_params', '1 x 8', 'fsdp8', 'warm'],
                                        ['hf.load_params', '2 x 4', 'fsdp8', 'warm']]
   assert all(n > 0 for row in body[4:] for n in numbers(row[4:]))

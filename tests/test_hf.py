@@ -1,7 +1,9 @@
 """Hugging Face checkpoints: tiny random `transformers` models of each family, loaded by `mintrain.hf`,
 give transformers' logits on several meshes; saved back, transformers loads them with the same logits."""
 
+import ctypes
 import json
+import os
 import re
 import subprocess
 import sys
@@ -534,9 +536,10 @@ def test_reading_any_slices_of_a_written_tensor_gives_back_those_slices(kind, tm
 @pytest.mark.parametrize('kind', list(hf_llama.Kind))
 def test_slices_of_whole_rows_or_heads_read_straight_or_tile_by_tile_give_back_those_slices(kind, tmp_path,
                                                                                               monkeypatch):
-  # The paths that skip the row buffer (whole rows) or transpose in tiles (whole heads); tiles of 3 divide
-  # none of the sizes, and blocks of one row or of the whole tensor.
-  monkeypatch.setattr(host_allocator, 'TILE', 3)
+  # The paths that skip the row buffer (whole rows) or transpose in tiles (whole heads); tiles of 3 x 9
+  # divide none of the sizes, and blocks of one row or of the whole tensor.
+  monkeypatch.setattr(host_allocator, 'TILE_ROWS', 3)
+  monkeypatch.setattr(host_allocator, 'TILE_COLUMNS', 9)
   shapes = {hf_llama.Kind.SAME: (12, 10), hf_llama.Kind.T: (10, 14), hf_llama.Kind.IN_HEADS: (10, 6, 4),
             hf_llama.Kind.HEADS_OUT: (6, 4, 10), hf_llama.Kind.HEADS: (6, 4)}
   ours = np.random.default_rng(0).standard_normal(shapes[kind]).astype(np.float32)
@@ -552,6 +555,22 @@ def test_slices_of_whole_rows_or_heads_read_straight_or_tile_by_tile_give_back_t
         hf_llama.read(kind, file.tensors['w'], targets, ours.shape)
         for index, out in targets:
           np.testing.assert_array_equal(out, ours[index])
+
+
+def test_row_blocks_of_two_tensors_read_at_once_or_in_turn_give_their_own_rows(tmp_path, monkeypatch):
+  # A file's tensors pass one block buffer on; two reads under way at once must not share it.
+  monkeypatch.setattr(safetensors_reader, 'BLOCK_BYTES', 64)
+  rng = np.random.default_rng(0)
+  a, b = rng.standard_normal((12, 4)).astype(np.float32), rng.standard_normal((5, 30)).astype(np.float32)
+  save_file({'a': a, 'b': b}, tmp_path / 'w.safetensors')
+  with safetensors_reader.File(tmp_path / 'w.safetensors') as file:
+    for _ in range(2):  # The second time, from the buffer the first left.
+      blocks = [file.tensors[name].row_blocks(slice(None)) for name in 'ab']
+      for (at, rows_a), (bt, rows_b) in zip(*blocks):
+        np.testing.assert_array_equal(rows_a, a[at:at + len(rows_a)])
+        np.testing.assert_array_equal(rows_b, b[bt:bt + len(rows_b)])
+      np.testing.assert_array_equal(file.tensors['a'][2:9, 1:3], a[2:9, 1:3])
+      np.testing.assert_array_equal(file.tensors['b'][1:4], b[1:4])
 
 
 LOAD_AND_MEASURE = """
@@ -594,3 +613,43 @@ def test_two_processes_each_grow_by_under_0_6x_the_checkpoint_while_loading_it_o
   assert saved.keys() == original.keys()
   for name, tensor in original.items():  # Every weight arrived where it belongs.
     np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
+
+
+ONE_DEVICE = {'data': 1, 'fsdp': 1, 'model': 1}
+DP4_TP2 = {'data': 4, 'fsdp': 1, 'model': 2}
+
+
+@pytest.mark.skipif(not hasattr(os, 'memfd_create'), reason='memory files are Linux-only')
+def test_on_dp4_tp2_replicas_share_one_memory_file_and_a_write_to_one_leaves_the_others_and_the_file(
+    llama3, monkeypatch):
+  from test_host_memory import memfd_mapped
+  directory, _ = llama3
+  file_bytes = (directory / hf.SINGLE).read_bytes()
+  expected = hf.load_params(directory, build(hf.make_config(directory, mesh_sizes=ONE_DEVICE)))
+  monkeypatch.setattr(host_allocator, 'HUGE_ARRAY_BYTES', 1)  # Every slice of this tiny model.
+  params = hf.load_params(directory, build(hf.make_config(directory, mesh_sizes=DP4_TP2)))
+  loaded = dict(nnx.to_flat_state(params))
+  for path, want in nnx.to_flat_state(expected):  # Bit for bit those of one device.
+    np.testing.assert_array_equal(np.asarray(loaded[path][...]), np.asarray(want[...]), err_msg=str(path))
+  shards = next(v for path, v in loaded.items() if 'embed' in str(path))[...].addressable_shards
+  replicas = [s for s in shards if s.index == shards[0].index]
+  assert len(replicas) == 4 and all(memfd_mapped(s.data.unsafe_buffer_pointer()) for s in replicas)
+  before = np.asarray(replicas[1].data).copy()
+  ctypes.memset(replicas[0].data.unsafe_buffer_pointer(), 0, before.nbytes)  # As an in-place update would.
+  assert not np.asarray(replicas[0].data).any()
+  for replica in replicas[1:]:
+    np.testing.assert_array_equal(np.asarray(replica.data), before)
+  assert (directory / hf.SINGLE).read_bytes() == file_bytes
+
+
+def test_a_donating_step_over_memory_file_replicas_on_dp4_tp2_gives_the_values_of_one_device(llama3,
+                                                                                             monkeypatch):
+  directory, _ = llama3
+  expected = hf.load_params(directory, build(hf.make_config(directory, mesh_sizes=ONE_DEVICE)))
+  monkeypatch.setattr(host_allocator, 'HUGE_ARRAY_BYTES', 1)
+  params = hf.load_params(directory, build(hf.make_config(directory, mesh_sizes=DP4_TP2)))
+  step = jax.jit(lambda p: jax.tree.map(lambda x: x * 2 + 1, p), donate_argnums=0)
+  stepped = dict(nnx.to_flat_state(step(params)))
+  for path, want in nnx.to_flat_state(expected):
+    np.testing.assert_array_equal(np.asarray(stepped[path][...]), np.asarray(want[...]) * 2 + 1,
+                                  err_msg=str(path))

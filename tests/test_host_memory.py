@@ -1,6 +1,7 @@
 """Host memory: from save to save, scripts/train.py in a subprocess, saving and evaluating as it trains,
 reports its RSS right after each save, and the RSS must not grow; host arrays that devices adopt."""
 
+import os
 import re
 import sys
 
@@ -61,11 +62,58 @@ def test_adoptable_arrays_become_device_buffers_without_a_copy_and_outlive_their
   np.testing.assert_array_equal(np.asarray(device), expected)
 
 
+def test_arrays_carved_from_one_allocation_are_each_adopted_and_keep_their_own_values():
+  shapes = [(3, 5), (0, 5), (1000, 300), (7,)]  # Together above HUGE_ARRAY_BYTES.
+  hosts = host_allocator.adoptable_arrays(shapes, np.float32)
+  assert [h.shape for h in hosts] == shapes
+  for i, host in enumerate(hosts):
+    host[...] = i
+  devices = [jax.device_put(host, device) for host, device in zip(hosts, jax.devices('cpu'))]
+  assert [d.unsafe_buffer_pointer() for d in devices if d.size] == [h.ctypes.data for h in hosts if h.size]
+  del hosts
+  for i, device in enumerate(devices):
+    assert device.size == 0 or (np.asarray(device) == i).all()
+
+
 def test_copy_transposed_equals_numpy_transpose_for_shapes_the_tiles_do_not_divide(monkeypatch):
-  monkeypatch.setattr(host_allocator, 'TILE', 4)
+  monkeypatch.setattr(host_allocator, 'TILE_ROWS', 4)
+  monkeypatch.setattr(host_allocator, 'TILE_COLUMNS', 5)
   x = np.random.default_rng(0).standard_normal((10, 7)).astype(np.float32)
   out = np.zeros((9, 12), np.float32)
   host_allocator.copy_transposed(out[1:8, 2:12], x)  # Into a strided view, as the loader does.
   expected = np.zeros_like(out)
   expected[1:8, 2:12] = x.T
   np.testing.assert_array_equal(out, expected)
+
+
+def memfd_mapped(address: int) -> bool:
+  """Whether `address` lies in a mapping of a memory file (memfd) of this process."""
+  with open('/proc/self/maps') as f:
+    for line in f:
+      span, *rest = line.split(maxsplit=5)
+      low, high = (int(x, 16) for x in span.split('-'))
+      if low <= address < high:
+        return len(rest) == 5 and rest[4].startswith('/memfd:')
+  return False
+
+
+@pytest.mark.skipif(not hasattr(os, 'memfd_create'), reason='memory files are Linux-only')
+def test_copy_on_write_replicas_are_adopted_show_the_fill_and_a_write_to_one_changes_only_its_own():
+  shape = (1024, 1024)  # At HUGE_ARRAY_BYTES.
+  fill, replicas = host_allocator.copy_on_write_empty(shape, np.float32, 4)
+  fill[...] = np.arange(fill.size, dtype=np.float32).reshape(shape)  # Filled after the replicas are mapped.
+  expected = fill.copy()
+  devices = [jax.device_put(host, device) for host, device in zip(replicas, jax.devices('cpu'))]
+  assert [d.unsafe_buffer_pointer() for d in devices] == [h.ctypes.data for h in replicas]
+  assert all(memfd_mapped(h.ctypes.data) for h in replicas)
+  replicas[0][:2] = -1.0  # As an in-place write to the first device's buffer: its memory is the replica's.
+  assert np.asarray(devices[0])[:2].max() == -1.0
+  for device in devices[1:]:
+    np.testing.assert_array_equal(np.asarray(device), expected)
+  np.testing.assert_array_equal(fill, expected)
+  del fill, replicas  # The device buffers keep the memory file.
+  np.testing.assert_array_equal(np.asarray(devices[3]), expected)
+
+
+def test_arrays_under_the_huge_size_get_no_copy_on_write_replicas():
+  assert host_allocator.copy_on_write_empty((10,), np.float32, 2) is None

@@ -18,6 +18,7 @@ is (layers, experts, ...) of one tensor per layer and expert.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -230,14 +231,19 @@ def _names(unused: set[str], every: Iterable[str]) -> str:
 def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tensor], shape: tuple[int, ...],
           dtype: np.dtype, sharding: NamedSharding) -> jax.Array:
   """One parameter, each of this process's devices given its slice; devices that hold the same slice
-  (replicas) share its read, and each distinct slice is read in one pass over the tensor's rows."""
+  (replicas) share its read, and each distinct slice is read in one pass over the tensor's rows. On the CPU,
+  replicas are copy-on-write mappings of one copy; the other slices share one allocation, for huge pages."""
+  devices = [(device, tuple(s.indices(n)[:2] for s, n in zip(index, shape)))
+             for device, index in sharding.addressable_devices_indices_map(shape).items()]
+  adopted = all(d.platform == 'cpu' for d, _ in devices)  # Others copy the host array: replicas may share it.
   slices: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-  devices = []
-  for device, index in sharding.addressable_devices_indices_map(shape).items():
-    bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-    if bounds not in slices:
-      slices[bounds] = host_allocator.adoptable_empty(tuple(b - a for a, b in bounds), dtype)
-    devices.append((device, bounds))
+  replicas: dict[tuple[tuple[int, int], ...], list[np.ndarray]] = {}
+  for bounds, count in collections.Counter(bounds for _, bounds in devices).items():
+    shared = adopted and count > 1 and host_allocator.copy_on_write_empty(_shape(bounds), dtype, count)
+    if shared:
+      slices[bounds], replicas[bounds] = shared
+  rest = [bounds for bounds in dict.fromkeys(bounds for _, bounds in devices) if bounds not in slices]
+  slices |= zip(rest, host_allocator.adoptable_arrays([_shape(bounds) for bounds in rest], dtype))
   targets = [(tuple(slice(a, b) for a, b in bounds), out) for bounds, out in slices.items()]
   n = len(source.lead)
   # The tensor at leading index `at` (a layer's, an expert's) fills `at - start` of each slice holding it.
@@ -246,12 +252,19 @@ def _load(conversion: Any, source: _Source, files: list[safetensors_reader.Tenso
             for index, out in targets if all(s.start <= i < s.stop for i, s in zip(at, index))]
     if part:
       conversion.read(source.kind, file, part, shape[n:])
-  arrays, taken = [], set()
-  for device, bounds in devices:  # A replica gets a copy of its own (a device buffer is never shared).
-    host = slices[bounds] if bounds not in taken else _copy(slices[bounds])
+  hosts, taken = [], set()
+  for _, bounds in devices:  # On the CPU a device buffer is never shared: its replica's own pages.
+    if bounds in replicas:
+      hosts.append(replicas[bounds].pop())
+    else:
+      hosts.append(_copy(slices[bounds]) if adopted and bounds in taken else slices[bounds])
     taken.add(bounds)
-    arrays.append(jax.device_put(host, device))
+  arrays = jax.device_put(hosts, [device for device, _ in devices])
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _shape(bounds: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+  return tuple(b - a for a, b in bounds)
 
 
 def _copy(x: np.ndarray) -> np.ndarray:

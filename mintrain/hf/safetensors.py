@@ -25,8 +25,10 @@ MAX_HEADER = 100 << 20  # As safetensors: a larger header is a damaged (or forei
 class Tensor:
   """One tensor of an open `File`: `shape`, `dtype`, and `tensor[slices]` read from the file."""
 
-  def __init__(self, fd: int, offset: int, shape: tuple[int, ...], dtype: np.dtype):
+  def __init__(self, fd: int, offset: int, shape: tuple[int, ...], dtype: np.dtype,
+               spare: list[np.ndarray] | None = None):
     self.fd, self.offset, self.shape, self.dtype = fd, offset, shape, dtype
+    self.spare = [] if spare is None else spare  # The block buffer a file's tensors pass on, faulted in once.
 
   def __getitem__(self, index: slice | tuple[slice, ...]) -> np.ndarray:
     """The slice `index` (unit-step slices, one per leading dimension) as a new array."""
@@ -45,18 +47,23 @@ class Tensor:
              rows_multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:
     """(offset, rows) covering the slice `index` in order: `rows` are its rows offset, offset+1, ..., a
     multiple of `rows_multiple` of them but the last, read into one buffer (of at most `BLOCK_BYTES`, or
-    `rows_multiple` rows) that the next block overwrites."""
+    `rows_multiple` rows) that the next block overwrites, and the next tensor's reads after it."""
     bounds = self._bounds(index if isinstance(index, tuple) else (index,))
     (first, last), inner = bounds[0], bounds[1:]
     row_shape = self.shape[1:]
     row_bytes = math.prod(row_shape) * self.dtype.itemsize
     per_block = max(1, BLOCK_BYTES // (row_bytes * rows_multiple)) * rows_multiple
-    buffer = np.empty((min(per_block, last - first), *row_shape), self.dtype)
+    size = min(per_block, last - first) * row_bytes
+    buffer = self.spare.pop() if self.spare and self.spare[-1].nbytes >= size else np.empty(size, np.uint8)
     inner_slices = (slice(None), *(slice(a, b) for a, b in inner))
-    for start in range(first, last, per_block):
-      rows = buffer[:min(per_block, last - start)]
-      self._read(rows.reshape(-1).view(np.uint8), self.offset + start * row_bytes)
-      yield start - first, rows[inner_slices]
+    try:
+      for start in range(first, last, per_block):
+        count = min(per_block, last - start)
+        rows = buffer[:count * row_bytes].view(self.dtype).reshape(count, *row_shape)
+        self._read(rows.reshape(-1).view(np.uint8), self.offset + start * row_bytes)
+        yield start - first, rows[inner_slices]
+    finally:
+      self.spare[:] = [buffer]
 
   def _bounds(self, index: tuple[slice, ...]) -> list[tuple[int, int]]:
     unit_steps = all(isinstance(s, slice) and s.step in (None, 1) for s in index)
@@ -108,7 +115,7 @@ class File:
     entries = sorted(((self._entry(name, info), name) for name, info in header.items()),
                      key=lambda e: e[0][2])
     data, expected = 8 + length, 0
-    tensors = {}
+    tensors, spare = {}, []
     for (dtype, shape, (begin, end)), name in entries:
       if begin != expected or end < begin:
         raise SafetensorsError(f'{self.path}: tensor {name!r} spans bytes {begin}..{end} of the data, but '
@@ -117,7 +124,7 @@ class File:
       if end - begin != math.prod(shape) * dtype.itemsize:
         raise SafetensorsError(f'{self.path}: tensor {name!r} of shape {shape} ({dtype.name}) does not fit '
                                f'its {end - begin} bytes at {begin}; the file is damaged.')
-      tensors[name], expected = Tensor(self.fd, data + begin, shape, dtype), end
+      tensors[name], expected = Tensor(self.fd, data + begin, shape, dtype, spare), end
     if data + expected != size:
       raise SafetensorsError(f'{self.path}: its tensors cover {expected} bytes of data but the file holds '
                              f'{size - data} (the file is damaged or cut short).')

@@ -9,8 +9,9 @@ CPU backend only (`keep_freed_memory_if_cpu`), decided before JAX starts from wh
 first platform of `jax_platforms` when it is set; else whether no accelerator is installed (no PJRT plugin,
 no `libtpu`, no library named by TPU_LIBRARY_PATH or PJRT_NAMES_AND_LIBRARY_PATHS).
 
-Host arrays that become device buffers (a loaded checkpoint's slices) come from `adoptable_empty`, and
-are filled with transposed host arrays by `copy_transposed`.
+Host arrays that become device buffers (a loaded checkpoint's slices) come from `adoptable_empty` (several
+at once from `adoptable_arrays`) or, for replicas of one slice, from `copy_on_write_empty`; they are filled
+with transposed host arrays by `copy_transposed`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ _SETTINGS = ((-8, 'arena_max', 1),  # M_ARENA_MAX
 _applied: bool | None = None
 ADOPT_ALIGNMENT = 64  # JAX's CPU backend takes a host array this aligned as a device buffer without a copy.
 HUGE_ARRAY_BYTES = 2 << 20  # From this size up, an array gets its own mapping backed by huge pages.
-TILE = 128  # Rows and columns of the square tiles `copy_transposed` moves at a time.
+# The tiles `copy_transposed` moves at a time: few source rows, so the cache lines a tile reads (one per
+# row) stay in L1 while the destination rows they feed are written.
+TILE_ROWS, TILE_COLUMNS = 16, 256
 
 
 def keep_freed_memory() -> bool:
@@ -118,10 +121,45 @@ def adoptable_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   return raw[start:start + size].view(dtype).reshape(shape)
 
 
+def adoptable_arrays(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> list[np.ndarray]:
+  """Uninitialised arrays of `shapes`, each adoptable, carved from one `adoptable_empty`: slices too small
+  for huge pages on their own get them together. The memory is freed with the last of them."""
+  itemsize = np.dtype(dtype).itemsize
+  sizes = [math.prod(shape) * itemsize for shape in shapes]
+  starts = [0]
+  for size in sizes:
+    starts.append(starts[-1] + -(-size // ADOPT_ALIGNMENT) * ADOPT_ALIGNMENT)
+  memory = adoptable_empty((starts[-1],), np.uint8)
+  return [memory[start:start + size].view(dtype).reshape(shape)
+          for start, size, shape in zip(starts, sizes, shapes)]
+
+
+def copy_on_write_empty(shape: tuple[int, ...], dtype: np.dtype,
+                       count: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+  """(an uninitialised array to fill, `count` adoptable arrays that show what it holds): private mappings of
+  one memory file, so replicas share one copy of their pages until each is written, and a donated buffer
+  written in place changes only its own replica. None below `HUGE_ARRAY_BYTES` or without `memfd_create`."""
+  size = math.prod(shape) * np.dtype(dtype).itemsize
+  if size < HUGE_ARRAY_BYTES or not hasattr(os, 'memfd_create'):
+    return None
+  try:
+    fd = os.memfd_create('mintrain-replicas', os.MFD_CLOEXEC)
+  except OSError:
+    return None
+  try:  # Linux maps a private page to the file's until it is written: later fills show through.
+    os.ftruncate(fd, size)
+    shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    replicas = [mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE) for _ in range(count)]
+  finally:
+    os.close(fd)  # The mappings keep the file; it is freed with the last of them.
+  return (np.frombuffer(shared, np.dtype(dtype)).reshape(shape),
+          [np.frombuffer(m, np.dtype(dtype)).reshape(shape) for m in replicas])
+
+
 def copy_transposed(out_BA: np.ndarray, x_AB: np.ndarray) -> None:
-  """`out_BA[...] = x_AB.T` in square tiles that stay in the cache: numpy's own copy strides across the
-  whole of one of the two arrays."""
+  """`out_BA[...] = x_AB.T` in tiles that stay in the cache: numpy's own copy strides across the whole of
+  one of the two arrays."""
   a, b = x_AB.shape
-  for i in range(0, a, TILE):
-    for j in range(0, b, TILE):
-      out_BA[j:j + TILE, i:i + TILE] = x_AB[i:i + TILE, j:j + TILE].T
+  for i in range(0, a, TILE_ROWS):
+    for j in range(0, b, TILE_COLUMNS):
+      out_BA[j:j + TILE_COLUMNS, i:i + TILE_ROWS] = x_AB[i:i + TILE_ROWS, j:j + TILE_COLUMNS].T
