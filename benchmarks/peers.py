@@ -51,9 +51,11 @@ import ctypes
 import ctypes.util
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -151,7 +153,8 @@ def describe_allocator(probe: dict) -> str:
   return f"{arenas}, big blocks from the heap, {'trims' if probe['trim'] else 'no trim'}"
 
 
-def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool, allocator: str) -> None:
+def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool, allocator: str,
+                     hlo: pathlib.Path | None) -> None:
   """One fresh mintrain process (run by `measure`): prints the first-step line, then a RESULT."""
   import harness
   import jax
@@ -167,6 +170,8 @@ def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool, a
   built = harness.build(harness.load(path, overrides), devices)
   batches = harness.device_batches(built, 2)
   compiled = harness.compile_step(built, batches[0])
+  if hlo is not None:
+    hlo.write_text(compiled.compiled.as_text())
   with jax.set_mesh(built.mesh):
     compiled.state, metrics = jax.block_until_ready(compiled.compiled(compiled.state, batches[0]))
   print(FIRST_STEP, flush=True)
@@ -202,6 +207,7 @@ class Launch:
   env: dict[str, str]
   logs: pathlib.Path | None
   max_rss_gib: float
+  hlo: pathlib.Path | None = None  # Where each process writes its compiled train step (`--hlo`).
 
   def measure(self, command: list[str], first_step: re.Pattern, name: str, env: dict[str, str] | None = None
               ) -> tuple[dict, list[str]]:
@@ -251,15 +257,24 @@ def watch_memory(proc: subprocess.Popen, peak: list[float], limit_gib: float) ->
 
 def run_mintrain(launch: Launch, name: str, python: str, configuration: str, warmup: int, steps: int,
                  smoke: bool, allocator: str) -> dict:
+  hlo = [f'--hlo-file={launch.hlo / name}.hlo'] if launch.hlo else []
   command = [python, __file__, '--process', 'mintrain', '--configs', configuration, '--allocator',
-             allocator, '--warmup', str(warmup), '--steps', str(steps), *(['--smoke'] if smoke else [])]
+             allocator, '--warmup', str(warmup), '--steps', str(steps), *(['--smoke'] if smoke else []), *hlo]
   result, _ = launch.measure(command, re.compile(re.escape(FIRST_STEP)), name, mintrain_env(launch.env))
   return result
 
 
 def run_maxtext(launch: Launch, name: str, python: str, arguments: list[str], warmup: int) -> dict:
+  env, dump = dict(launch.env), None
+  if launch.hlo:  # XLA writes every module it compiles; the train step's optimised one is kept.
+    dump = pathlib.Path(tempfile.mkdtemp(prefix='maxtext_hlo_'))
+    env['XLA_FLAGS'] = f'--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step'
   result, lines = launch.measure([python, __file__, '--process', 'maxtext', '--', *arguments],
-                                 re.compile(r'completed step: 0,'), name)
+                                 re.compile(r'completed step: 0,'), name, env)
+  if dump is not None:
+    for found in dump.glob('*jit_train_step*after_optimizations.txt'):
+      (launch.hlo / f'{name}.hlo').write_text(found.read_text())
+    shutil.rmtree(dump)
   steps = [m.groups() for m in map(MAXTEXT_STEP.search, lines) if m]
   params = [m.group(1) for m in map(MAXTEXT_PARAMS.search, lines) if m]
   result.update(steps_done=len(steps), params_billion=params[0] if params else '?')
@@ -318,13 +333,17 @@ def main() -> int:
                       help='kill a process whose resident memory passes this (default 8)')
   parser.add_argument('--logs', type=pathlib.Path, default=None, metavar='DIR',
                       help="keep each process's output in DIR/<round>_<configuration>_<framework>.log")
+  parser.add_argument('--hlo', type=pathlib.Path, default=None, metavar='DIR',
+                      help="write each process's compiled train step (XLA's optimised HLO) to "
+                           'DIR/<round>_<configuration>_<framework>.hlo, and compare their ops')
   parser.add_argument('--process', choices=FRAMEWORKS, help=argparse.SUPPRESS)
+  parser.add_argument('--hlo-file', type=pathlib.Path, default=None, help=argparse.SUPPRESS)
   parser.add_argument('maxtext_arguments', nargs='*', help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.process == 'maxtext':
     return maxtext_process(args.maxtext_arguments)
   if args.process == 'mintrain':
-    mintrain_process(args.configs[0], args.warmup, args.steps, args.smoke, args.allocator)
+    mintrain_process(args.configs[0], args.warmup, args.steps, args.smoke, args.allocator, args.hlo_file)
     return 0
 
   frameworks = [args.only] if args.only else list(FRAMEWORKS)
@@ -339,9 +358,9 @@ def main() -> int:
 
   path, base = harness.bench_tiny()
   config = harness.load(path, (*base, *(harness.SMOKE if args.smoke else ())))
-  if args.logs:
-    args.logs.mkdir(parents=True, exist_ok=True)
-  launch = Launch(child_env(args.allocator), args.logs, args.max_rss_gib)
+  for directory in filter(None, (args.logs, args.hlo)):
+    directory.mkdir(parents=True, exist_ok=True)
+  launch = Launch(child_env(args.allocator), args.logs, args.max_rss_gib, args.hlo)
   load_average = os.getloadavg()
   results = {}  # (configuration, framework) -> one result per round
   with tempfile.TemporaryDirectory(prefix='peers_') as output_dir:
@@ -365,6 +384,8 @@ def main() -> int:
         f'before: {", ".join(f"{x:.1f}" for x in load_average[:3])}; after: '
         f'{", ".join(f"{x:.1f}" for x in load_average[3:])}.\n')
   print_report(results, frameworks, args.configs)
+  if args.hlo:
+    print_programs(sorted(args.hlo.glob('*.hlo')))
   return 0
 
 
@@ -414,6 +435,42 @@ def print_report(results: dict, frameworks: list[str], configurations: list[str]
   print('\nratios: median over rounds (where both ran) of mintrain / MaxText within the round\n')
   print(harness.table(['configuration', 'mintrain_s_per_step', 'maxtext_s_per_step', 'step_ratio',
                        'mintrain_to_first_step_s', 'maxtext_to_first_step_s', 'first_step_ratio'], rows))
+
+
+# Ops of a compiled program worth counting side by side, and the collectives whose bytes are summed.
+PROGRAM_OPS = ('fusion', 'dot', 'copy', 'transpose', 'while', 'all-reduce', 'all-gather', 'reduce-scatter',
+               'all-to-all', 'collective-permute')
+COLLECTIVES = PROGRAM_OPS[5:]
+ITEM_BYTES = {'f64': 8, 's64': 8, 'u64': 8, 'f32': 4, 's32': 4, 'u32': 4, 'bf16': 2, 'f16': 2, 's16': 2,
+              'u16': 2, 's8': 1, 'u8': 1, 'pred': 1}
+INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%\S+ = (.*?) ([a-z][a-z\-]*)\(')
+ARRAY = re.compile(r'\b(' + '|'.join(ITEM_BYTES) + r')\[([0-9,]*)\]')
+
+
+def program_ops(hlo: str) -> dict[str, float]:
+  """How many of each of PROGRAM_OPS an optimised HLO module holds (in every computation, fused ones
+  included), and the MiB its collectives move (their result shapes)."""
+  counts = dict.fromkeys(PROGRAM_OPS, 0)
+  moved = 0
+  for line in hlo.splitlines():
+    match = INSTRUCTION.match(line)
+    if not match or match.group(2) not in counts:
+      continue
+    shape, op = match.groups()
+    counts[op] += 1
+    if op in COLLECTIVES:
+      moved += sum(ITEM_BYTES[t] * math.prod(int(d) for d in dims.split(',') if d)
+                   for t, dims in ARRAY.findall(shape))
+  return {**counts, 'collective_MiB': moved / 2**20}
+
+
+def print_programs(paths: list[pathlib.Path]) -> None:
+  import harness
+
+  rows = [[path.stem, *(f'{v:.1f}' if isinstance(v, float) else str(v)
+                        for v in program_ops(path.read_text()).values())] for path in paths]
+  print("\ncompiled train steps (XLA's optimised HLO, every computation):\n")
+  print(harness.table(['process', *PROGRAM_OPS, 'collective_MiB'], rows))
 
 
 if __name__ == '__main__':

@@ -19,18 +19,18 @@ RECORDED_RATIO = re.compile(r'Recorded bench_tiny ratio to the matmul rate[^*]*\
 TOLERANCE = 0.9  # A drop of more than 10% below the recorded ratio fails.
 
 
-def table(stdout: str) -> list[dict[str, str]]:
-  """The rows of the first Markdown table in `stdout`, as {column: cell}."""
-  rows, started = [], False
-  for line in stdout.splitlines():
+def tables(stdout: str) -> list[list[dict[str, str]]]:
+  """The Markdown tables in `stdout`, each as rows of {column: cell}."""
+  found, rows = [], []
+  for line in [*stdout.splitlines(), '']:
     if line.startswith('|'):
-      started = True
       if '---' not in line:
         rows.append([c.strip() for c in line.strip('|').split('|')])
-    elif started:
-      break
-  header, *body = rows
-  return [dict(zip(header, row)) for row in body]
+    elif rows:
+      header, *body = rows
+      found.append([dict(zip(header, row)) for row in body])
+      rows = []
+  return found
 
 
 def recorded_ratio() -> float:
@@ -46,7 +46,7 @@ def matmul_rate_ratio() -> float:
   proc = subprocess.run([sys.executable, 'benchmarks/step.py', '--only', 'baseline', '--steps', '3'],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  [row] = table(proc.stdout)
+  [[row]] = tables(proc.stdout)
   return float(row['ratio'].rstrip('%')) / 100
 
 
@@ -63,10 +63,15 @@ def test_bench_tiny_keeps_at_least_nine_tenths_of_its_recorded_share_of_the_matm
       f'bench_tiny reaches {ratio:.1%} of the matmul rate; BENCHMARKS.md records {recorded_ratio():.1%}')
 
 
-def test_peers_mintrain_half_runs_bench_tiny_steps_in_a_fresh_process_with_mintrains_allocator_setting():
-  proc = run_script('benchmarks/peers.py', '--only', 'mintrain', '--smoke', '--configs', 'float32')
+def test_peers_mintrain_half_runs_bench_tiny_steps_in_a_fresh_process_with_mintrains_allocator_setting(
+    tmp_path):
+  proc = run_script('benchmarks/peers.py', '--only', 'mintrain', '--smoke', '--configs', 'float32',
+                    '--hlo', str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  [row] = table(proc.stdout)
+  [[row], [program]] = tables(proc.stdout)
+  # Its compiled step, written and counted: the smoke model's matmuls and its gradients' all-reduce.
+  assert program['process'] == '1_float32_mintrain' and (tmp_path / '1_float32_mintrain.hlo').is_file()
+  assert int(program['dot']) > 0 and int(program['all-reduce']) > 0 and float(program['collective_MiB']) > 0
   assert (row['configuration'], row['framework']) == ('float32', 'mintrain')
   assert float(row['s_per_step']) > 0 and float(row['to_first_step_s']) > float(row['s_per_step'])
   # Probed after the steps: what the steps ran under.
