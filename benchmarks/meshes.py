@@ -25,6 +25,7 @@ import sys
 import harness
 
 from mintrain import configs
+from mintrain import mesh as mesh_lib
 from mintrain.configs import test_small
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def main() -> int:
     analysis = harness.memory_analysis(compiled)
     times, _ = harness.time_steps(compiled, built, batches, warmup=1, steps=steps)
     held[name] = params_b + opt_b
-    rows.append([name, 'x'.join(map(str, built.mesh.shape.values())), f'{compiled.total_s:.1f}',
+    rows.append([name, mesh_lib.describe(built.mesh.shape), f'{compiled.total_s:.1f}',
                  f'{statistics.median(times) * 1e3:.1f}', harness.mib(params_b), harness.mib(opt_b),
                  harness.mib(plan.activations), *(harness.mib(analysis[k]) for k in analysis)])
     print(f'measured {name}', flush=True)
@@ -75,7 +76,7 @@ def main() -> int:
   print(f'median of {steps} steps after 1 warm-up; memory per device in MiB: params/opt_state from the '
         'arrays the first device holds, act_plan from mintrain.report.plan, xla_* from '
         'compiled.memory_analysis()\n')
-  print(harness.table(['mesh', 'data x fsdp x model', 'compile_s', 'step_ms', 'params_MiB', 'opt_state_MiB',
+  print(harness.table(['mesh', 'axes', 'compile_s', 'step_ms', 'params_MiB', 'opt_state_MiB',
                        'act_plan_MiB', 'xla_argument_MiB', 'xla_output_MiB', 'xla_alias_MiB',
                        'xla_temp_MiB'], rows))
   print()
