@@ -28,10 +28,12 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
   return tuple(mesh_axes)
 
 
-def without_axes(entry: MeshAxes, axes: Iterable[str]) -> MeshAxes:
-  """One PartitionSpec entry less the mesh axes `axes`."""
-  kept = tuple(a for a in _as_tuple(entry) if a not in axes)
-  return None if not kept else kept[0] if len(kept) == 1 else kept
+def without_axes(spec: P, axes: Iterable[str]) -> P:
+  """`spec` less the mesh axes `axes` (a dimension they alone split becomes whole)."""
+  def entry_without(entry: MeshAxes) -> MeshAxes:
+    kept = tuple(a for a in _as_tuple(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  return P(*(entry_without(entry) for entry in spec))
 
 
 def _is_mesh_axes(mesh_axes: Any) -> bool:
@@ -136,7 +138,7 @@ class AxisRules:
     if mesh.empty:
       return spec
     if mesh.manual_axes:
-      spec = P(*(without_axes(entry, mesh.manual_axes) for entry in spec))
+      spec = without_axes(spec, mesh.manual_axes)
     if shape is None:
       return spec
 

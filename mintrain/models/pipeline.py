@@ -118,18 +118,13 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
                                                [_by_hand(a, by_hand) for a in args_M]),
                          out_specs=rows_spec, axis_names=set(by_hand))
   # The weights whole over the rows' axes (FSDP's gather) before the shard_map, where its transpose sums them.
-  params_N = [jax.sharding.reshard(p, _without(jax.typeof(p).sharding.spec, rows_axes)) for p in params_N]
+  params_N = [jax.sharding.reshard(p, without_axes(jax.typeof(p).sharding.spec, rows_axes)) for p in params_N]
   return _whole(staged(params_N, x_MbLD, key, args_M), rows)
 
 
 def _axes(spec: P, dim: int) -> tuple[str, ...]:
   """The mesh axes that split dimension `dim` of an array laid out as `spec`."""
   return spec_axes(tuple(spec)[dim]) if dim < len(spec) else ()
-
-
-def _without(spec: P, axes: Sequence[str]) -> P:
-  """`spec` less the mesh axes `axes`."""
-  return P(*(without_axes(entry, axes) for entry in spec))
 
 
 def _by_hand(a: jax.Array | None, axes: Sequence[str]) -> P:
