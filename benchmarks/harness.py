@@ -80,16 +80,40 @@ def timing(args: argparse.Namespace) -> Timing:
   return Timing(path, base, args.steps, args.warmup, args.calibration_size, 1.0)
 
 
-def calibrator(dtype: str, size: int, seconds: float, device: jax.Device
-               ) -> tuple[list[float], Callable[[], None]]:
-  """A list, and a function that appends one matmul calibration (TFLOP/s) in the model's dtype to it."""
+@dataclasses.dataclass(frozen=True)
+class AgainstMatmul:
+  """A config's step timed with a matmul calibration after each step (`against_matmul`)."""
+  built: Run
+  compile_s: float
+  times: list[float]
+  losses: list[float]
+  calibrations: list[float]  # TFLOP/s of a square matmul in the model's dtype, one after each timed step.
+  tflop: float  # Model TFLOP per step per device; on the CPU per host (its simulated devices share it).
+
+  @property
+  def ratio(self) -> float:
+    """Median over steps of the step's model FLOP/s over the calibration after it."""
+    return statistics.median(self.tflop / t / c for t, c in zip(self.times, self.calibrations))
+
+
+def against_matmul(t: Timing, config: Config, devices: Sequence[jax.Device]) -> AgainstMatmul:
+  """Builds and compiles `config`'s step and times it as `t` says, each timed step followed by a matmul
+  calibration: other load on a shared machine slows both alike."""
+  from mintrain import report
   from mintrain.runtime import hardware
 
-  results = []
+  built = build(config, devices)
+  batches = device_batches(built, 2)
+  compiled = compile_step(built, batches[0])
+  calibrations = []
 
   def calibrate() -> None:
-    results.append(hardware.measure_matmul_tflops(dtype, size=size, seconds=seconds, device=device))
-  return results, calibrate
+    calibrations.append(hardware.measure_matmul_tflops(config.model.compute_dtype, size=t.calibration_size,
+                                                       seconds=t.calibration_s, device=devices[0]))
+  times, losses = time_steps(compiled, built, batches, warmup=t.warmup, steps=t.steps, after_step=calibrate)
+  per = 1 if devices[0].platform == 'cpu' else built.mesh.size
+  return AgainstMatmul(built, compiled.total_s, times, losses, calibrations,
+                       report.train_flops_per_step(config) / per / 1e12)
 
 
 def start_devices() -> list[jax.Device]:

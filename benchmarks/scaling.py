@@ -28,18 +28,9 @@ from mintrain import report
 def measure(t: harness.Timing, overrides: tuple[str, ...], devices) -> dict:
   """One point: median step seconds, model FLOPs per step, and the median ratio to the matmul rate."""
   config = harness.load(t.path, (*t.base, *overrides))
-  built = harness.build(config, devices)
-  batches = harness.device_batches(built, 2)
-  compiled = harness.compile_step(built, batches[0])
-  calibrations, calibrate = harness.calibrator(config.model.compute_dtype, t.calibration_size,
-                                               t.calibration_s, devices[0])
-  times, _ = harness.time_steps(compiled, built, batches, warmup=t.warmup, steps=t.steps,
-                                after_step=calibrate)
-  flops = report.train_flops_per_step(config)
-  per = 1 if devices[0].platform == 'cpu' else built.mesh.size  # Simulated CPU devices share the host.
-  ratio = statistics.median(flops / per / 1e12 / t / c for t, c in zip(times, calibrations))
-  return {'step_s': statistics.median(times), 'spread': harness.spread(times), 'flops': flops,
-          'ratio': ratio, 'compile_s': compiled.total_s}
+  m = harness.against_matmul(t, config, devices)
+  return {'step_s': statistics.median(m.times), 'spread': harness.spread(m.times),
+          'flops': report.train_flops_per_step(config), 'ratio': m.ratio, 'compile_s': m.compile_s}
 
 
 def series_rows(name: str, key: str, values: list[int], points: list[dict]) -> list[list[str]]:

@@ -53,33 +53,22 @@ def main() -> int:
 
   devices = harness.start_devices()
   t = harness.timing(args)
-  path, base, steps, warmup = t.path, t.base, t.steps, t.warmup
-  size, seconds = t.calibration_size, t.calibration_s
 
   shares_host = devices[0].platform == 'cpu'
   rows, first = [], None
   for name in args.only or (('baseline',) if args.smoke else VARIANTS):
-    overrides = base + VARIANTS[name]
-    missing = harness.missing_keys(path, overrides)
+    overrides = t.base + VARIANTS[name]
+    missing = harness.missing_keys(t.path, overrides)
     if missing:
       print(f'skipping {name}: the config has no {", ".join(missing)} yet', flush=True)
       continue
-    config = harness.load(path, overrides)
-    built = harness.build(config, devices)
-    batches = harness.device_batches(built, 2)
-    compiled = harness.compile_step(built, batches[0])
-    # A calibration right after each timed step: other load on a shared machine slows both alike.
-    calibrations, calibrate = harness.calibrator(config.model.compute_dtype, size, seconds, devices[0])
-    times, losses = harness.time_steps(compiled, built, batches, warmup=warmup, steps=steps,
-                                       after_step=calibrate)
-    step_s = statistics.median(times)
-    per = 1 if shares_host else built.mesh.size  # Simulated CPU devices share one host's matmul rate.
-    tflop = report.train_flops_per_step(config) / per / 1e12  # Per device, or per host on CPU.
-    ratio = statistics.median([tflop / t / c for t, c in zip(times, calibrations)])
-    first = first or (config, built)
-    rows.append([name, f'{compiled.total_s:.1f}', f'{step_s * 1e3:.1f}', harness.spread(times),
-                 f'{report.tokens_per_step(config) / step_s:,.0f}', f'{tflop / step_s:.4f}',
-                 f'{statistics.median(calibrations):.4f}', f'{ratio:.1%}', f'{losses[0]:.4f}'])
+    config = harness.load(t.path, overrides)
+    m = harness.against_matmul(t, config, devices)
+    step_s = statistics.median(m.times)
+    first = first or (config, m.built)
+    rows.append([name, f'{m.compile_s:.1f}', f'{step_s * 1e3:.1f}', harness.spread(m.times),
+                 f'{report.tokens_per_step(config) / step_s:,.0f}', f'{m.tflop / step_s:.4f}',
+                 f'{statistics.median(m.calibrations):.4f}', f'{m.ratio:.1%}', f'{m.losses[0]:.4f}'])
     print(f'measured {name}', flush=True)
   if first is None:
     print('no variant could run')
@@ -87,13 +76,14 @@ def main() -> int:
 
   config, built = first
   where = 'all devices together' if shares_host else 'per device'
-  print(f'\nconfig {harness.describe_config(path, base)}')
+  print(f'\nconfig {harness.describe_config(t.path, t.base)}')
   print(f'mesh {harness.describe_mesh(built.mesh)}, {harness.param_count(built):,} parameters, '
         f'{report.train_flops_per_step(config) / 1e9:.1f} GFLOP and {report.tokens_per_step(config):,} '
         f'tokens per step, compute {config.model.compute_dtype}')
-  print(f'median of {steps} steps after {warmup} warm-up; model TFLOP/s {where}; matmul_TFLOP_s: a '
+  size = t.calibration_size
+  print(f'median of {t.steps} steps after {t.warmup} warm-up; model TFLOP/s {where}; matmul_TFLOP_s: a '
         f'{config.model.compute_dtype} {size}x{size} matmul on one device, timed for '
-        f'{seconds} s after each step; ratio = median over steps of model / matmul rate\n')
+        f'{t.calibration_s} s after each step; ratio = median over steps of model / matmul rate\n')
   print(harness.table(['variant', 'compile_s', 'step_ms', 'spread', 'tokens_per_s', 'model_TFLOP_s',
                        'matmul_TFLOP_s', 'ratio', 'loss_at_init'], rows))
   return 0
