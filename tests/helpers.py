@@ -132,6 +132,12 @@ def convert_layers(flat: dict, to_scanned: bool) -> dict:
   return out
 
 
+def flat(tree) -> dict:
+  """A tree's leaves by path (`blocks.0.attn.wq_DHK`, as Orbax names saved arrays)."""
+  from mintrain.train_state import path_str
+  return {path_str(path): x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def fill(target, flat: dict):
   """The tree of `target` (abstract arrays), each leaf taken from `flat` by path, in the target's sharding."""
   from mintrain.train_state import path_str

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import build as build_run
-from helpers import convert_layers, fill, load_config, mesh_devices, quiet
+from helpers import convert_layers, fill, flat, load_config, mesh_devices, quiet
 
 from mintrain import errors, report, train_state
 from mintrain import loop as train_loop
@@ -49,10 +49,6 @@ def build(config):
   """(mesh, rules, run) of `config` on as many simulated devices as its mesh takes."""
   run = build_run(config)
   return run.mesh, run.rules, run
-
-
-def flat(tree) -> dict:
-  return {train_state.path_str(path): x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def host(tree) -> dict:

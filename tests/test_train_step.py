@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import MESH_CONFIGS, build, convert_layers, load_config, mesh_devices, quiet, spec_entries
+from helpers import MESH_CONFIGS, build, convert_layers, flat, load_config, mesh_devices, quiet, spec_entries
 
 from mintrain import loop as train_loop
 from mintrain import train_state
@@ -20,12 +20,6 @@ from mintrain.objectives.lm import loss as loss_fn
 from mintrain.optimizer import schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_step import make_train_step
-
-
-def flat(tree) -> dict:
-  return {train_state.path_str(path): np.asarray(x)
-          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
 
 INVARIANCE = ('train.steps=5', 'train.log_every=5', 'train.global_batch_size=8')
 
