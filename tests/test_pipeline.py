@@ -161,3 +161,34 @@ def test_the_memory_plan_counts_what_xla_keeps_for_the_pipelined_step(mesh, micr
     batch = next(run.batches(tokenizer.load(config.data.tokenizer)))
     temp = run.train_step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
   assert 1 / 1.5 <= run.plan.activations / temp <= 1.5, (run.plan.activations, temp)
+
+
+def _scans(jaxpr: jax.extend.core.Jaxpr) -> list:
+  """Every scan in a jaxpr, nested ones included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    found += [eqn] if eqn.primitive.name == 'scan' else []
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _scans(sub)
+  return found
+
+
+@pytest.mark.parametrize('mesh, repeats', [('stage2_data2_model2', 1), ('stage2_data2_model2_repeats2', 2)])
+def test_a_gpipe_step_keeps_no_copy_of_its_stages_weights_per_schedule_step(mesh, repeats):
+  # Autodiff stacks, for each step of the schedule, what the backward pass needs of the block that step ran:
+  # its activations, all with a dimension of the tokens (24 here, no weight's). A GPipe stage's block is
+  # the same at every step, so its weights (and the q/k/v and gate/up stacks formed from them) are kept
+  # once; the circular schedule's differ by round, and are kept per step.
+  config = load_config('dp4_tp2', *PIPELINED, 'data.source=synthetic', 'train.seq_len=24', *MESHES[mesh],
+                       'pipeline.microbatches=2')
+  run = build(config)
+  with jax.set_mesh(run.mesh):
+    batch = jax.tree.map(lambda x: x[0], next(run.batches(tokenizer.load(config.data.tokenizer))))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, run.graphdef, batch, None)[0]))(
+        run.abstract_state.params)
+  iterations = run.placement.pipeline.iterations
+  schedules = [eqn for eqn in _scans(jaxpr.jaxpr) if eqn.params['length'] == iterations]
+  kept = [v.aval.shape for eqn in schedules for v in eqn.outvars[eqn.params['num_carry']:]]
+  assert kept and all(shape[0] == iterations for shape in kept)
+  weights = [shape for shape in kept if len(shape) > 2 and 24 not in shape]
+  assert bool(weights) == (repeats > 1), weights

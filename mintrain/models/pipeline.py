@@ -99,7 +99,9 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
       in_BLD = jnp.where(s == 0, fresh_BLD, received_BLD)
       k = t - s  # This stage's work item: microbatch k mod M on its round k // M; out of range, idle.
       r, mb = jnp.clip(k // m, 0, repeats - 1), jnp.mod(k, m)
-      params = [jax.lax.dynamic_slice_in_dim(p, r * block, block) for p in params_local]
+      # One round: the whole local block, invariant over the schedule, so autodiff keeps no copy per step.
+      params = (params_local if repeats == 1 else
+                [jax.lax.dynamic_slice_in_dim(p, r * block, block) for p in params_local])
       args_b = [a[mb] if sp else a for a, sp in zip(args_M, split)]
       y_BLD = run_block(params, in_BLD, (r * stages + s) * block, key, *args_b)
       y_BLD = jax.sharding.reshard(y_BLD, jax.typeof(in_BLD).sharding.spec)

@@ -85,8 +85,9 @@ class Costs:
     fused loss, one chunk's at a time, and the hidden states' gradient that it keeps instead). Pipelined
     (`schedule`), each step of the schedule runs a stage's block of 1 / (S R) of the layers on a microbatch
     of 1 / M of the rows, and its scan keeps every step's, the idle ones' too, and one step's more while
-    copying it into or out of the stack, and without remat each step's copy of the block's matmul weights
-    (a layer forms its stacked q/k/v and gate/up); the loss still sees all the rows.
+    copying it into or out of the stack, and, circular and without remat, each step's copy of the block's
+    matmul weights (a layer forms its stacked q/k/v and gate/up from its round's weights); the loss still sees
+    all the rows.
     """
     c = np.dtype(self.compute_dtype).itemsize
     pipelined = schedule.stages > 1
@@ -94,7 +95,7 @@ class Costs:
     if pipelined:
       block = self.num_layers // (schedule.stages * schedule.repeats)
       layers = (schedule.iterations + 1) * block * layer + once
-      if self.remat == 'none':  # And every step's copy of the weights as the block's matmuls read them.
+      if self.remat == 'none' and schedule.repeats > 1:  # Every step's weights as its matmuls read them.
         layers += schedule.iterations * block * self._matmul_weight_bytes(ways)
     else:
       layers = self.num_layers * layer + once
