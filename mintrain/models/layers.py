@@ -238,18 +238,21 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
   make_layer, params_N = split_layers(layers)
 
   def run_block(params_N: list[jax.Array], x: jax.Array, first: jax.Array | int, key: jax.Array | None,
-                *args):
+                *args, whole: Callable[[list[jax.Array]], list[jax.Array]] | None = None):
+    # `whole`: a layer's parameters made whole (the pipeline's FSDP gather), inside the remat region.
+    make = make_layer if whole is None else lambda params: make_layer(whole(params))
+
     def body(x: jax.Array, layer: tuple[list[jax.Array], jax.Array]):
       params, i = layer
-      return run(make_layer, params, x, i, key, *args)
+      return run(make, params, x, i, key, *args)
     return jax.lax.scan(body, x, (params_N, first + jnp.arange(params_N[0].shape[0])))
 
   if schedule is None or schedule.stages == 1:
     # A scan reads its layers whole (`stage` is of size 1 here, or they run without the pipeline).
     return run_block([whole_layers(p) for p in params_N], x, 0, key, *args)
 
-  def run_stage_block(*block_args) -> jax.Array:
-    x, stats = run_block(*block_args)
+  def run_stage_block(*block_args, whole: Callable[[list[jax.Array]], list[jax.Array]]) -> jax.Array:
+    x, stats = run_block(*block_args, whole=whole)
     if stats:
       raise ValueError('Pipelined layers return no statistics; the family must refuse mesh.stage > 1.')
     return x

@@ -11,6 +11,7 @@ microbatch goes round the ring of stages R times, which shrinks the bubble R-fol
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mintrain.fields import option
-from mintrain.partitioning import spec_axes, without_axes
+from mintrain.partitioning import spec_axes
 
 STAGE = 'stage'  # The mesh axis of pipeline stages.
 
@@ -53,7 +54,8 @@ class Schedule:
 UNPIPELINED = Schedule()
 
 
-# (params of a block of layers with a leading layer dimension, x, index of its first layer, key, *args) -> x.
+# (params of a block of layers with a leading layer dimension, x, index of its first layer, key, *args,
+# whole=the function that makes one layer's parameters whole) -> x.
 RunBlock = Callable[..., jax.Array]
 
 
@@ -65,6 +67,11 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
   Each row computes what it would without the pipeline: the layers see the same rows, weights and layer
   indices (so the same dropout keys, though a microbatch draws masks of its own shape); only how many rows
   one matmul holds changes.
+
+  Known cost: the residuals autodiff saves of the schedule leave its shard_map whole over `model` (JAX
+  lowers a partially manual shard_map's outputs replicated over the explicit axes its out_specs do not
+  name), so without `model.remat=full` a device keeps its activations whole over tensor parallelism; the
+  memory plan counts them so.
   """
   stages, m, repeats = schedule.stages, schedule.microbatches, schedule.repeats
   rows = x_BLD.shape[0]
@@ -79,6 +86,11 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
   rows_axes = _axes(jax.typeof(x_MbLD).sharding.spec, 1)
   by_hand = (STAGE, *rows_axes)
   rows_spec = P(None, rows_axes or None)
+  # A weight split over the rows' axes (FSDP) enters split, and each layer gathers its own inside the block,
+  # as without the pipeline: gathered before the schedule, a device would hold its stage's every layer whole.
+  params_specs = [_by_hand(p, by_hand) for p in params_N]
+  def whole(params: list[jax.Array]) -> list[jax.Array]:
+    return [_gathered(p, spec) for p, spec in zip(params, params_specs)]
 
   def stage_body(params_local: list[jax.Array], x_MbLD: jax.Array, key: jax.Array | None,
                  args_M: list[jax.Array | None]):
@@ -103,7 +115,7 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
       params = (params_local if repeats == 1 else
                 [jax.lax.dynamic_slice_in_dim(p, r * block, block) for p in params_local])
       args_b = [a[mb] if sp else a for a, sp in zip(args_M, split)]
-      y_BLD = run_block(params, in_BLD, (r * stages + s) * block, key, *args_b)
+      y_BLD = run_block(params, in_BLD, (r * stages + s) * block, key, *args_b, whole=whole)
       y_BLD = jax.sharding.reshard(y_BLD, jax.typeof(in_BLD).sharding.spec)
       last = (s == stages - 1) & (k >= (repeats - 1) * m) & (k < repeats * m)
       out_MbLD = out_MbLD.at[mb].set(jnp.where(last, y_BLD, out_MbLD[mb]))
@@ -116,17 +128,44 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
     (_, _, out_MbLD), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.iterations))
     return jax.lax.psum(out_MbLD, STAGE)  # Only the last stage's are not zeros.
 
-  staged = jax.shard_map(stage_body, in_specs=([P(STAGE)] * len(params_N), rows_spec, P(),
+  staged = jax.shard_map(stage_body, in_specs=(params_specs, rows_spec, P(),
                                                [_by_hand(a, by_hand) for a in args_M]),
                          out_specs=rows_spec, axis_names=set(by_hand))
-  # The weights whole over the rows' axes (FSDP's gather) before the shard_map, where its transpose sums them.
-  params_N = [jax.sharding.reshard(p, without_axes(jax.typeof(p).sharding.spec, rows_axes)) for p in params_N]
   return _whole(staged(params_N, x_MbLD, key, args_M), rows)
 
 
 def _axes(spec: P, dim: int) -> tuple[str, ...]:
   """The mesh axes that split dimension `dim` of an array laid out as `spec`."""
   return spec_axes(tuple(spec)[dim]) if dim < len(spec) else ()
+
+
+def _gathered(p: jax.Array, spec: P) -> jax.Array:
+  """One layer's slice `p` of a stacked parameter laid out as `spec` (by hand), whole over its manual axes
+  but `stage`."""
+  sizes = jax.sharding.get_abstract_mesh().shape
+  for dim in range(1, len(spec)):
+    if axes := tuple(a for a in _axes(spec, dim) if sizes[a] > 1):
+      p = _all_gather(p, axes, dim - 1)
+  return p
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _all_gather(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+  """`all_gather(x, axes, axis=dim, tiled=True)`, whose gradient is summed over `axes` and sliced: its own
+  transpose, `psum_scatter`, does not lower for an operand split over explicit axes (`model`) in JAX 0.10."""
+  return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+
+
+def _all_gather_fwd(x: jax.Array, axes: tuple[str, ...], dim: int) -> tuple[jax.Array, None]:
+  return _all_gather(x, axes, dim), None
+
+
+def _all_gather_bwd(axes: tuple[str, ...], dim: int, _, dy: jax.Array) -> tuple[jax.Array]:
+  size = dy.shape[dim] // jax.lax.axis_size(axes)
+  return (jax.lax.dynamic_slice_in_dim(jax.lax.psum(dy, axes), jax.lax.axis_index(axes) * size, size, dim),)
+
+
+_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 def _by_hand(a: jax.Array | None, axes: Sequence[str]) -> P:

@@ -91,7 +91,11 @@ class Costs:
     """
     c = np.dtype(self.compute_dtype).itemsize
     pipelined = schedule.stages > 1
-    layer, once = self._layer_bytes(rows // schedule.microbatches if pipelined else rows, seq_len, ways)
+    if pipelined and self.remat != 'full':  # Its residuals are whole over `model` (pipeline.run).
+      layer, once = self._layer_bytes(rows // schedule.microbatches, seq_len,
+                                      lambda axis: 1 if axis in ('heads', 'mlp') else ways(axis))
+    else:
+      layer, once = self._layer_bytes(rows // schedule.microbatches if pipelined else rows, seq_len, ways)
     if pipelined:
       block = self.num_layers // (schedule.stages * schedule.repeats)
       layers = (schedule.iterations + 1) * block * layer + once
