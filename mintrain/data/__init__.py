@@ -5,6 +5,7 @@ sources.py    the embedded stdlib corpus, text globs, token files; train/eval sp
 pipeline.py   Grain: packing, shuffle per epoch, per-process shards, prefetch
 segments.py   document boundaries in packed rows: segment ids, positions, target weights
 records.py    JSONL / Parquet / ArrayRecord corpora listed as blocks, read a block at a time; bad records
+splits.py     a source's train or eval blocks, their order per epoch; a changed corpus's eras
 streaming.py  a packed (or padded) stream per batch row over shuffled blocks; mixtures; state of every row
 synthetic.py  deterministic sequences from the seed, for tests and benchmarks
 batches.py    per-process rows -> one global batch sharded on `batch`; iterator state
