@@ -61,3 +61,9 @@ class DistributedError(MintrainError, RuntimeError):
 
 class RewardError(MintrainError, ValueError):
   """A reward function (grpo.reward) failed or returned values that do not fit its completions."""
+
+
+def first_line(e: BaseException) -> str:
+  """The first line of an exception's message (its type's name if it has none): the reason in a one-line
+  error about something a library refused."""
+  return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -192,7 +192,7 @@ def test_no_dependency_names_tensorflow():
 def test_the_runs_console_takes_mintrain_log_records_only_while_the_run_lasts(capsys, caplog):
   lines = []
   with metrics.console_logging(lines.append):
-    logging.getLogger('mintrain.data.streaming').info('data: x ran out')
+    logging.getLogger('mintrain.data.splits').info('data: x ran out')
     logging.getLogger('mintrain.data.records').warning('warning: data.skip_bad_records: skipped y')
   logging.getLogger('mintrain.data.streaming').info('after the run')
   assert lines == ['data: x ran out'] and 'skipped y' in capsys.readouterr().err

@@ -18,7 +18,7 @@ import pytest
 
 from mintrain import config as config_lib
 from mintrain import errors, metrics
-from mintrain.data import pipeline, records, statistics, streaming, tokenizer
+from mintrain.data import pipeline, records, splits, statistics, streaming, tokenizer
 from mintrain.data.config import DataConfig
 from mintrain.errors import DataError
 
@@ -232,7 +232,7 @@ def test_order_is_a_function_of_the_seed_and_eval_is_in_file_order(tmp_path):
   e0, e1 = (take(rows_iter(cfg, seed=s, split='eval', rows=[0], batch=1), 10) for s in (0, 1))
   assert all(np.array_equal(x['inputs'], y['inputs']) for x, y in zip(e0, e1))
   evaluated = docs_of(stream_text(e0))
-  split = streaming.Split(cfg, tokenizer.BYTES, 'eval', seed=0)
+  split = splits.Split(cfg, tokenizer.BYTES, 'eval', seed=0)
   blocks = split.split_blocks
   in_file_order = [d for i in range(len(blocks)) for d in split.reader.read(blocks, i)]
   assert evaluated[:-1] == in_file_order[:len(evaluated) - 1]
@@ -498,7 +498,7 @@ def test_a_state_without_its_corpus_resumes_a_changed_corpus_without_breaking(tm
 def test_a_one_block_corpus_is_split_by_document_and_says_once_that_it_is_small(tmp_path, caplog):
   path = write_jsonl(tmp_path / 'one', documents(40), files=1)
   cfg = data_cfg(source='jsonl', path=path, eval_fraction=0.05)
-  train, held = (streaming.Split(cfg, tokenizer.BYTES, split, seed=0) for split in ('train', 'eval'))
+  train, held = (splits.Split(cfg, tokenizer.BYTES, split, seed=0) for split in ('train', 'eval'))
   assert len(train.split_blocks) == len(held.split_blocks) == 1
   train_docs, eval_docs = (part.read(part.split_blocks, 0) for part in (train, held))
   assert len(train_docs) + len(eval_docs) == 40 and 1 <= len(eval_docs) <= 4
@@ -511,16 +511,16 @@ def test_a_one_block_corpus_is_split_by_document_and_says_once_that_it_is_small(
   assert seen and not seen & set(eval_docs)
   one_doc = write_jsonl(tmp_path / 'single', documents(1), files=1)
   with pytest.raises(DataError, match='holds one document: no eval split can be held out'):
-    streaming.Split(data_cfg(source='jsonl', path=one_doc), tokenizer.BYTES, 'eval', seed=0)
+    splits.Split(data_cfg(source='jsonl', path=one_doc), tokenizer.BYTES, 'eval', seed=0)
 
 
 def test_a_streamed_eval_path_is_read_whole_for_eval(tmp_path):
   train_path = write_jsonl(tmp_path / 'train', documents(30))
   held_path = write_jsonl(tmp_path / 'held', documents(6, seed=3, tag='held'), files=1)
   cfg = data_cfg(source='jsonl', path=train_path, eval_path=held_path, eval_fraction=0.0)
-  held = streaming.Split(cfg, tokenizer.BYTES, 'eval', seed=0)
+  held = splits.Split(cfg, tokenizer.BYTES, 'eval', seed=0)
   assert [d.split('>')[0] for d in held.read(held.split_blocks, 0)] == [f'<held {i}' for i in range(6)]
-  train = streaming.Split(cfg, tokenizer.BYTES, 'train', seed=0)
+  train = splits.Split(cfg, tokenizer.BYTES, 'train', seed=0)
   assert sum(len(train.read(train.split_blocks, i)) for i in range(len(train.split_blocks))) == 30
 
 
@@ -559,7 +559,7 @@ def test_hf_streaming_holds_out_whole_shards_for_eval_in_order_and_one_shard_by_
   docs = documents(60)
   cfg = data_cfg(source='hf_datasets', path=write_parquet(tmp_path / 'many', docs, row_group=5),
                  hf_streaming=True, eval_fraction=0.3)
-  train, held = (streaming.Split(cfg, tokenizer.BYTES, split, seed=0) for split in ('train', 'eval'))
+  train, held = (splits.Split(cfg, tokenizer.BYTES, split, seed=0) for split in ('train', 'eval'))
   train_docs, eval_docs = ([d for i in range(len(s.split_blocks)) for d in s.read(s.split_blocks, i)]
                            for s in (train, held))
   assert len(held.split_blocks) and len(train.split_blocks) + len(held.split_blocks) == 12
@@ -569,7 +569,7 @@ def test_hf_streaming_holds_out_whole_shards_for_eval_in_order_and_one_shard_by_
   assert evaluated[:len(eval_docs)] == eval_docs  # Unshuffled, in load_dataset's order.
   one = data_cfg(source='hf_datasets', path=write_jsonl(tmp_path / 'one', docs, files=1), hf_streaming=True,
                  eval_fraction=0.1)
-  train, held = (streaming.Split(one, tokenizer.BYTES, split, seed=0) for split in ('train', 'eval'))
+  train, held = (splits.Split(one, tokenizer.BYTES, split, seed=0) for split in ('train', 'eval'))
   train_docs, eval_docs = (s.read(s.split_blocks, 0) for s in (train, held))
   assert len(train_docs) + len(eval_docs) == 60 and eval_docs and not set(train_docs) & set(eval_docs)
 

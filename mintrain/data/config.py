@@ -43,7 +43,7 @@ class DataConfig:
   on_corpus_change: str = option(choices=('continue', 'restart'))
   hf_split: str = option()
   hf_config: str = option()
-  hf_streaming: bool = option()  # load_dataset(..., streaming=True): a shard per block (records.Reader).
+  hf_streaming: bool = option()  # load_dataset(..., streaming=True): a shard per block (hf_datasets).
   format: str = option(choices=('text', 'chat', 'preference', 'prompt'))
   messages_field: str = option()
   loss_on: str = option(choices=('assistant', 'all'))

@@ -1,4 +1,5 @@
-"""Documents of large corpora, read a block at a time: JSONL (`.jsonl`, `.jsonl.gz`), Parquet, ArrayRecord.
+"""Documents of large corpora, read a block at a time: JSONL (`.jsonl`, `.jsonl.gz`), Parquet, ArrayRecord,
+or a Hugging Face dataset (`hf_datasets`).
 
 A corpus (the files of the glob `data.path`) is cut into blocks, the units that streaming shuffles and
 hands out: a byte range of about `data.block_bytes` of a JSONL file (the lines that start in it), a whole
@@ -20,19 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import gzip
 import json
 import logging
-import os
 import pathlib
 import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mintrain.data import preference, sources, tokenizer
-from mintrain.errors import ConfigError, DataError
+from mintrain.data import hf_datasets, preference, sources, tokenizer
+from mintrain.errors import ConfigError, DataError, first_line
 from mintrain.runtime.lazy import lazy_import
 
 grain = lazy_import('grain')
@@ -41,9 +40,6 @@ if TYPE_CHECKING:
   from mintrain.data.config import DataConfig
 
 FORMATS = ('jsonl', 'parquet', 'arrayrecord', 'hf_datasets')
-# What `datasets.load_dataset` reads a glob of local files as, by suffix.
-HF_BUILDERS = {'.parquet': 'parquet', '.json': 'json', '.jsonl': 'json', '.gz': 'json', '.arrow': 'arrow',
-               '.csv': 'csv', '.txt': 'text'}
 TOOLS_FIELD = 'tools'  # A chat record's tool schemas, passed to the template.
 
 
@@ -66,7 +62,6 @@ class Pair:
 Document = str | np.ndarray | Conversation | Pair
 _log = logging.getLogger(__name__)  # The run routes it (metrics.console_logging).
 _OPEN_ARRAY_RECORDS = 16  # ArrayRecord files kept open per process.
-_HF_BATCH_ROWS = 1024  # Rows of a Hugging Face stream converted at once.
 
 
 def _parquet_file(path: pathlib.Path) -> Any:
@@ -138,16 +133,16 @@ class Reader:
     self.vocab_size = vocab_size or tok.vocab_size
     self.bad = BadRecords(data_cfg.skip_bad_records)
     self.pattern, self.max_bytes = data_cfg.path, data_cfg.max_bytes
-    self.hf_split, self.hf_config = data_cfg.hf_split, data_cfg.hf_config
-    self.hf_streaming = data_cfg.hf_streaming
     self._open: dict[pathlib.Path, Any] = {}
-    self._hf: Any = None
-    self._hf_columns: list[str] = []  # The columns a dataset's documents are read from.
+    self._hf = (hf_datasets.Dataset(data_cfg, self.field, self.option, [TOOLS_FIELD] if self.chat else [])
+                if self.kind == 'hf_datasets' else None)
 
   def all_blocks(self) -> Blocks:
     """Every block of the files of `data.path`, in sorted file order."""
     if self.kind == 'hf_datasets':
-      return self._dataset_blocks()
+      spans = self._hf.spans()
+      return Blocks([pathlib.Path(self.pattern)], [self.pattern], np.zeros(len(spans), np.int32),
+                    np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64))
     files, keys, file_of, start, end = [], [], [], [], []
     for key, path in sources.first_bytes(sources.glob_files(self.pattern), self.max_bytes):
       spans = self._spans(path)
@@ -182,7 +177,7 @@ class Reader:
       try:
         meta = _parquet_file(path)
       except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is no Parquet.
-        self.bad(f'data.path: {path} is not a readable Parquet file ({_first_line(e)})')
+        self.bad(f'data.path: {path} is not a readable Parquet file ({first_line(e)})')
         return None
       names = meta.schema_arrow.names
       for column in preference.FIELDS if self.preference else [self.field]:
@@ -194,7 +189,7 @@ class Reader:
     try:
       count = len(self._array_records(path))
     except Exception as e:  # array_record raises RuntimeError with the reason.
-      self.bad(f'data.path: {path} is not a readable ArrayRecord file ({_first_line(e)})')
+      self.bad(f'data.path: {path} is not a readable ArrayRecord file ({first_line(e)})')
       return None
     per_block = max(1, count * self.block_bytes // size)
     return [(a, min(a + per_block, count)) for a in range(0, count, per_block)]
@@ -208,100 +203,14 @@ class Reader:
     self._open[path] = source  # Most recently used last.
     return source
 
-  def _dataset(self) -> Any:
-    """`data.path` as a Hugging Face dataset: a directory written by `save_to_disk`, a glob of local files
-    (`load_dataset` of their format), or a name on the Hub (needs a connection); its `data.hf_split`.
-
-    With `data.hf_streaming`, files or a Hub name load as an `IterableDataset`, resharded (a Parquet file's
-    row groups become shards), so a block is one shard and nothing is read before its block is.
-    """
-    if self._hf is not None:
-      return self._hf
-    try:
-      import datasets
-    except ImportError:
-      raise DataError("data.source='hf_datasets' needs Hugging Face datasets: "
-                      "pip install -e '.[datasets]'.") from None
-    where, path = f'data.path={self.pattern!r}', pathlib.Path(self.pattern).expanduser()
-    files = [] if path.is_dir() else [pathlib.Path(p) for p in sorted(glob.glob(str(path), recursive=True))
-                                       if os.path.isfile(p)]
-    datasets.disable_progress_bars()
-    first = None  # A stream's first row.
-    try:
-      if path.is_dir():
-        if self.hf_streaming:
-          raise DataError(f'{where} is a save_to_disk directory, read a block at a time from the disk '
-                          'already; data.hf_streaming streams load_dataset sources (files, Hub names): '
-                          'set it to False.')
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-          if self.hf_split not in loaded:
-            raise DataError(f'{where}: no split {self.hf_split!r} (data.hf_split); it has '
-                            f'{", ".join(loaded)}.')
-          loaded = loaded[self.hf_split]
-      elif files:
-        builder = HF_BUILDERS.get(files[0].suffix)
-        if builder is None:
-          raise DataError(f'{where}: Hugging Face datasets reads no {files[0].suffix!r} files; give '
-                          f'{", ".join(sorted(HF_BUILDERS))} files or a save_to_disk directory.')
-        loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split='train',
-                                       streaming=self.hf_streaming)
-      elif path.is_absolute() or self.pattern.startswith(('.', '~')):
-        raise DataError(f'{where} matches no files and is no save_to_disk directory; check the path.')
-      else:  # A name on the Hub.
-        loaded = datasets.load_dataset(self.pattern, self.hf_config or None, split=self.hf_split,
-                                       streaming=self.hf_streaming)
-      if self.hf_streaming:
-        loaded = loaded.reshard()
-        first = next(iter(loaded.take(1)), None)
-    except DataError:
-      raise
-    except StopIteration:  # load_dataset infers a JSON schema from the first file's rows.
-      raise DataError(f'{where}: the dataset has no rows (its first file is empty).') from None
-    except Exception as e:  # datasets raises many kinds: FileNotFoundError, DatasetNotFoundError, ...
-      raise DataError(f'{where}: Hugging Face datasets cannot load it ({_first_line(e)}).') from None
-    if self.hf_streaming and first is None:
-      raise DataError(f'{where}: the dataset has no rows.')
-    columns = loaded.column_names or list(first or {})  # A stream's features may be known only from rows.
-    if self.field not in columns:
-      raise DataError(f'{where}: no column {self.field!r} ({self.option}; its columns: '
-                      f'{", ".join(columns)}).')
-    self._hf_columns = [self.field, *([TOOLS_FIELD] if self.chat and TOOLS_FIELD in columns else [])]
-    self._hf = loaded
-    return loaded
-
-  def _dataset_blocks(self) -> Blocks:
-    """A dataset's rows in runs of about `data.block_bytes` (from its Arrow size per row), or a stream's
-    shards, one block each (`data.hf_streaming`)."""
-    data = self._dataset()
-    if self.hf_streaming:
-      spans = [(i, i + 1) for i in range(data.num_shards)]
-    else:
-      rows = len(data)
-      if not rows:
-        raise DataError(f'data.path={self.pattern!r}: the dataset has no rows.')
-      per_block = max(1, rows * self.block_bytes // max(data.data.nbytes, 1))
-      spans = [(a, min(a + per_block, rows)) for a in range(0, rows, per_block)]
-    return Blocks([pathlib.Path(self.pattern)], [self.pattern], np.zeros(len(spans), np.int32),
-                  np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64))
-
   def _read_dataset(self, start: int, end: int) -> list[Document]:
     """Rows `start:end` of a dataset, or all of shard `start` of a stream, in order."""
-    data, columns, where = self._dataset(), self._hf_columns, f'data.path={self.pattern!r}'
-    if self.hf_streaming:
-      where, shard = f'{where} shard {start}', data.shard(num_shards=data.num_shards, index=start)
-      try:  # As Arrow tables: a few times faster than a dict per row.
-        tables = list(shard.select_columns(columns).with_format('arrow').iter(batch_size=_HF_BATCH_ROWS))
-      except Exception as e:  # A file that does not parse, a row that does not fit the features, I/O.
-        self.bad(f'{where}: cannot be read ({_first_line(e)})')
-        return []
-      table, start = {c: [v for t in tables for v in t.column(c).to_pylist()] for c in columns}, 0
-    else:
-      table = data.select_columns(columns)[start:end]
+    where, start, table = self._hf.rows(start, end, self.bad)
     docs: list[Document] = []
     for k, value in enumerate(table[self.field]):
       if self.chat:
-        problem = self._conversation(value, table[TOOLS_FIELD][k] if len(columns) > 1 else None, docs)
+        tools = table[TOOLS_FIELD][k] if len(self._hf.columns) > 1 else None
+        problem = self._conversation(value, tools, docs)
       elif isinstance(value, str):
         docs.append(value)
         problem = None
@@ -349,7 +258,7 @@ class Reader:
             break
           lines.append(line)
     except (OSError, EOFError, zlib.error) as e:
-      raise DataError(f'data.path: cannot read {path} ({_first_line(e)}); fix it or leave it out.') from e
+      raise DataError(f'data.path: cannot read {path} ({first_line(e)}); fix it or leave it out.') from e
     for k, line in enumerate(lines):
       problem = self._parse_line(line, docs)
       if problem:
@@ -363,7 +272,7 @@ class Reader:
     try:
       record = json.loads(line)
     except ValueError as e:
-      return f'not valid JSON ({_first_line(e)})'
+      return f'not valid JSON ({first_line(e)})'
     if self.preference:
       return self._preference(record, docs)
     if not isinstance(record, dict) or self.field not in record:
@@ -404,7 +313,7 @@ class Reader:
       tools = self.chat and TOOLS_FIELD in file.schema_arrow.names
       table = file.read_row_group(group, columns=[self.field, *([TOOLS_FIELD] if tools else [])])
     except Exception as e:  # Corrupt pages, a column that changed type, I/O errors.
-      self.bad(f'{path} row group {group}: cannot be read ({_first_line(e)})')
+      self.bad(f'{path} row group {group}: cannot be read ({first_line(e)})')
       return []
     docs = table.column(0).to_pylist()
     kept: list[Document] = []
@@ -427,7 +336,7 @@ class Reader:
     try:
       rows = _parquet_file(path).read_row_group(group, columns=list(preference.FIELDS)).to_pylist()
     except Exception as e:  # Corrupt pages, a missing or changed column, I/O errors.
-      self.bad(f'{path} row group {group}: cannot be read ({_first_line(e)})')
+      self.bad(f'{path} row group {group}: cannot be read ({first_line(e)})')
       return []
     kept: list[Document] = []
     for row, record in enumerate(rows):
@@ -440,7 +349,7 @@ class Reader:
     try:
       raw = self._array_records(path).__getitems__(list(range(start, end)))
     except Exception as e:  # A damaged chunk: name the block, since the reader does not say which record.
-      self.bad(f'{path} records [{start}, {end}): cannot be read ({_first_line(e)})')
+      self.bad(f'{path} records [{start}, {end}): cannot be read ({first_line(e)})')
       return []
     docs: list[Document] = []
     for index, record in zip(range(start, end), raw, strict=True):
@@ -489,7 +398,3 @@ def _line_number(path: pathlib.Path, offset: int) -> int:
       count += data.count(b'\n')
       offset -= len(data)
   return count
-
-
-def _first_line(e: BaseException) -> str:
-  return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from mintrain.data import pipeline, sources, streaming, tokenizer
+from mintrain.data import pipeline, sources, splits, streaming, tokenizer
 from mintrain.data.config import DataConfig
 
 BASELINE_TOKENS = 1 << 26  # Tokens of each streamed source's eval split counted for its unigram entropy.
@@ -59,7 +59,7 @@ def _eval_documents(data_cfg: DataConfig, tok: tokenizer.Tokenizer,
   """(source index, document, its ids) of the first `BASELINE_TOKENS` of each source's split, in file
   order: what the unigram baseline and the bytes per token are measured on."""
   for source, (cfg, _) in enumerate(streaming.source_settings(data_cfg)):
-    part, seen = streaming.Split(cfg, tok, split, seed=0), 0
+    part, seen = splits.Split(cfg, tok, split, seed=0), 0
     for i in range(len(part.split_blocks)):
       for doc in part.read(part.split_blocks, i):
         ids = streaming.encode_document(doc, tok)

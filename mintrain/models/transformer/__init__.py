@@ -1,10 +1,10 @@
 """The decoder-only transformer family: Llama, Mistral, Qwen2, Qwen3, Gemma 1, 2 and 3, their mixtures of
 experts, and DeepSeek-V3.
 
-`config` holds its options and costs, `attention`, `mla` (latent attention) and `model` its modules,
-`moe`, `context_attention` and `collective_matmul` what they use on a mesh, `sampling` its KV-cached
-generation, `hf` its Hugging Face conversion. `FAMILY` is what the rest of mintrain knows of it
-(`mintrain.models.family`).
+`config` holds its options and costs, `attention`, `mla` (latent attention), `block` (a layer: attention,
+then a gated MLP or experts) and `model` (their stack) its modules, `moe`, `context_attention` and
+`collective_matmul` what they use on a mesh, `sampling` its KV-cached generation, `hf` its Hugging Face
+conversion. `FAMILY` is what the rest of mintrain knows of it (`mintrain.models.family`).
 """
 
 from mintrain.models.family import Family
