@@ -89,6 +89,17 @@ def test_unsupported_pipelines_are_config_errors_before_compiling(overrides, mes
     build(config)
 
 
+def test_a_pipeline_with_tensor_parallelism_says_what_full_remat_saves():
+  # Its activations leave the schedule whole over `model` unless each layer keeps only its input.
+  def notes(mesh: str, remat: str) -> list[str]:
+    return build(load_config('dp4_tp2', *PIPELINED, *MESHES[mesh], f'model.remat={remat}')).notes
+
+  assert any('whole over the 2-way tensor split' in n and 'model.remat=full' in n
+             for n in notes('stage2_data2_model2', 'none'))
+  assert not [n for n in notes('stage2_data2_model2', 'full') + notes('stage4_data2', 'none')
+              if 'tensor split' in n]
+
+
 def host(tree):
   return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 

@@ -284,10 +284,16 @@ class TransformerConfig(Costs, ModelConfig):
     if chunk % ways:
       raise ConfigError(f'model.loss_chunks={self.loss_chunks} leaves chunks of {chunk} tokens, which the '
                         f'{ways}-way `length` split (mesh.context) does not divide; use fewer chunks.')
+    notes = []
     if self.kv_heads_axis(placement) is None:
-      return [f'model.num_kv_heads={self.kv_heads} key/value heads do not split {placement.ways("kv_heads")} '
-              'ways (the rules for `kv_heads`); they are replicated on every device of that split.']
-    return []
+      notes.append(f'model.num_kv_heads={self.kv_heads} key/value heads do not split '
+                   f'{placement.ways("kv_heads")} ways (the rules for `kv_heads`); they are replicated on '
+                   'every device of that split.')
+    tensor = max(placement.ways('heads'), placement.ways('mlp'))
+    if placement.pipeline.stages > 1 and tensor > 1 and self.remat != 'full':
+      notes.append(f'the pipeline keeps its activations for the backward pass whole over the {tensor}-way '
+                   'tensor split (the memory plan counts them so); model.remat=full keeps only layer inputs.')
+    return notes
 
   def _check_pipeline(self, schedule: Schedule, length_ways: int) -> None:
     """What the pipeline over mesh.stage (`models.pipeline`) needs of the model."""
