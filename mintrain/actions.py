@@ -17,7 +17,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from mintrain import lora, metrics, report
+from mintrain import lora, metric_writers, metrics, report
 from mintrain.build import Run
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.data import streaming, tokenizer
@@ -85,7 +85,7 @@ class RunLog(logging.Handler):
     # A remote workdir's log is written to a local stand-in and copied there whole at the end.
     self.remote = workdir / 'logs' if workdir is not None and is_remote(workdir) else None
     self.path = workdir / 'logs' / self.name if workdir is not None and self.remote is None else None
-    self.staging: metrics.Staging | None = None
+    self.staging: metric_writers.Staging | None = None
     self.pending: list[str] = []
     self.file, self.opened = None, False
 
@@ -104,7 +104,7 @@ class RunLog(logging.Handler):
       with contextlib.suppress(OSError, StorageError):
         if self.file is None:  # Made on the first record: a quiet run leaves no log file.
           if self.remote is not None:
-            self.staging = metrics.Staging(self.remote, fetch=(self.name,))
+            self.staging = metric_writers.Staging(self.remote, fetch=(self.name,))
             self.path = epath.Path(self.staging.local) / self.name
           self.path.parent.mkdir(parents=True, exist_ok=True)
           self.file = open(self.path, 'a')  # Closed by __exit__.
@@ -350,12 +350,12 @@ class Profile:
       say('note: profile.start_step is set but there is no workdir: no profile is written.')
       self.start = 0
     self.directory = None if workdir is None else workdir / 'profile'
-    self.staging: metrics.Staging | None = None
+    self.staging: metric_writers.Staging | None = None
     self.active = False
 
   def before(self, step: int) -> None:
     if self.start > 0 and step == self.start:
-      self.staging = metrics.Staging(self.directory)
+      self.staging = metric_writers.Staging(self.directory)
       jax.profiler.start_trace(str(self.staging.local))
       self.active = True
 
@@ -395,7 +395,7 @@ class Actions:
     self.stack, self.config, self.workdir, self.run = stack, config, workdir, run
     self.is_main, self.console = is_main, console
     self.records: list[dict] = []
-    self.writer: metrics.MultiWriter | None = None
+    self.writer: metric_writers.MultiWriter | None = None
     self.checkpoints, save = None, []
     if workdir is not None and config.checkpoint.keep > 0:
       self.checkpoints = ckpt_lib.Checkpoints(workdir / ckpt_lib.CHECKPOINTS, keep=config.checkpoint.keep)
@@ -418,10 +418,10 @@ class Actions:
         raise StorageError(f'Writing {path} failed ({os_reason(e)}).') from e
       self.console.line(f'sharding: one row per parameter in {path}')
     metadata = {'sharding_report': sharding, 'memory_plan_bytes_per_device': dataclasses.asdict(run.plan)}
-    self.writer = self.stack.enter_context(metrics.make_writer(
+    self.writer = self.stack.enter_context(metric_writers.make_writer(
         self.workdir, is_main=self.is_main, total_steps=self.config.train.steps, console=self.console,
         cfg=self.config.metrics, metadata=metadata))
-    self.writer.write_hparams(metrics.flat_hparams(self.config.to_dict()))
+    self.writer.write_hparams(metric_writers.flat_hparams(self.config.to_dict()))
 
   def log(self, step: int, scalars: dict[str, float]) -> None:
     self.records.append({'step': step, **scalars})

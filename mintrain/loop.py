@@ -17,7 +17,7 @@ from flax import nnx
 
 from mintrain import actions as actions_lib
 from mintrain import config as config_lib
-from mintrain import errors, lora, metrics, report
+from mintrain import errors, lora, metric_writers, metrics, report
 from mintrain.actions import Say, StepInfo, Timer, to_host
 from mintrain.build import Run, build
 from mintrain.checkpoint import checkpoints as ckpt_lib
@@ -155,7 +155,7 @@ def prepare(r: Run, workdir: epath.Path | None, restore_from: str | None, is_mai
   for note in r.notes:
     say(f'note: {note}')
   report.check(r.plan)
-  metrics.check_wandb(config.metrics)
+  metric_writers.check_wandb(config.metrics)
   measured = config.data.source != 'synthetic' and config.eval.steps > 0  # Without evaluation, no eval split.
   say(tokenizer.describe(tok, config.data.tokenizer, config.init.hf_checkpoint))
   with jax.set_mesh(r.mesh):  # Data first: a bad file or tokenizer stops the run before it writes.

@@ -81,7 +81,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_graph_reader_sees_the_imports_of_a_known_module():
   eager, deferred = import_graph()
-  assert {'mintrain.errors', 'mintrain.runtime.storage'} <= eager['mintrain.metrics']
+  assert {'mintrain.errors', 'mintrain.runtime.storage'} <= eager['mintrain.metric_writers']
   assert 'mintrain.hf' in deferred['mintrain.loop'] and 'mintrain.hf' not in eager['mintrain.loop']
 
 
@@ -96,8 +96,9 @@ def test_no_cycle_either_when_imports_inside_functions_count():
   assert not (cycle := find_cycle(both)), 'import cycle through a deferred import: ' + ' -> '.join(cycle)
 
 
-@pytest.mark.parametrize('module', ['mintrain.metrics', 'mintrain.data', 'mintrain.data.sources',
-                                    'mintrain.data.streaming', 'mintrain.data.pipeline', 'mintrain.mesh'])
+@pytest.mark.parametrize('module', ['mintrain.metrics', 'mintrain.metric_writers', 'mintrain.data',
+                                    'mintrain.data.sources', 'mintrain.data.streaming',
+                                    'mintrain.data.pipeline', 'mintrain.mesh'])
 def test_light_layers_load_no_model_or_optimizer_code(module):
   code = (f'import sys, {module}; print(sorted(m for m in sys.modules '
           "if m.startswith('mintrain.models') or m.split('.')[0] == 'optax' or m == 'flax.nnx'))")
@@ -138,9 +139,9 @@ for name in modules:
 compare(before, snapshot(), 'importing mintrain')
 
 def run_writers():  # What a run constructs of its metrics and console, and closes.
-  from mintrain import metrics
+  from mintrain import metric_writers, metrics
   with tempfile.TemporaryDirectory() as workdir, metrics.console_logging(print):
-    metrics.make_writer(workdir, is_main=True, total_steps=1).close()
+    metric_writers.make_writer(workdir, is_main=True, total_steps=1).close()
 
 run_writers()  # Once for the libraries it imports on first use.
 before = snapshot()

@@ -14,7 +14,7 @@ from helpers import REPO, build, load_config, mesh_devices, quiet, run_script
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from mintrain import errors, metrics, report
+from mintrain import errors, metric_writers, metrics, report
 from mintrain import loop as train_loop
 from mintrain.data import tokenizer
 
@@ -63,7 +63,7 @@ def test_metrics_jsonl_and_tensorboard_hold_the_same_values(run):
 
 def test_the_writer_is_a_context_manager_and_a_second_close_does_nothing(tmp_path):
   lines = []
-  with metrics.make_writer(tmp_path, is_main=True, total_steps=4, print_fn=lines.append) as writer:
+  with metric_writers.make_writer(tmp_path, is_main=True, total_steps=4, print_fn=lines.append) as writer:
     writer.write_hparams({'model.embed_dim': 64})
     writer.write_scalars(4, {'loss': 2.5})
   writer.close()

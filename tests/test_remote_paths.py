@@ -31,7 +31,7 @@ from etils import epath
 from helpers import REPO, SCRIPT_DEFAULTS, build, free_port, load_config, mesh_devices, quiet, script_env
 from tensorboard.backend.event_processing import event_accumulator
 
-from mintrain import actions, configs, errors, metrics
+from mintrain import actions, configs, errors, metric_writers
 from mintrain import loop as train_loop
 from mintrain.checkpoint import checkpoints as ckpt_lib
 from mintrain.runtime import storage
@@ -216,12 +216,12 @@ def test_a_missing_remote_restore_path_is_a_one_line_error(bucket_dir):
 def test_remote_metrics_hold_every_record_and_a_resumed_run_appends(bucket_dir, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   workdir = f'{bucket_dir}/run'
-  with metrics.make_writer(workdir, is_main=True, total_steps=3, print_fn=quiet) as writer:
+  with metric_writers.make_writer(workdir, is_main=True, total_steps=3, print_fn=quiet) as writer:
     writer.write_hparams({'model.embed_dim': 64})
     writer.write_scalars(1, {'loss': 2.5})
     writer.write_scalars(2, {'loss': 2.0})
   staged = writer.staging.local
-  with metrics.make_writer(workdir, is_main=True, total_steps=3, print_fn=quiet) as writer:
+  with metric_writers.make_writer(workdir, is_main=True, total_steps=3, print_fn=quiet) as writer:
     writer.write_scalars(3, {'loss': 1.5})
 
   files = remote_files(workdir)
@@ -235,8 +235,8 @@ def test_remote_metrics_hold_every_record_and_a_resumed_run_appends(bucket_dir, 
 
 
 def test_remote_metrics_are_copied_while_the_run_writes(bucket_dir, monkeypatch):
-  monkeypatch.setattr(metrics, 'SYNC_SECS', 0.0)
-  with metrics.make_writer(bucket_dir, is_main=True, total_steps=2, print_fn=quiet) as writer:
+  monkeypatch.setattr(metric_writers, 'SYNC_SECS', 0.0)
+  with metric_writers.make_writer(bucket_dir, is_main=True, total_steps=2, print_fn=quiet) as writer:
     writer.write_scalars(1, {'loss': 2.5})
     writer.write_scalars(2, {'loss': 2.0})
     remote = (epath.Path(bucket_dir) / 'metrics.jsonl').read_text()
@@ -244,7 +244,7 @@ def test_remote_metrics_are_copied_while_the_run_writes(bucket_dir, monkeypatch)
 
 
 def test_a_profile_trace_for_a_remote_workdir_lands_there_on_close(bucket_dir):
-  staging = metrics.Staging(f'{bucket_dir}/profile')
+  staging = metric_writers.Staging(f'{bucket_dir}/profile')
   jax.profiler.start_trace(str(staging.local))
   jax.numpy.ones(8).sum().block_until_ready()
   jax.profiler.stop_trace()
@@ -286,7 +286,7 @@ def test_the_train_script_says_so_in_one_line_without_a_traceback(tmp_path):
 
 
 def test_a_local_staging_directory_is_the_directory_itself(tmp_path):
-  staging = metrics.Staging(tmp_path / 'profile')
+  staging = metric_writers.Staging(tmp_path / 'profile')
   assert staging.local == tmp_path / 'profile' and staging.local.is_dir()
   staging.close()
   assert staging.local.is_dir()
@@ -450,7 +450,7 @@ def test_a_read_only_checkpoint_restores(tmp_path, tmpfs):
 def test_metrics_on_a_full_disk_are_a_one_line_error(tmpfs):
   disk = tmpfs('disk', '64k')
   with pytest.raises(errors.StorageError) as e:
-    with metrics.make_writer(disk, is_main=True, total_steps=10**6, print_fn=quiet) as writer:
+    with metric_writers.make_writer(disk, is_main=True, total_steps=10**6, print_fn=quiet) as writer:
       for step in range(1, 10**5):
         writer.write_scalars(step, {'loss': 1.0, 'grad_norm': 2.0})
   pattern = rf'Writing {disk}/\S+ failed \(No space left on device, \d+ bytes free\)\.'

@@ -9,7 +9,7 @@ import struct
 import pytest
 from helpers import TINY, load_config, mesh_devices
 
-from mintrain import errors, metrics
+from mintrain import errors, metric_writers
 from mintrain import loop as train_loop
 
 wandb = pytest.importorskip('wandb')  # The test extra installs it; without it only this file is skipped.
@@ -78,7 +78,7 @@ def test_an_offline_run_writes_scalars_config_and_report_and_a_resume_continues_
   train_loop.run(config, workdir, devices=mesh_devices(config), print_fn=lambda _: None)
 
   (first_id, first_history, first_config), (second_id, second_history, _) = read_runs(workdir)
-  assert first_id == second_id == (workdir / metrics.WANDB_RUN_ID).read_text().strip()
+  assert first_id == second_id == (workdir / metric_writers.WANDB_RUN_ID).read_text().strip()
   trained = [sorted(step for step, items in history.items() if 'loss' in items)
              for history in (first_history, second_history)]
   assert trained == [[1, 2], [3, 4]]
@@ -96,8 +96,8 @@ def test_an_offline_run_writes_scalars_config_and_report_and_a_resume_continues_
 
 def test_without_wandb_installed_a_project_is_a_one_line_config_error(monkeypatch):
   config = load_config('single', *TINY, 'metrics.wandb_project=p')
-  real = metrics.importlib.util.find_spec
-  monkeypatch.setattr(metrics.importlib.util, 'find_spec',
+  real = metric_writers.importlib.util.find_spec
+  monkeypatch.setattr(metric_writers.importlib.util, 'find_spec',
                       lambda name: None if name == 'wandb' else real(name))
   with pytest.raises(errors.ConfigError, match=r"pip install -e '\.\[wandb\]'"):
-    metrics.check_wandb(config.metrics)
+    metric_writers.check_wandb(config.metrics)
