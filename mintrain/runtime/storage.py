@@ -13,7 +13,7 @@ import uuid
 
 from etils import epath
 
-from mintrain.errors import StorageError
+from mintrain.errors import StorageError, first_line
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -57,7 +57,7 @@ def _importable(module: str) -> bool:
 
 
 def os_reason(e: BaseException) -> str:
-  return e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+  return e.strerror if isinstance(e, OSError) and e.strerror else _reason(e)
 
 
 def prepare_dir(path: str | os.PathLike, what: str = 'workdir') -> epath.Path:
@@ -79,7 +79,7 @@ def prepare_dir(path: str | os.PathLike, what: str = 'workdir') -> epath.Path:
     probe.write_bytes(b'')
     probe.unlink()
   except ImportError as e:  # fsspec's filesystem for the URL's scheme is not installed.
-    raise StorageError(f'{what} {path} cannot be reached: {first_line(e)}') from e
+    raise StorageError(f'{what} {path} cannot be reached: {_reason(e)}') from e
   except OSError as e:
     blocking = None if is_remote(path) else next((p for p in path.parents if p.exists()), None)
     if blocking is not None and not blocking.is_dir():
@@ -130,6 +130,5 @@ def free_bytes(path: str | os.PathLike) -> int | None:
     return None
 
 
-def first_line(e: BaseException) -> str:
-  text = str(e).strip().splitlines()
-  return (text[0] if text else type(e).__name__)[:200]
+def _reason(e: BaseException) -> str:
+  return first_line(e)[:200]  # A storage client's message can be a page long.
