@@ -193,14 +193,20 @@ def _scans(jaxpr: jax.extend.core.Jaxpr) -> list:
   return found
 
 
-@pytest.mark.parametrize('mesh, repeats', [('stage2_data2_model2', 1), ('stage2_data2_model2_repeats2', 2)])
-def test_a_gpipe_step_keeps_no_copy_of_its_stages_weights_per_schedule_step(mesh, repeats):
+@pytest.mark.parametrize('mesh, remat, per_step', [
+    ('stage2_data2_model2', 'none', False),
+    ('stage2_data2_model2_repeats2', 'full', False),
+    ('stage2_data2_model2_repeats2', 'none', True),
+])
+def test_the_schedule_keeps_no_copy_of_its_stages_weights_per_step_but_circular_without_remat(
+    mesh, remat, per_step):
   # Autodiff stacks, for each step of the schedule, what the backward pass needs of the block that step ran:
   # its activations, all with a dimension of the tokens (24 here, no weight's). A GPipe stage's block is
   # the same at every step, so its weights (and the q/k/v and gate/up stacks formed from them) are kept
-  # once; the circular schedule's differ by round, and are kept per step.
+  # once; the circular schedule's differ by round, so they are kept once only where each layer selects its
+  # own inside its remat region.
   config = load_config('dp4_tp2', *PIPELINED, 'data.source=synthetic', 'train.seq_len=24', *MESHES[mesh],
-                       'pipeline.microbatches=2')
+                       'pipeline.microbatches=2', f'model.remat={remat}')
   run = build(config)
   with jax.set_mesh(run.mesh):
     batch = jax.tree.map(lambda x: x[0], next(run.batches(tokenizer.load(config.data.tokenizer))))
@@ -211,4 +217,4 @@ def test_a_gpipe_step_keeps_no_copy_of_its_stages_weights_per_schedule_step(mesh
   kept = [v.aval.shape for eqn in schedules for v in eqn.outvars[eqn.params['num_carry']:]]
   assert kept and all(shape[0] == iterations for shape in kept)
   weights = [shape for shape in kept if len(shape) > 2 and 24 not in shape]
-  assert bool(weights) == (repeats > 1), weights
+  assert bool(weights) == per_step, weights

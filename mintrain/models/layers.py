@@ -238,21 +238,32 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
   make_layer, params_N = split_layers(layers)
 
   def run_block(params_N: list[jax.Array], x: jax.Array, first: jax.Array | int, key: jax.Array | None,
-                *args, whole: Callable[[list[jax.Array]], list[jax.Array]] | None = None):
-    # `whole`: a layer's parameters made whole (the pipeline's FSDP gather), inside the remat region.
-    make = make_layer if whole is None else lambda params: make_layer(whole(params))
+                *args, whole: Callable[[list[jax.Array]], list[jax.Array]] = list,
+                start: jax.Array | None = None, count: int = 0):
+    """The layers of `params_N` (or `count` of them from `start`, a traced index: the circular pipeline's
+    round) from layer index `first` on; `whole` makes a layer's parameters whole (the pipeline's FSDP
+    gather). Both happen inside the remat region, so under remat autodiff keeps `params_N` once, not the
+    slices of each call."""
+    if start is None:
+      def body(x: jax.Array, layer: tuple[list[jax.Array], jax.Array]):
+        params, i = layer
+        return run(lambda params: make_layer(whole(params)), params, x, i, key, *args)
+      return jax.lax.scan(body, x, (params_N, first + jnp.arange(params_N[0].shape[0])))
 
-    def body(x: jax.Array, layer: tuple[list[jax.Array], jax.Array]):
-      params, i = layer
-      return run(make, params, x, i, key, *args)
-    return jax.lax.scan(body, x, (params_N, first + jnp.arange(params_N[0].shape[0])))
+    def layer_at(at: tuple[list[jax.Array], jax.Array]) -> nnx.Module:
+      params_N, j = at
+      return make_layer(whole([jax.lax.dynamic_index_in_dim(p, j, keepdims=False) for p in params_N]))
+
+    def indexed(x: jax.Array, j: jax.Array):
+      return run(layer_at, (params_N, start + j), x, first + j, key, *args)
+    return jax.lax.scan(indexed, x, jnp.arange(count))
 
   if schedule is None or schedule.stages == 1:
     # A scan reads its layers whole (`stage` is of size 1 here, or they run without the pipeline).
     return run_block([whole_layers(p) for p in params_N], x, 0, key, *args)
 
-  def run_stage_block(*block_args, whole: Callable[[list[jax.Array]], list[jax.Array]]) -> jax.Array:
-    x, stats = run_block(*block_args, whole=whole)
+  def run_stage_block(*block_args, **block_kwargs) -> jax.Array:
+    x, stats = run_block(*block_args, **block_kwargs)
     if stats:
       raise ValueError('Pipelined layers return no statistics; the family must refuse mesh.stage > 1.')
     return x

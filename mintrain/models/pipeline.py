@@ -54,8 +54,9 @@ class Schedule:
 UNPIPELINED = Schedule()
 
 
-# (params of a block of layers with a leading layer dimension, x, index of its first layer, key, *args,
-# whole=the function that makes one layer's parameters whole) -> x.
+# (params of layers with a leading layer dimension, x, index of the first layer it runs, key, *args,
+# whole=the function that makes one layer's parameters whole, and optionally start=, count=: run `count`
+# of them from the traced index `start`) -> x.
 RunBlock = Callable[..., jax.Array]
 
 
@@ -111,11 +112,11 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
       in_BLD = jnp.where(s == 0, fresh_BLD, received_BLD)
       k = t - s  # This stage's work item: microbatch k mod M on its round k // M; out of range, idle.
       r, mb = jnp.clip(k // m, 0, repeats - 1), jnp.mod(k, m)
-      # One round: the whole local block, invariant over the schedule, so autodiff keeps no copy per step.
-      params = (params_local if repeats == 1 else
-                [jax.lax.dynamic_slice_in_dim(p, r * block, block) for p in params_local])
+      # Round r's block of the local layers: selected inside the block's remat region, so autodiff keeps
+      # the weights once rather than each step's slice of them (without remat, it keeps them per step).
+      rounds = {} if repeats == 1 else {'start': r * block, 'count': block}
       args_b = [a[mb] if sp else a for a, sp in zip(args_M, split)]
-      y_BLD = run_block(params, in_BLD, (r * stages + s) * block, key, *args_b, whole=whole)
+      y_BLD = run_block(params_local, in_BLD, (r * stages + s) * block, key, *args_b, whole=whole, **rounds)
       y_BLD = jax.sharding.reshard(y_BLD, jax.typeof(in_BLD).sharding.spec)
       last = (s == stages - 1) & (k >= (repeats - 1) * m) & (k < repeats * m)
       out_MbLD = out_MbLD.at[mb].set(jnp.where(last, y_BLD, out_MbLD[mb]))
