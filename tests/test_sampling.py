@@ -60,9 +60,10 @@ def test_greedy_sampling_is_deterministic(host_params):
   np.testing.assert_array_equal(first, second)
 
 
-@pytest.mark.parametrize('name,overrides', [('single', ()), ('dp4_tp2', ()), ('tp8', ()),
-                                            ('dp4_tp2', ('model.scan_layers=True',))],
-                         ids=['single', 'dp4_tp2', 'tp8', 'dp4_tp2-scanned'])
+@pytest.mark.parametrize('name,overrides', [
+    pytest.param('single', (), id='single'), pytest.param('dp4_tp2', (), id='dp4_tp2'),
+    pytest.param('tp8', (), id='tp8', marks=pytest.mark.slow),  # The default suite's time (7 min).
+    pytest.param('dp4_tp2', ('model.scan_layers=True',), id='dp4_tp2-scanned', marks=pytest.mark.slow)])
 def test_decode_in_chunks_gives_the_training_forward_logits(host_params, name, overrides):
   mesh, rules, model = model_on(name, host_params, *overrides)
   chunks = (P, 1, 1, 3, 1)  # A prompt prefill, single-token steps, and a multi-token continuation.
