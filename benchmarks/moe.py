@@ -24,6 +24,8 @@ experts only), as the training loop's MFU does.
   python benchmarks/moe.py             # the table above
   python benchmarks/moe.py --smoke     # tiny models, one step each: it still runs
   python benchmarks/moe.py --variant '64e top-4 grouped, EP8'   # dense and the named ones only
+  python benchmarks/moe.py --interleave --variant '64e top-4 grouped, EP8, bound 2' --variant ...
+      # all compiled first, then timed in turns, one step of each (a few variants: they share the memory)
 """
 
 from __future__ import annotations
@@ -64,29 +66,40 @@ def main() -> int:
   parser.add_argument('--steps', type=int, default=5, help='timed steps per variant')
   parser.add_argument('--warmup', type=int, default=harness.WARMUP, help='untimed steps after compiling')
   parser.add_argument('--smoke', action='store_true', help='tiny models, one step each')
+  parser.add_argument('--interleave', action='store_true',
+                      help='compile every variant first, then time them in turns (one step of each)')
   parser.add_argument('--variant', action='append', choices=list(VARIANTS)[1:], default=[],
                       help='run the dense step and this variant only; repeatable (default: all)')
   args = parser.parse_args()
   devices = harness.start_devices()
   path, base = harness.bench_tiny()
   steps, warmup = (1, 1) if args.smoke else (args.steps, args.warmup)
-  rows, dense_s = [], None
-  for name, overrides in VARIANTS.items():
-    if args.variant and name != 'dense' and name not in args.variant:
-      continue
-    overrides = (*base, *overrides, *(SMOKE if args.smoke else ()))
-    config = harness.load(path, overrides)
+  names = [name for name in VARIANTS if not args.variant or name == 'dense' or name in args.variant]
+
+  def compiled(name: str) -> tuple:
+    config = harness.load(path, (*base, *VARIANTS[name], *(SMOKE if args.smoke else ())))
     built = harness.build(config, devices)
     batches = harness.device_batches(built, 2)
-    compiled = harness.compile_step(built, batches[0])
-    times, _ = harness.time_steps(compiled, built, batches, warmup=warmup, steps=steps)
+    return config, (harness.compile_step(built, batches[0]), built, batches)
+
+  measured = {}  # name -> (config, (compiled step, run, batches), its step times)
+  if args.interleave:
+    runs = {name: compiled(name) for name in names}
+    every = harness.time_interleaved([run for _, run in runs.values()], warmup=warmup, steps=steps)
+    measured = {name: (*config_run, times) for (name, config_run), times in zip(runs.items(), every)}
+  else:
+    for name in names:
+      config, run = compiled(name)
+      measured[name] = (config, run, harness.time_steps(*run, warmup=warmup, steps=steps)[0])
+      print(f'{name}: {statistics.median(measured[name][2]) * 1e3:.1f} ms per step', flush=True)
+  dense_s = statistics.median(measured['dense'][2])
+  rows = []
+  for name, (config, (step, built, _), times) in measured.items():
     step_s = statistics.median(times)
-    dense_s = dense_s or step_s
     tflops = report.train_flops_per_step(config) / step_s / 1e12
     rows.append((name, harness.describe_mesh(built.mesh), f'{harness.param_count(built):,}',
-                 f'{report.train_flops_per_step(config) / 1e9:.2f}', f'{compiled.total_s:.1f}',
+                 f'{report.train_flops_per_step(config) / 1e9:.2f}', f'{step.total_s:.1f}',
                  f'{step_s * 1e3:.1f}', f'{step_s / dense_s:.2f}', f'{tflops:.4f}', harness.spread(times)))
-    print(f'{name}: {step_s * 1e3:.1f} ms per step', flush=True)
   print(harness.describe_config(path, base))
   print(harness.table(('variant', 'mesh', 'parameters', 'GFLOP per step (active)', 'compile s', 'step ms',
                        'step / dense', 'model TFLOP/s', 'spread'), rows))

@@ -191,6 +191,9 @@ def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up
   n = b * length * k  # N: this device's choices.
   expert_N = jnp.where(routed_BLA, experts_BLA, num_experts).reshape(n)  # E: padding, routed nowhere.
   x_ND = jnp.repeat(x_BLD.reshape(b * length, d), k, axis=0)
+  # Tiles for the rows a device expects to compute, as many as its own choices: the padded exchange's
+  # buffers hold `exchange` times more, mostly padding that no tile covers.
+  tile = grouped.tile_rows(n, local, tile)
 
   def mlp(x_RD: jax.Array, group_R: jax.Array) -> jax.Array:
     y_RD = grouped.gated_mlp(x_RD, group_R, w_gate_EDF, w_up_EDF, w_down_EFD, activation, kernel=kernel,
