@@ -30,6 +30,8 @@ def main() -> int:
   import jax
   if jax.process_index() == 0:
     print(report.format_report(run.layout, run.abstract_state, run.mesh, run.plan, run.rules))
+    for note in run.notes:  # As the training run prints them.
+      print(f'note: {note}')
   return 0
 
 
