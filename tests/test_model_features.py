@@ -381,6 +381,36 @@ def test_linear_has_the_einsum_value_and_gradients(subscripts, x_axes, w_axes, o
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def _dot_generals(jaxpr: jax.extend.core.Jaxpr) -> list:
+  """Every dot_general of a jaxpr, those of nested jaxprs (scans, remat, shard_map) included."""
+  found = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == 'dot_general']
+  for eqn in jaxpr.eqns:
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _dot_generals(sub)
+  return found
+
+
+@pytest.mark.parametrize('overrides', [
+    ('model.remat=full', 'model.scan_layers=True'),
+    ('model.mlp_overlap=True',),
+    ('model.num_experts=4', 'model.experts_per_token=2', 'model.moe_every=2'),
+], ids=['scanned_remat', 'ring_mlp', 'experts'])
+def test_a_bfloat16_model_sums_every_matmul_of_its_step_in_float32(overrides):
+  # XLA:CPU multiplies bfloat16 operands as they are only into a float32 result; asked for bfloat16, it
+  # converts both to float32 first (the step took 1.5x as long, BENCHMARKS.md). So on the CPU every matmul
+  # of the step, gradients included, asks for float32 (`layers.matmul`).
+  config = small('dp4_tp2', 'model.compute_dtype=bfloat16', *overrides)
+  _, _, run = build(config)
+  with jax.set_mesh(run.mesh):
+    batch = jax.tree.map(lambda x: x[0], next(run.batches(tokenizer.load(config.data.tokenizer))))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, run.graphdef, batch, None)[0]))(
+        run.abstract_state.params)
+  dots = [eqn for eqn in _dot_generals(jaxpr.jaxpr) if any(v.aval.dtype == jnp.bfloat16 for v in eqn.invars)]
+  assert len(dots) >= 2 * 3 * config.model.num_layers  # q/k/v, scores, values, output, MLP; twice backward.
+  narrow = [str(eqn) for eqn in dots if eqn.params['preferred_element_type'] != jnp.float32]
+  assert not narrow, narrow[:3]
+
+
 def test_the_layer_conversion_frees_each_saved_array_as_soon_as_it_is_converted(host_params):
   """A checkpoint read in the other layout is converted one array at a time: never both layouts at once."""
   mesh, _, run = build(small('fsdp4_tp2', 'model.scan_layers=True'))

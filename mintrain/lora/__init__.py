@@ -27,7 +27,7 @@ from flax import nnx
 from mintrain.errors import ConfigError
 from mintrain.fields import option
 from mintrain.lora import quantize
-from mintrain.models.layers import LAYERS, Frozen, dropout
+from mintrain.models.layers import LAYERS, Frozen, dropout, matmul
 from mintrain.partitioning import AxisRules
 
 RANK = 'lora_rank'  # Logical name of the adapters' rank dimension.
@@ -155,8 +155,7 @@ class LoRA(nnx.Module):
     lead, ins, outs = _letters(len(axes) - self.inputs - self.outputs, self.inputs, self.outputs)
     a = rules.reshard(self.a[...].astype(dtype), self.a.get_metadata()['out_sharding'])
     b = rules.reshard(self.b[...].astype(dtype), self.b.get_metadata()['out_sharding'])
-    ab = jnp.einsum(f'{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}', a, b,
-                    out_sharding=rules.activation_spec(axes))
+    ab = matmul(f'{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}', a, b, rules.activation_spec(axes))
     return (ab * jnp.asarray(self.scaling, dtype)).astype(dtype)
 
   def term(self, x: jax.Array, *, rules: AxisRules, key: jax.Array) -> jax.Array:
@@ -167,10 +166,9 @@ class LoRA(nnx.Module):
     a = rules.reshard(self.a[...].astype(dtype), self.a.get_metadata()['out_sharding'])
     b = rules.reshard(self.b[...].astype(dtype), self.b.get_metadata()['out_sharding'])
     x = dropout(x, self.dropout, key)
-    xa = jnp.einsum(f'BL{ins},{ins}r->BLr', x, a,
-                    out_sharding=rules.activation_spec(('batch', 'length', RANK), x.shape[:2]))
+    xa = matmul(f'BL{ins},{ins}r->BLr', x, a, rules.activation_spec(('batch', 'length', RANK), x.shape[:2]))
     out_axes = ('batch', 'length', *self.axes[len(self.axes) - self.outputs:])
-    y = jnp.einsum(f'BLr,r{outs}->BL{outs}', xa, b, out_sharding=rules.activation_spec(out_axes, x.shape[:2]))
+    y = matmul(f'BLr,r{outs}->BL{outs}', xa, b, rules.activation_spec(out_axes, x.shape[:2]))
     return y * jnp.asarray(self.scaling, dtype)
 
   def gather(self, rules: AxisRules, dtype: jnp.dtype) -> jax.Array:

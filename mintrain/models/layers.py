@@ -82,23 +82,37 @@ def linear_for_platform(option: str, platform: str) -> str:
   return 'custom_vjp' if platform == 'cpu' else 'einsum'
 
 
+def matmul(subscripts: str, a: jax.Array, b: jax.Array, out_sharding=None,
+           dtype: jnp.dtype | None = None) -> jax.Array:
+  """`jnp.einsum(subscripts, a, b)` in `dtype` (the operands' by default), summed in float32 on the CPU.
+
+  Asked for a bfloat16 result, XLA:CPU converts both operands to float32 and multiplies at float32's
+  rate; asked for a float32 one, it multiplies the bfloat16 operands as they are, about twice as fast
+  (BENCHMARKS.md). Accelerators sum bfloat16 products in float32 whatever the result type, so there the
+  einsum asks for `dtype` itself; for float32 operands the two are the same.
+  """
+  dtype = jnp.result_type(a, b) if dtype is None else jnp.dtype(dtype)
+  wide = jnp.float32 if jax.default_backend() == 'cpu' else dtype
+  return jnp.einsum(subscripts, a, b, out_sharding=out_sharding, preferred_element_type=wide).astype(dtype)
+
+
 def linear(subscripts: str, x: jax.Array, w: jax.Array, out_sharding=None, *,
            custom_vjp: bool = True) -> jax.Array:
-  """`jnp.einsum(subscripts, x, w)` of activations `x` with a weight `w`, output named `MATMUL`.
+  """`matmul(subscripts, x, w)` of activations `x` with a weight `w`, output named `MATMUL`.
 
   Same value and gradients as the einsum; with `custom_vjp` only the weight gradient's operand
   order differs. Autodiff forms it as `einsum(dy, x)` and XLA:CPU's matmul then copies `dy`
   transposed (fused with whatever produced `dy`, e.g. SiLU's backward); the custom VJP transposes
-  the smaller of `x` and `dy` instead.
+  the smaller of `x` and `dy` instead, and sums its gradients' matmuls in float32 too.
   """
   if not custom_vjp:
-    return checkpoint_name(jnp.einsum(subscripts, x, w, out_sharding=out_sharding), MATMUL)
+    return checkpoint_name(matmul(subscripts, x, w, out_sharding), MATMUL)
   return checkpoint_name(_linear(subscripts, x, w, out_sharding), MATMUL)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def _linear(subscripts: str, x: jax.Array, w: jax.Array, out_sharding) -> jax.Array:
-  return jnp.einsum(subscripts, x, w, out_sharding=out_sharding)
+  return matmul(subscripts, x, w, out_sharding)
 
 
 def _linear_fwd(subscripts, x, w, out_sharding):
@@ -122,14 +136,14 @@ def _linear_bwd(subscripts, out_sharding, residuals, dy):
   x, w = residuals
   x_axes, rest = subscripts.split(',')
   w_axes, y_axes = rest.split('->')
-  _, x_vjp = jax.vjp(lambda x: jnp.einsum(subscripts, x, w, out_sharding=out_sharding), x)
+  _, x_vjp = jax.vjp(lambda x: matmul(subscripts, x, w, out_sharding), x)
   w_sharding = jax.typeof(w).sharding
   if x.size <= dy.size:
-    dw = jnp.einsum(f'{x_axes},{y_axes}->{w_axes}', x, dy, out_sharding=w_sharding)
+    dw = matmul(f'{x_axes},{y_axes}->{w_axes}', x, dy, w_sharding, w.dtype)
   else:
-    dw = jnp.einsum(f'{y_axes},{x_axes}->{w_axes}', dy, x, out_sharding=w_sharding)
+    dw = matmul(f'{y_axes},{x_axes}->{w_axes}', dy, x, w_sharding, w.dtype)
   # Under a shard_map that splits the rows by hand (the pipeline's), each device holds its rows' share.
-  return x_vjp(dy)[0], summed_as(dw, w).astype(w.dtype)
+  return x_vjp(dy)[0], summed_as(dw, w)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)

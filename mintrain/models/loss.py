@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mintrain.models.layers import matmul
 from mintrain.partitioning import AxisRules
 
 
@@ -58,8 +59,8 @@ def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, weight
   scale_BC = weights_BC * scale
   dlogits_BCV = (jnp.exp(logits_BCV - log_z_BC[..., None]) * scale_BC[..., None]).astype(x_BCD.dtype)
   dx_target_BCD, dw_target_DV = target_vjp(-scale_BC)
-  dx_BCD = jnp.einsum('BCV,DV->BCD', dlogits_BCV, w_DV, out_sharding=jax.typeof(x_BCD).sharding)
-  dw_DV = jnp.einsum('BCD,BCV->DV', x_BCD, dlogits_BCV, out_sharding=jax.typeof(w_DV).sharding)
+  dx_BCD = matmul('BCV,DV->BCD', dlogits_BCV, w_DV, jax.typeof(x_BCD).sharding, x_BCD.dtype)
+  dw_DV = matmul('BCD,BCV->DV', x_BCD, dlogits_BCV, jax.typeof(w_DV).sharding, w_DV.dtype)
   return jnp.sum((log_z_BC - target_BC) * weights_BC), dx_BCD + dx_target_BCD, dw_DV + dw_target_DV
 
 

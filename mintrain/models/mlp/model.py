@@ -19,7 +19,7 @@ from mintrain.data import synthetic
 from mintrain.errors import ConfigError
 from mintrain.fields import option
 from mintrain.models.family import ModelConfig, Placement, Ways
-from mintrain.models.layers import dropout, gather, param
+from mintrain.models.layers import dropout, gather, matmul, param
 from mintrain.models.loss import cross_entropy
 from mintrain.partitioning import AxisRules
 
@@ -99,7 +99,7 @@ class MLP(nnx.Module):
     last = len(self.axes) - 1
     for i, (w, b, (_, out_axis)) in enumerate(zip(self.weights, self.biases, self.axes)):
       out_spec = rules.activation_spec(('batch', out_axis))
-      x = jnp.einsum('BD,DF->BF', x, gather(w, rules, dtype), out_sharding=out_spec)
+      x = matmul('BD,DF->BF', x, gather(w, rules, dtype), out_spec)
       x = x + gather(b, rules, dtype)
       if i < last:
         key = jax.random.fold_in(dropout_key, i) if dropout_key is not None else None

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from mintrain.models.family import Placement
-from mintrain.models.layers import fold, gather, gather_split, linear, param, plus
+from mintrain.models.layers import fold, gather, gather_split, linear, matmul, param, plus
 from mintrain.models.transformer.config import TransformerConfig
 from mintrain.models.transformer.context_attention import ring_attention, scores, visible
 from mintrain.partitioning import AxisRules
@@ -312,7 +312,7 @@ class Attention(nnx.Module):
     probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(dtype)
     # Stated, as a decode step's keys may be split: then this contraction sums over `context`.
     out_spec = self.rules.activation_spec(BLHK, q_BLHK.shape)
-    return self._project(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK, out_sharding=out_spec), key)
+    return self._project(matmul('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK, out_spec), key)
 
   def _project(self, out_BLHK: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """The output projection of the heads' outputs back to the residual stream."""

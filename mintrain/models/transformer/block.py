@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mintrain.models.family import Placement
-from mintrain.models.layers import RMSNorm, dropout, fold, gather, gather_split, linear, param, plus
+from mintrain.models.layers import RMSNorm, dropout, fold, gather, gather_split, linear, matmul, param, plus
 from mintrain.models.transformer import collective_matmul, mla, moe
 from mintrain.models.transformer.attention import BLD, Attention
 from mintrain.models.transformer.config import ACTIVATIONS, TransformerConfig
@@ -127,6 +127,6 @@ class PredictAhead(nnx.Module):
   def __call__(self, h_BLD: jax.Array, e_BLD: jax.Array, key: jax.Array | None, positions_BL: jax.Array,
                segment_ids_BL: jax.Array | None) -> jax.Array:
     joined_BLC = jnp.concatenate([self.embed_norm(e_BLD), self.hidden_norm(h_BLD)], axis=-1)
-    h_BLD = jnp.einsum('BLC,CD->BLD', joined_BLC, gather(self.join_CD, self.rules, h_BLD.dtype),
-                       out_sharding=self.rules.activation_spec(BLD, h_BLD.shape[:2]))
+    h_BLD = matmul('BLC,CD->BLD', joined_BLC, gather(self.join_CD, self.rules, h_BLD.dtype),
+                   self.rules.activation_spec(BLD, h_BLD.shape[:2]))
     return self.block(h_BLD, key, positions_BL, segment_ids_BL)[0]

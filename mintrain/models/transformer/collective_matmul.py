@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from mintrain.models.layers import matmul
 from mintrain.partitioning import AxisRules, spec_axes
 
 
@@ -43,8 +44,8 @@ def _ring_mlp(x_BCD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down
   for step in range(n):
     for stream, h_list in zip(streams, hidden):
       x, perm = stream
-      gate_BCF = jnp.einsum('BCD,DF->BCF', x, w_gate_DF)
-      up_BCF = jnp.einsum('BCD,DF->BCF', x, w_up_DF)
+      gate_BCF = matmul('BCD,DF->BCF', x, w_gate_DF)
+      up_BCF = matmul('BCD,DF->BCF', x, w_up_DF)
       h_list.append(activation(gate_BCF) * up_BCF)
       if step < n - 1:
         stream[0] = jax.lax.ppermute(x, axes, perm)
@@ -55,7 +56,7 @@ def _ring_mlp(x_BCD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down
   for (_, perm), h_list in zip(streams, hidden):
     acc_BCD = None
     for step in range(n):
-      part_BCD = jnp.einsum('BCF,FD->BCD', h_list[(step + 1) % n], w_down_FD)
+      part_BCD = matmul('BCF,FD->BCD', h_list[(step + 1) % n], w_down_FD)
       acc_BCD = part_BCD if acc_BCD is None else acc_BCD + part_BCD
       if step < n - 1:
         acc_BCD = jax.lax.ppermute(acc_BCD, axes, perm)

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mintrain.models.layers import matmul
+
 NEG = float(jnp.finfo(jnp.float32).min)  # A masked score: exp(NEG - m) is 0 for any real m.
 
 
@@ -39,7 +41,7 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, q_seg: jax.Array | None = None,
 
 def scores(q_BLHK: jax.Array, k_BMHK: jax.Array, scale: float, softcap: float) -> jax.Array:
   """float32 (B, H, L, M) attention scores, soft-capped to softcap * tanh(s / softcap) when softcap > 0."""
-  scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32) * scale
+  scores_BHLM = matmul('BLHK,BMHK->BHLM', q_BLHK, k_BMHK, dtype=jnp.float32) * scale
   if softcap:
     scores_BHLM = softcap * jnp.tanh(scores_BHLM / softcap)
   return scores_BHLM
@@ -76,7 +78,7 @@ def _block(acc: tuple[jax.Array, jax.Array, jax.Array], q_BCHK: jax.Array, k_BMH
   p_BHCM = jnp.where(mask_B1CM, jnp.exp(scores_BHCM - m_new_BHC[..., None]), 0.0)
   correction_BHC = jnp.exp(m_BHC - m_new_BHC)
   l_BHC = l_BHC * correction_BHC + jnp.sum(p_BHCM, axis=-1)
-  pv_BCHK = jnp.einsum('BHCM,BMHK->BCHK', p_BHCM.astype(v_BMHK.dtype), v_BMHK).astype(jnp.float32)
+  pv_BCHK = matmul('BHCM,BMHK->BCHK', p_BHCM.astype(v_BMHK.dtype), v_BMHK, dtype=jnp.float32)
   o_BCHK = o_BCHK * jnp.moveaxis(correction_BHC, 1, 2)[..., None] + pv_BCHK
   return o_BCHK, m_new_BHC, l_BHC
 

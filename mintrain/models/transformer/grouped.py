@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mintrain.models.layers import summed_as, varying_axes
+from mintrain.models.layers import matmul, summed_as, varying_axes
 
 
 def tile_rows(rows: int, groups: int, tile: int) -> int:
@@ -80,7 +80,7 @@ def _tiles_times(x_NTD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, tiles: 
   """Tile i (of the first `tiles`) times matrix group_N[i]; the tiles past them stay zeros."""
   def body(i, y_NTF):
     w_DF = jax.lax.dynamic_index_in_dim(w_GDF, group_N[i], keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(y_NTF, x_NTD[i] @ w_DF, i, 0)
+    return jax.lax.dynamic_update_index_in_dim(y_NTF, matmul('TD,DF->TF', x_NTD[i], w_DF), i, 0)
   y_NTF = _zeros((*x_NTD.shape[:2], w_GDF.shape[-1]), jnp.result_type(x_NTD, w_GDF), x_NTD, w_GDF)
   return jax.lax.fori_loop(0, tiles, body, y_NTF)
 
@@ -102,8 +102,10 @@ def _tiled_matmul_bwd(residuals, dy_NTF):
     dx_NTD, dw_GDF = grads
     g = group_N[i]
     w_DF = jax.lax.dynamic_index_in_dim(w_GDF, g, keepdims=False)
-    dx_NTD = jax.lax.dynamic_update_index_in_dim(dx_NTD, (dy_NTF[i] @ w_DF.T).astype(dx_NTD.dtype), i, 0)
-    dw_DF = jax.lax.dynamic_index_in_dim(dw_GDF, g, keepdims=False) + x_NTD[i].T @ dy_NTF[i]
+    dx_TD = matmul('TF,DF->TD', dy_NTF[i], w_DF, dtype=dx_NTD.dtype)
+    dx_NTD = jax.lax.dynamic_update_index_in_dim(dx_NTD, dx_TD, i, 0)
+    dw_DF = (jax.lax.dynamic_index_in_dim(dw_GDF, g, keepdims=False)
+             + matmul('TD,TF->DF', x_NTD[i], dy_NTF[i], dtype=jnp.float32))
     return dx_NTD, jax.lax.dynamic_update_index_in_dim(dw_GDF, dw_DF.astype(dw_GDF.dtype), g, 0)
 
   like = (x_NTD, w_GDF, dy_NTF)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mintrain.models.family import Placement
-from mintrain.models.layers import gather, linear, param
+from mintrain.models.layers import gather, linear, matmul, param
 from mintrain.models.transformer.attention import BLHK, Attention, rope, rope_frequencies
 from mintrain.models.transformer.config import TransformerConfig
 from mintrain.models.transformer.context_attention import visible
@@ -125,8 +125,8 @@ class LatentAttention(Attention):
               visible_LM: jax.Array) -> jax.Array:
     """Softmax attention at MLA's scale over the keys each query may see, then the output projection."""
     k_BMHK, v_BMHU = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHU)
-    scores_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK).astype(jnp.float32) * self.scale
+    scores_BHLM = matmul('BLHK,BMHK->BHLM', q_BLHK, k_BMHK, dtype=jnp.float32) * self.scale
     scores_BHLM = jnp.where(visible_LM, scores_BHLM, jnp.finfo(jnp.float32).min)
     probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(q_BLHK.dtype)
     out_spec = self.rules.activation_spec(BLHK, q_BLHK.shape)
-    return self._project(jnp.einsum('BHLM,BMHU->BLHU', probs_BHLM, v_BMHU, out_sharding=out_spec))
+    return self._project(matmul('BHLM,BMHU->BLHU', probs_BHLM, v_BMHU, out_spec))

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mintrain.models.layers import fold, gather, gather_split, param, plus
+from mintrain.models.layers import fold, gather, gather_split, matmul, param, plus
 from mintrain.models.transformer import grouped
 from mintrain.partitioning import AxisRules, spec_axes
 
@@ -104,7 +104,7 @@ def _dispatch(x_LD: jax.Array, slot_LA: jax.Array, kept_LA: jax.Array, num_slots
 def _combine(y_SD: jax.Array, slot_LA: jax.Array, kept_LA: jax.Array, weights_LA: jax.Array) -> jax.Array:
   """Each token's output: its kept choices' expert outputs, weighted by the router (L, D)."""
   y_LAD = y_SD[jnp.where(kept_LA, slot_LA, 0)]
-  return jnp.einsum('LAD,LA->LD', y_LAD, jnp.where(kept_LA, weights_LA, 0).astype(y_SD.dtype))
+  return matmul('LAD,LA->LD', y_LAD, jnp.where(kept_LA, weights_LA, 0).astype(y_SD.dtype))
 
 
 def _experts_local(x_BLD, slot_BLA, kept_BLA, weights_BLA, w_gate_EDF, w_up_EDF, w_down_EFD, *,
@@ -116,9 +116,9 @@ def _experts_local(x_BLD, slot_BLA, kept_BLA, weights_BLA, w_gate_EDF, w_up_EDF,
   x_BECD = x_BSD.reshape(b, num_experts, cap, d)
   if expert_axes:  # Its experts' slots from every device of the expert group: (ep * B, E / ep, C, D).
     x_BECD = jax.lax.all_to_all(x_BECD, expert_axes, split_axis=1, concat_axis=0, tiled=True)
-  gate_BECF = jnp.einsum('BECD,EDF->BECF', x_BECD, w_gate_EDF)
-  up_BECF = jnp.einsum('BECD,EDF->BECF', x_BECD, w_up_EDF)
-  y_BECD = jnp.einsum('BECF,EFD->BECD', activation(gate_BECF) * up_BECF, w_down_EFD)
+  gate_BECF = matmul('BECD,EDF->BECF', x_BECD, w_gate_EDF)
+  up_BECF = matmul('BECD,EDF->BECF', x_BECD, w_up_EDF)
+  y_BECD = matmul('BECF,EFD->BECD', activation(gate_BECF) * up_BECF, w_down_EFD)
   if mlp_axes:  # Each device summed its part of F.
     y_BECD = jax.lax.psum(y_BECD, mlp_axes)
   if expert_axes:
@@ -231,7 +231,7 @@ def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up
   kept_BLA = kept_N.reshape(b, length, k)
   y_BLAD = y_ND.reshape(b, length, k, d)
   weights_BLA = jnp.where(kept_BLA, weights_BLA, 0).astype(y_BLAD.dtype)
-  return jnp.einsum('BLAD,BLA->BLD', y_BLAD, weights_BLA), kept_BLA
+  return matmul('BLAD,BLA->BLD', y_BLAD, weights_BLA), kept_BLA
 
 
 def expert_layout(rules: AxisRules) -> tuple[P, P, P, tuple[str, ...], tuple[str, ...]]:
@@ -348,10 +348,10 @@ class MoE(nnx.Module):
     (w_gate_DF, gate), (w_up_DF, up), (w_down_FD, down) = (
         gather_split(w, rules, dtype, fold(key, i))
         for i, w in enumerate((self.shared_wi_gate_DF, self.shared_wi_up_DF, self.shared_wo_FD)))
-    gate_BLF = plus(jnp.einsum('BLD,DF->BLF', x_BLD, w_gate_DF), gate, x_BLD)
-    up_BLF = plus(jnp.einsum('BLD,DF->BLF', x_BLD, w_up_DF), up, x_BLD)
+    gate_BLF = plus(matmul('BLD,DF->BLF', x_BLD, w_gate_DF), gate, x_BLD)
+    up_BLF = plus(matmul('BLD,DF->BLF', x_BLD, w_up_DF), up, x_BLD)
     h_BLF = rules.reshard(self.activation(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    y_BLD = plus(jnp.einsum('BLF,FD->BLD', h_BLF, w_down_FD, out_sharding=rules.activation_spec(BLD)), down,
+    y_BLD = plus(matmul('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD)), down,
                  h_BLF)
     if not self.cfg.shared_expert_gate:
       return y_BLD
