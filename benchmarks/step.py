@@ -41,6 +41,8 @@ VARIANTS = {
     'mlp_overlap': ('model.mlp_overlap=True',),
     'unfused_loss': ('model.loss_chunks=0',),
     'loss_chunks=4': ('model.loss_chunks=4',),
+    'bfloat16': ('model.compute_dtype=bfloat16',),
+    'maxtext_shipped': ('model.compute_dtype=bfloat16', 'model.remat=full', 'model.scan_layers=True'),
 }
 
 

@@ -5,6 +5,7 @@ nvidia.com/en-us/data-center/{h100,h200,a100,l4}/, cloud.google.com/tpu/docs/{v4
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -64,7 +65,9 @@ def measure_matmul_tflops(dtype: jnp.dtype | str = jnp.float32, size: int | None
   rng = np.random.default_rng(0)
   a, b = (jax.device_put(rng.standard_normal((size, size), np.float32).astype(jnp.dtype(dtype)), device)
           for _ in range(2))
-  matmul = jax.jit(jnp.matmul)
+  # Summed into float32, as the model's matmuls are on the CPU (`models.layers.matmul`): XLA:CPU multiplies
+  # bfloat16 operands as they are only into a float32 result, and converts them to float32 first otherwise.
+  matmul = jax.jit(functools.partial(jnp.matmul, preferred_element_type=jnp.float32))
   times: list[float] = []
   # A one-device mesh of its own, so a training mesh that is active around the call does not apply.
   with jax.set_mesh(jax.make_mesh((1,), ('device',), devices=[device])):
