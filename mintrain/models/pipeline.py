@@ -71,8 +71,9 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
 
   Known cost: the residuals autodiff saves of the schedule leave its shard_map whole over `model` (JAX
   lowers a partially manual shard_map's outputs replicated over the explicit axes its out_specs do not
-  name), so without `model.remat=full` a device keeps its activations whole over tensor parallelism; the
-  memory plan counts them so.
+  name, even where their types say split: taking the VJP inside the shard_map and returning its residuals
+  did not change that), so without `model.remat=full` a device keeps its activations whole over tensor
+  parallelism; the memory plan counts them so.
   """
   stages, m, repeats = schedule.stages, schedule.microbatches, schedule.repeats
   rows = x_BLD.shape[0]
@@ -81,9 +82,8 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
   x_MbLD = _microbatches(x_BLD, m)
   args_M = [_microbatches(a, m) if s else a for a, s in zip(args, split)]
   block = params_N[0].shape[0] // (stages * repeats)
-  # The rows' mesh axes are split by hand too: a shard_map's outputs, the residuals that autodiff saves of
-  # the schedule included, are whole on every axis it does not split by hand, so over an explicit `data`
-  # every device would keep all of the rows' residuals.
+  # The rows' mesh axes are split by hand too: over an explicit `data`, by the known cost above, every
+  # device would keep all of the rows' residuals.
   rows_axes = _axes(jax.typeof(x_MbLD).sharding.spec, 1)
   by_hand = (STAGE, *rows_axes)
   rows_spec = P(None, rows_axes or None)
