@@ -394,7 +394,9 @@ def _dot_generals(jaxpr: jax.extend.core.Jaxpr) -> list:
     ('model.remat=full', 'model.scan_layers=True'),
     ('model.mlp_overlap=True',),
     ('model.num_experts=4', 'model.experts_per_token=2', 'model.moe_every=2'),
-], ids=['scanned_remat', 'ring_mlp', 'experts'])
+    ('model.loss_chunks=0', 'model.num_experts=4', 'model.shared_expert_dim=32',
+     'model.shared_expert_gate=True'),
+], ids=['scanned_remat', 'ring_mlp', 'experts', 'unfused_loss_shared_expert'])
 def test_a_bfloat16_model_sums_every_matmul_of_its_step_in_float32(overrides):
   # XLA:CPU multiplies bfloat16 operands as they are only into a float32 result; asked for bfloat16, it
   # converts both to float32 first (the step took 1.5x as long, BENCHMARKS.md). So on the CPU every matmul

@@ -24,6 +24,7 @@ from mintrain.models.family import Placement
 from mintrain.models.layers import (
   MATMUL,
   gather,
+  matmul,
   on_params_mesh,
   param,
   run_layers,
@@ -303,7 +304,7 @@ class Transformer(nnx.Module):
   def _vocab_logits(self, h_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
     """float32 logits of normed hidden states (the model's or a prediction depth's), soft-capped as
     `_logits` says."""
-    logits_BLV = jnp.einsum('BLD,DV->BLV', h_BLD, self._unembedding(table_VD)).astype(jnp.float32)
+    logits_BLV = matmul('BLD,DV->BLV', h_BLD, self._unembedding(table_VD)).astype(jnp.float32)
     if cap := self.cfg.final_softcap:
       logits_BLV = cap * jnp.tanh(logits_BLV / cap)
     return self.rules.reshard(logits_BLV, ('batch', 'length', 'vocab'))

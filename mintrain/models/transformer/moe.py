@@ -355,5 +355,5 @@ class MoE(nnx.Module):
                  h_BLF)
     if not self.cfg.shared_expert_gate:
       return y_BLD
-    gate_BL1 = jax.nn.sigmoid(jnp.einsum('BLD,DO->BLO', x_BLD, gather(self.shared_gate_D1, rules, dtype)))
+    gate_BL1 = jax.nn.sigmoid(matmul('BLD,DO->BLO', x_BLD, gather(self.shared_gate_D1, rules, dtype)))
     return y_BLD * gate_BL1
