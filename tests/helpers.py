@@ -64,6 +64,15 @@ def spec_entries(spec) -> tuple:
   return tuple(entries)
 
 
+def equations(jaxpr: jax.extend.core.Jaxpr, primitive: str) -> list:
+  """Every equation of `primitive` in a jaxpr, those of nested jaxprs (scans, remat, shard_map) included."""
+  found = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == primitive]
+  for eqn in jaxpr.eqns:
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += equations(sub, primitive)
+  return found
+
+
 def quiet(*_):
   pass
 

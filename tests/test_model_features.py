@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import build as build_run
-from helpers import convert_layers, fill, flat, load_config, mesh_devices, quiet
+from helpers import convert_layers, equations, fill, flat, load_config, mesh_devices, quiet
 
 from mintrain import errors, report, train_state
 from mintrain import loop as train_loop
@@ -381,15 +381,6 @@ def test_linear_has_the_einsum_value_and_gradients(subscripts, x_axes, w_axes, o
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def _dot_generals(jaxpr: jax.extend.core.Jaxpr) -> list:
-  """Every dot_general of a jaxpr, those of nested jaxprs (scans, remat, shard_map) included."""
-  found = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == 'dot_general']
-  for eqn in jaxpr.eqns:
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      found += _dot_generals(sub)
-  return found
-
-
 @pytest.mark.parametrize('overrides', [
     ('model.remat=full', 'model.scan_layers=True'),
     ('model.mlp_overlap=True',),
@@ -407,7 +398,8 @@ def test_a_bfloat16_model_sums_every_matmul_of_its_step_in_float32(overrides):
     batch = jax.tree.map(lambda x: x[0], next(run.batches(tokenizer.load(config.data.tokenizer))))
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, run.graphdef, batch, None)[0]))(
         run.abstract_state.params)
-  dots = [eqn for eqn in _dot_generals(jaxpr.jaxpr) if any(v.aval.dtype == jnp.bfloat16 for v in eqn.invars)]
+  dots = [eqn for eqn in equations(jaxpr.jaxpr, 'dot_general')
+          if any(v.aval.dtype == jnp.bfloat16 for v in eqn.invars)]
   assert len(dots) >= 2 * 3 * config.model.num_layers  # q/k/v, scores, values, output, MLP; twice backward.
   narrow = [str(eqn) for eqn in dots if eqn.params['preferred_element_type'] != jnp.float32]
   assert not narrow, narrow[:3]

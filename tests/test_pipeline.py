@@ -6,7 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, build, load_config, mesh_devices, quiet
+from helpers import TINY, build, equations, load_config, mesh_devices, quiet
 
 from mintrain import loop as train_loop
 from mintrain.data import tokenizer
@@ -183,16 +183,6 @@ def test_the_memory_plan_counts_what_xla_keeps_for_the_pipelined_step(mesh, micr
   assert 1 / 1.5 <= run.plan.activations / temp <= 1.5, (run.plan.activations, temp)
 
 
-def _scans(jaxpr: jax.extend.core.Jaxpr) -> list:
-  """Every scan in a jaxpr, nested ones included."""
-  found = []
-  for eqn in jaxpr.eqns:
-    found += [eqn] if eqn.primitive.name == 'scan' else []
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      found += _scans(sub)
-  return found
-
-
 @pytest.mark.parametrize('mesh, remat, per_step', [
     ('stage2_data2_model2', 'none', False),
     ('stage2_data2_model2_repeats2', 'full', False),
@@ -213,7 +203,7 @@ def test_the_schedule_keeps_no_copy_of_its_stages_weights_per_step_but_circular_
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, run.graphdef, batch, None)[0]))(
         run.abstract_state.params)
   iterations = run.placement.pipeline.iterations
-  schedules = [eqn for eqn in _scans(jaxpr.jaxpr) if eqn.params['length'] == iterations]
+  schedules = [eqn for eqn in equations(jaxpr.jaxpr, 'scan') if eqn.params['length'] == iterations]
   kept = [v.aval.shape for eqn in schedules for v in eqn.outvars[eqn.params['num_carry']:]]
   assert kept and all(shape[0] == iterations for shape in kept)
   weights = [shape for shape in kept if len(shape) > 2 and 24 not in shape]
