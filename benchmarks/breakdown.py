@@ -33,7 +33,7 @@ import harness
 import jax
 
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
-HELPERS = ('gather', 'AxisRules.reshard', 'matmul')  # Their time goes to the layer that gathers or reshards.
+HELPERS = ('gather', 'AxisRules.reshard', 'matmul')  # Their time goes to the layer that calls them.
 # `models.layers.linear` is a custom VJP; JAX traces its rules once per shape and reuses them, so
 # their stacks name whichever layer came first. Its matmuls form one row instead.
 LINEAR = ('linear', '_linear', '_linear_fwd', '_linear_bwd')
