@@ -187,6 +187,7 @@ def test_the_memory_plan_counts_what_xla_keeps_for_the_pipelined_step(mesh, micr
     ('stage2_data2_model2', 'none', False),
     ('stage2_data2_model2_repeats2', 'full', False),
     ('stage2_data2_model2_repeats2', 'none', True),
+    ('stage2_fsdp2_model2', 'none', False),  # Gathered inside the block: still kept once.
 ])
 def test_the_schedule_keeps_no_copy_of_its_stages_weights_per_step_but_circular_without_remat(
     mesh, remat, per_step):
