@@ -70,12 +70,17 @@ def test_the_cpu_calibration_is_measured_once_per_machine_and_keeps_the_best(mon
   [key] = [k for k in json.loads(hardware.calibration_cache().read_text()) if k.endswith('float32')]
   assert hardware.keep_best(key, 0.2) == 0.5 and hardware.keep_best(key, 0.8) == 0.8
   assert hardware.calibrated_tflops('float32', cpu) == 0.8 and len(measured) == 2
-  hardware.observed(cpu, 'float32', 0.7 / jax.local_device_count())  # Below the peak: nothing measured.
+  hardware.observed(cpu, 'float32', 0.6 / jax.local_device_count())  # 75% of the peak: nothing measured.
   assert len(measured) == 2
-  hardware.observed(cpu, 'float32', 0.9 / jax.local_device_count())  # A run beat it: measured again,
-  assert len(measured) == 3 and hardware.calibrated_tflops('float32', cpu) == 0.8  # the best one kept.
+  # A run at 87.5% of the peak (a calibration taken under load reads so, the case that made the default
+  # run report 95.7% MFU) is measured again, the best figure kept; so is a run that beats it.
+  hardware.observed(cpu, 'float32', 0.7 / jax.local_device_count())
+  assert len(measured) == 3 and hardware.calibrated_tflops('float32', cpu) == 0.8
+  monkeypatch.setattr(hardware, 'measure_matmul_tflops', lambda dtype, device: measured.append(dtype) or 1.6)
+  hardware.observed(cpu, 'float32', 0.9 / jax.local_device_count())
+  assert len(measured) == 4 and hardware.calibrated_tflops('float32', cpu) == 1.6
   hardware.calibration_cache().write_text('{not json')  # A damaged cache is measured again.
-  assert hardware.calibrated_tflops('float32', cpu) == 0.5 and len(measured) == 4
+  assert hardware.calibrated_tflops('float32', cpu) == 1.6 and len(measured) == 5
 
 
 def test_calibration_is_positive_finite_and_quick():
