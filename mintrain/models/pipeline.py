@@ -73,7 +73,7 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
   lowers a partially manual shard_map's outputs replicated over the explicit axes its out_specs do not
   name, even where their types say split: taking the VJP inside the shard_map and returning its residuals
   did not change that), so without `model.remat=full` a device keeps its activations whole over tensor
-  parallelism; the memory plan counts them so.
+  parallelism; the memory plan counts them so. JAX 0.12 keeps them split (BENCHMARKS.md).
   """
   stages, m, repeats = schedule.stages, schedule.microbatches, schedule.repeats
   rows = x_BLD.shape[0]
