@@ -63,6 +63,7 @@ def test_bench_tiny_keeps_at_least_nine_tenths_of_its_recorded_share_of_the_matm
       f'bench_tiny reaches {ratio:.1%} of the matmul rate; BENCHMARKS.md records {recorded_ratio():.1%}')
 
 
+@pytest.mark.slow  # A bench_tiny-sized compile in a fresh process, like the benchmarks' smoke runs.
 def test_peers_mintrain_half_runs_bench_tiny_steps_in_a_fresh_process_with_mintrains_allocator_setting(
     tmp_path):
   proc = run_script('benchmarks/peers.py', '--only', 'mintrain', '--smoke', '--configs', 'float32',
