@@ -23,8 +23,7 @@ def test_checkpoint_benchmark_smoke_prints_a_table_of_positive_times():
 
 def smoke(script: str) -> tuple[str, list[str], list[list[str]]]:
   """Runs `benchmarks/SCRIPT --smoke` without device flags: (stdout, table header, table rows). The time
-  limit only catches a hang: moe.py compiles ten programs, 2 minutes alone and about 5 beside the other
-  workers on 2 cores."""
+  limit only catches a hang: moe.py compiles ten programs, which beside the other workers takes minutes."""
   proc = run_script(f'benchmarks/{script}', '--smoke', timeout=900)
   assert proc.returncode == 0, proc.stderr
   rows = [[c.strip() for c in line.strip('|').split('|')] for line in proc.stdout.splitlines()

@@ -3,6 +3,7 @@
 import dataclasses
 import re
 
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -184,7 +185,8 @@ def test_four_micro_batches_equal_one_four_times_larger_batch(short_docs, packin
   data = () if packing == 'pack' else (*short_docs, 'data.packing=pad')
   results = {}
   for accum in (1, 4):
-    config = load_config('dp4_tp2', 'train.global_batch_size=32', f'train.grad_accum_steps={accum}', *data)
+    config = load_config('dp4_tp2', *helpers.SMALL, 'train.global_batch_size=32',
+                         f'train.grad_accum_steps={accum}', *data)
     mesh = make_mesh(config.mesh.sizes)
     rules = AxisRules.from_config(config.partitioning)
     setup = build(config)
@@ -220,7 +222,7 @@ def test_mlp_learns_its_teacher_under_tensor_parallelism():
 
 
 def test_nan_loss_stops_the_run_and_names_the_step():
-  config = load_config('dp8', 'train.steps=6', 'train.log_every=3')
+  config = load_config('dp8', *helpers.TINY, 'train.steps=6', 'train.log_every=3')
   config = config.replace(optimizer=dataclasses.replace(config.optimizer, learning_rate=float('nan')))
   with pytest.raises(NonFiniteLossError, match=r'Non-finite .*param_norm=nan at step 1'):
     train_loop.run(config, None, print_fn=quiet)
