@@ -193,6 +193,28 @@ def test_expert_parallel_step_dispatches_tokens_with_all_to_all():
   assert 'all-to-all(' not in single
 
 
+@pytest.mark.parametrize('router', ['softmax', 'sigmoid in groups'])
+def test_the_router_chooses_on_each_devices_own_tokens(router):
+  # XLA's partitioner gathers a split top-k's operand onto every device: the global batch's scores.
+  groups = {} if router == 'softmax' else {'bias_E': jnp.linspace(0, 0.1, 8), 'groups': 4, 'group_topk': 2}
+  logits_BLE = jax.random.normal(jax.random.key(0), (8, 16, 8))
+  route = jax.jit(lambda x: moe.route(x, 2, norm_topk=True, **groups))
+  expected = route(logits_BLE)
+  mesh = make_mesh({'data': 2, 'expert': 4})
+  with jax.set_mesh(mesh):
+    split = jax.device_put(logits_BLE, jax.P(('data', 'expert')))
+    compiled = route.lower(split).compile()
+    got = compiled(split)
+  assert 'all-gather' not in compiled.as_text()
+  for a, b in zip(got, expected):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_dropless_step_on_data_and_expert_gathers_nothing():
+  _, text = step_metrics('expert4_data2')
+  assert 'all-gather' not in text
+
+
 def test_analytic_flops_count_active_experts_and_agree_with_xla():
   """With capacity factor 1 (L * k / E slots per expert), the experts compute exactly the active FLOPs;
   dispatch and combine are gathers and scatters, not matmuls. As in tests/test_flops.py, the rest XLA

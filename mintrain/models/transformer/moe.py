@@ -48,6 +48,20 @@ def capacity(seq_len: int, num_experts: int, k: int, capacity_factor: float) -> 
   return min(seq_len, max(1, math.ceil(capacity_factor * seq_len * k / num_experts)))
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`jax.lax.top_k` over the last axis, each device on its own rows. XLA's partitioner gathers a split
+  TopK's operand whole onto every device: the router scores of the global batch, on each of them."""
+  spec = P(*jax.typeof(x).sharding.spec, *(None,) * (x.ndim - len(jax.typeof(x).sharding.spec)))
+  if spec[-1] is not None:
+    spec = P(*spec[:-1], None)
+    x = jax.sharding.reshard(x, spec)
+  axes = {a for entry in spec for a in spec_axes(entry)}
+  if not axes:
+    return jax.lax.top_k(x, k)
+  return jax.shard_map(lambda x: tuple(jax.lax.top_k(x, k)), in_specs=spec, out_specs=(spec, spec),
+                       axis_names=axes)(x)
+
+
 def route(logits_BLE: jax.Array, k: int, norm_topk: bool, *, bias_E: jax.Array | None = None,
           groups: int = 1, group_topk: int = 1, scale: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(probs_BLE, weights_BLA, experts_BLA): the scores (softmax; sigmoid when `bias_E` is given), the top
@@ -60,11 +74,11 @@ def route(logits_BLE: jax.Array, k: int, norm_topk: bool, *, bias_E: jax.Array |
     choice_BLE = probs_BLE + jax.lax.stop_gradient(bias_E)
   if groups > 1:  # Only the experts of the group_topk groups whose two best choices sum highest.
     b, length, e = choice_BLE.shape
-    group_BLG = jnp.sum(jax.lax.top_k(choice_BLE.reshape(b, length, groups, e // groups), 2)[0], axis=-1)
-    kept_BLG = jnp.sum(jax.nn.one_hot(jax.lax.top_k(group_BLG, group_topk)[1], groups, dtype=bool), axis=-2)
+    group_BLG = jnp.sum(top_k(choice_BLE.reshape(b, length, groups, e // groups), 2)[0], axis=-1)
+    kept_BLG = jnp.sum(jax.nn.one_hot(top_k(group_BLG, group_topk)[1], groups, dtype=bool), axis=-2)
     kept_BLE = jnp.repeat(kept_BLG, e // groups, axis=-1)
     choice_BLE = jnp.where(kept_BLE, choice_BLE, -jnp.inf)
-  _, experts_BLA = jax.lax.top_k(choice_BLE, k)
+  _, experts_BLA = top_k(choice_BLE, k)
   weights_BLA = jnp.take_along_axis(probs_BLE, experts_BLA, axis=-1)
   if norm_topk:
     tiny = 0.0 if bias_E is None else 1e-20  # DeepSeek's guard against a zero sum.
