@@ -89,7 +89,7 @@ def test_unsupported_pipelines_are_config_errors_before_compiling(overrides, mes
     build(config)
 
 
-def test_a_pipeline_with_tensor_parallelism_says_what_full_remat_saves():
+def test_a_pipeline_says_what_remat_saves():
   # Its activations leave the schedule whole over `model` unless each layer keeps only its input.
   def notes(mesh: str, remat: str) -> list[str]:
     return build(load_config('dp4_tp2', *PIPELINED, *MESHES[mesh], f'model.remat={remat}')).notes
@@ -98,6 +98,11 @@ def test_a_pipeline_with_tensor_parallelism_says_what_full_remat_saves():
              for n in notes('stage2_data2_model2', 'none'))
   assert not [n for n in notes('stage2_data2_model2', 'full') + notes('stage4_data2', 'none')
               if 'tensor split' in n]
+  # The circular schedule keeps its rounds' weights per step without remat (the test below).
+  assert any('keeps a copy of its round' in n and 'model.remat=save_matmuls' in n
+             for n in notes('stage2_data2_model2_repeats2', 'none'))
+  assert not [n for n in notes('stage2_data2_model2_repeats2', 'save_matmuls')
+              + notes('stage2_data2_model2', 'none') if 'round' in n]
 
 
 def host(tree):
