@@ -25,7 +25,7 @@ from mintrain.config import Config
 from mintrain.data import statistics, tokenizer
 from mintrain.data.batches import GlobalBatches
 from mintrain.objectives.objective import Rollout
-from mintrain.runtime import distributed, hardware, preemption, storage
+from mintrain.runtime import caches, distributed, hardware, preemption, storage
 from mintrain.runtime.run_lock import RunLock
 from mintrain.runtime.watchdog import Watchdog
 from mintrain.train_state import TrainState
@@ -252,6 +252,8 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     run_log = stack.enter_context(actions_lib.RunLog(workdir))
     logs = run_log.path.parent if run_log.path is not None else None  # A remote one: stderr.
     watchdog = stack.enter_context(Watchdog(config.train.hang_timeout_s, logs, _warn))
+    if config.train.compilation_cache:
+      caches.use_compilation_cache()
     r = build(config, devices)
     config = r.config
     tok = tok or tokenizer.load(config.data.tokenizer)

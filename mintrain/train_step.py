@@ -28,6 +28,7 @@ class TrainConfig:
   grad_accum_steps: int = option(at_least=1)
   log_every: int = option(at_least=1)
   hang_timeout_s: float = option(above=0)
+  compilation_cache: bool = option()
   objective: str = option(choices=tuple(OBJECTIVES))
 
   def __post_init__(self):

@@ -210,3 +210,28 @@ def test_training_reads_a_hugging_face_dataset_saved_to_disk(tmp_path):
   assert proc.returncode == 0, proc.stderr
   records = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
   assert [r['step'] for r in records if 'loss' in r] == [1, 2, 3]
+
+
+def test_a_rerun_loads_its_compiled_programs_from_the_machines_cache(tmp_path):
+  # The tests name a cache of their own (JAX_COMPILATION_CACHE_DIR); here the run picks its default.
+  cache = tmp_path / 'cache'
+  env = {'MINTRAIN_CACHE_DIR': str(cache), 'JAX_COMPILATION_CACHE_DIR': '', 'JAX_LOG_COMPILES': '1',
+         'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}  # The tiny model compiles in under a second.
+
+  def train(name: str, *flags: str) -> tuple[str, list]:
+    proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir',
+                      str(tmp_path / name), *script_flags(*TINY, 'train.steps=2', 'train.log_every=1'),
+                      *flags, env_extra=env)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / name / 'metrics.jsonl').read_text().splitlines()]
+    return proc.stderr, [r['loss'] for r in records if 'loss' in r]
+
+  _, off = train('off', '--config.train.compilation_cache=False')
+  assert not (cache / 'xla').exists()
+  first, losses = train('first')
+  [machine] = (cache / 'xla').iterdir()
+  assert [p for p in machine.iterdir() if p.name.startswith('jit_step_fn')]
+  assert "cache hit for 'jit_step_fn'" not in first
+  again, losses_again = train('again')
+  assert "cache hit for 'jit_step_fn'" in again
+  assert losses == losses_again == off

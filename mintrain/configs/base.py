@@ -242,6 +242,10 @@ def get_config() -> ml_collections.ConfigDict:
   # the stacks of all its threads to WORKDIR/logs/hang.log and says on the console where it is stuck; the
   # run goes on (a slow step may yet finish). Generous, so a long compile or save is not taken for a hang.
   c.train.hang_timeout_s = 1800.0
+  # JAX's persistent compilation cache, per machine, in $MINTRAIN_CACHE_DIR/xla (default ~/.cache/mintrain),
+  # unless JAX_COMPILATION_CACHE_DIR names another: a re-run or a resume of the same program on the same
+  # kind of machine loads the compiled train step instead of compiling it again.
+  c.train.compilation_cache = True
   # What the run learns (mintrain/objectives/): 'lm' the model family's own loss (next-token cross-entropy
   # over the counted targets); 'dpo' preference tuning from data.format='preference' pairs (the dpo
   # section); 'grpo' reinforcement learning with verifiable rewards from data.format='prompt' records (the

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import pathlib
-import platform
 import re
 import statistics
 import time
@@ -18,6 +17,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mintrain.runtime import caches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,21 +112,8 @@ def peak_tflops(device: jax.Device, dtype: jnp.dtype | str,
 
 
 def calibration_cache() -> pathlib.Path:
-  """Where measured peaks are kept: $MINTRAIN_CACHE_DIR, else ~/.cache/mintrain."""
-  root = os.environ.get('MINTRAIN_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache', 'mintrain')
-  return pathlib.Path(root) / 'matmul_peak.json'
-
-
-def _machine() -> str:
-  """What a CPU peak belongs to: the processor model, the cores this process may use, the JAX version."""
-  model = platform.processor() or platform.machine()
-  try:
-    names = [line.split(':', 1)[1].strip() for line in pathlib.Path('/proc/cpuinfo').read_text().splitlines()
-             if line.startswith('model name')]
-    model = names[0] if names else model
-  except OSError:
-    pass
-  return f'{model} x{len(os.sched_getaffinity(0))} jax {jax.__version__}'
+  """Where measured peaks are kept: `caches.root()`."""
+  return caches.root() / 'matmul_peak.json'
 
 
 def calibrated_tflops(dtype: jnp.dtype | str, device: jax.Device) -> float:
@@ -139,7 +127,7 @@ def calibrated_tflops(dtype: jnp.dtype | str, device: jax.Device) -> float:
 
 
 def _key(device: jax.Device, dtype: jnp.dtype | str) -> str:
-  return f'{device.platform} {_machine()} {jnp.dtype(dtype).name}'
+  return f'{device.platform} {caches.machine()} {jnp.dtype(dtype).name}'
 
 
 # A run that reaches this share of the cached calibration makes it suspect: no model keeps the matmul unit

@@ -1,0 +1,47 @@
+"""What mintrain keeps about a machine between runs: the matmul calibration (`hardware`) and JAX's
+persistent compilation cache, so that a re-run or a resume of the same program loads XLA's executables
+instead of compiling them again."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import platform
+
+import jax
+
+
+def root() -> pathlib.Path:
+  """$MINTRAIN_CACHE_DIR, else ~/.cache/mintrain."""
+  return pathlib.Path(os.environ.get('MINTRAIN_CACHE_DIR')
+                      or os.path.join(os.path.expanduser('~'), '.cache', 'mintrain'))
+
+
+def machine() -> str:
+  """What a machine's measurements and compiled code belong to: the processor model, the cores this
+  process may use, the JAX version."""
+  model = platform.processor() or platform.machine()
+  try:
+    names = [line.split(':', 1)[1].strip() for line in pathlib.Path('/proc/cpuinfo').read_text().splitlines()
+             if line.startswith('model name')]
+    model = names[0] if names else model
+  except OSError:
+    pass
+  return f'{model} x{len(os.sched_getaffinity(0))} jax {jax.__version__}'
+
+
+COMPILATION_CACHE_BYTES = 4 << 30  # Past it, JAX deletes the least recently used programs.
+
+
+def use_compilation_cache() -> str:
+  """Points JAX's persistent compilation cache at root()/xla/<machine>, at most COMPILATION_CACHE_BYTES,
+  unless JAX_COMPILATION_CACHE_DIR (`jax_compilation_cache_dir`) names one; returns the directory in use.
+  Per machine, because XLA:CPU's code is for the host's processor and a home directory may be shared by
+  several kinds."""
+  if not jax.config.jax_compilation_cache_dir:
+    key = hashlib.sha256(machine().encode()).hexdigest()[:16]
+    jax.config.update('jax_compilation_cache_dir', str(root() / 'xla' / key))
+    if jax.config.jax_compilation_cache_max_size < 0:
+      jax.config.update('jax_compilation_cache_max_size', COMPILATION_CACHE_BYTES)
+  return jax.config.jax_compilation_cache_dir
