@@ -104,6 +104,24 @@ def test_generate_with_the_cache_equals_recomputing_the_prefix(host_params, name
   assert len(np.unique(cached)) > 1  # The sampled run is not one repeated token.
 
 
+def test_each_device_draws_the_next_tokens_of_its_own_rows():
+  # The logits gather over `model` (the vocabulary) for each device's rows, not over `data` for the batch's:
+  # only the drawn tokens (int32, one per row) are shared. The same draws on one device: test_grpo.py.
+  run = build(load_config('dp4_tp2', *helpers.TINY))
+  vocab = run.config.model.vocab_size
+  with jax.set_mesh(run.mesh):
+    state = run.init()
+    graphdef, params = nnx.split(run.model(state.params, state.frozen))
+    prompt_BP = sampling._replicated(np.tile(np.arange(1, 10, dtype=np.int32), (8, 1)))
+    lengths_B = sampling._replicated(np.full(8, 9, np.int32))
+    keys_B = jax.random.split(jax.random.key(0), 8)
+    text = sampling._complete.lower(graphdef, params, prompt_BP, lengths_B, keys_B, prefill=8,
+                                    max_new_tokens=4, temperature=1.0, top_p=0.9).compile().as_text()
+  gathered = [line.split(' all-gather(')[0].split('= ')[-1] for line in text.splitlines()
+              if ' all-gather(' in line]
+  assert gathered and all(shape.startswith((f'f32[2,{vocab}]', 's32[8]')) for shape in gathered), gathered
+
+
 def test_top_k_samples_only_the_k_most_likely_tokens():
   logits_V = np.random.RandomState(4).normal(size=50).astype(np.float32)
   logits_BV = np.tile(logits_V, (4000, 1))

@@ -83,11 +83,20 @@ def _at(logits_BLV: jax.Array, position: jax.Array | int) -> jax.Array:
   return jnp.sum(jnp.where(hit_L[None, :, None], logits_BLV, 0.0), axis=1)
 
 
+def _by_rows(logits_BV: jax.Array) -> jax.Array:
+  """The logits with each device's rows whole over the vocabulary, which top-k, top-p and the draw
+  compare across; the rows stay split as the model's are (the draws are the same bits however the rows
+  split), so no device gathers and samples the whole batch's."""
+  spec = jax.typeof(logits_BV).sharding.spec
+  return jax.sharding.reshard(logits_BV, jax.P(spec[0] if spec else None, None))
+
+
 def _next_token(logits_BV: jax.Array, key: jax.Array, i: jax.Array | int, temperature: float,
                 top_k: int) -> jax.Array:
-  """Token i from the logits of the position before it, replicated so every mesh draws the same."""
-  logits_BV = jax.sharding.reshard(logits_BV, jax.P())
-  return sample_token(logits_BV, jax.random.fold_in(key, i), temperature=temperature, top_k=top_k)
+  """Token i from the logits of the position before it, replicated (the next step's input)."""
+  drawn_B = sample_token(_by_rows(logits_BV), jax.random.fold_in(key, i), temperature=temperature,
+                         top_k=top_k)
+  return jax.sharding.reshard(drawn_B, jax.P())
 
 
 @on_params_mesh
@@ -199,8 +208,10 @@ def _complete(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, l
     """Position + 1 of the rows whose prompt has ended gets their next draw."""
     i_B = position + 1 - lengths_B
     row_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.maximum(i_B, 0))
-    drawn_B = sample_token(jax.sharding.reshard(logits_BV, jax.P()), row_keys_B, temperature=temperature,
-                           top_k=0, top_p=top_p)
+    logits_BV = _by_rows(logits_BV)
+    row_keys_B = jax.sharding.reshard(row_keys_B, jax.P(jax.typeof(logits_BV).sharding.spec[0]))
+    drawn_B = jax.sharding.reshard(sample_token(logits_BV, row_keys_B, temperature=temperature, top_k=0,
+                                                top_p=top_p), jax.P())
     current_B = jax.lax.dynamic_index_in_dim(tokens_BS, position + 1, axis=1, keepdims=False)
     return jax.lax.dynamic_update_index_in_dim(tokens_BS, jnp.where(i_B >= 0, drawn_B, current_B),
                                                position + 1, axis=1)
