@@ -8,7 +8,7 @@ import types
 import jax
 import pytest
 
-from mintrain.runtime import hardware
+from mintrain.runtime import caches, hardware
 
 
 def fake_device(kind: str, platform: str = 'gpu'):
@@ -95,3 +95,32 @@ def test_mfu_is_model_flops_over_peak_and_never_above_one():
   assert hardware.mfu(3e12, 2.0) == 1.0  # A peak measured too low does not print 150%.
   with pytest.raises(ValueError, match='positive'):
     hardware.mfu(1e12, 0.0)
+
+
+@pytest.fixture
+def jax_cache_settings():
+  """The process's compilation cache settings, restored after the test (the tests' own cache)."""
+  saved = jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size
+  yield
+  jax.config.update('jax_compilation_cache_dir', saved[0])
+  jax.config.update('jax_compilation_cache_max_size', saved[1])
+
+
+def test_runs_compile_into_a_bounded_cache_per_machine_unless_one_is_named(monkeypatch, tmp_path,
+                                                                         jax_cache_settings):
+  monkeypatch.setenv('MINTRAIN_CACHE_DIR', str(tmp_path))
+  jax.config.update('jax_compilation_cache_dir', None)
+  jax.config.update('jax_compilation_cache_max_size', -1)
+  chosen = caches.use_compilation_cache()
+  assert chosen == jax.config.jax_compilation_cache_dir
+  assert chosen.startswith(str(tmp_path / 'xla')) and chosen != str(tmp_path / 'xla')
+  assert jax.config.jax_compilation_cache_max_size == caches.COMPILATION_CACHE_BYTES
+  # Another processor (or core count, or JAX) is another directory.
+  monkeypatch.setattr(caches, 'machine', lambda: 'another machine')
+  jax.config.update('jax_compilation_cache_dir', None)
+  assert caches.use_compilation_cache() != chosen
+  # One the user named (JAX_COMPILATION_CACHE_DIR) is kept, and so is its size.
+  jax.config.update('jax_compilation_cache_dir', str(tmp_path / 'mine'))
+  jax.config.update('jax_compilation_cache_max_size', -1)
+  assert caches.use_compilation_cache() == str(tmp_path / 'mine')
+  assert jax.config.jax_compilation_cache_max_size == -1

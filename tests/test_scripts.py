@@ -212,6 +212,7 @@ def test_training_reads_a_hugging_face_dataset_saved_to_disk(tmp_path):
   assert [r['step'] for r in records if 'loss' in r] == [1, 2, 3]
 
 
+@pytest.mark.slow  # Three runs of the script: the default suite's time; test_hardware checks the directory.
 def test_a_rerun_loads_its_compiled_programs_from_the_machines_cache(tmp_path):
   # The tests name a cache of their own (JAX_COMPILATION_CACHE_DIR); here the run picks its default.
   cache = tmp_path / 'cache'
