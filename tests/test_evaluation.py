@@ -143,12 +143,23 @@ def test_unknown_tasks_are_a_one_line_error(tasks):
 
 @pytest.mark.slow
 def test_evaluate_script_writes_lm_evals_results_json_and_prints_its_table(trained, tasks, tmp_path):
+  # Its compiled programs go to the machine's cache, here a fresh one (the tests otherwise name their own).
+  cache = {'MINTRAIN_CACHE_DIR': str(tmp_path / 'cache'), 'JAX_COMPILATION_CACHE_DIR': '',
+           'JAX_LOG_COMPILES': '1', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+
+  def evaluate(out):
+    return run_script('scripts/evaluate.py', '--workdir', str(trained), '--tasks', 'mt_choice,mt_until',
+                      '--include_path', str(tasks[0]), '--limit', '4', '--batch_size', '4',
+                      '--output_path', str(out), env_extra=cache)
+
   out = tmp_path / 'results' / 'out.json'
-  proc = run_script('scripts/evaluate.py', '--workdir', str(trained), '--tasks', 'mt_choice,mt_until',
-                    '--include_path', str(tasks[0]), '--limit', '4', '--batch_size', '4',
-                    '--output_path', str(out))
+  proc = evaluate(out)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "cache hit for 'jit__score'" not in proc.stderr
+  again = evaluate(tmp_path / 'again.json')
+  assert again.returncode == 0 and "cache hit for 'jit__score'" in again.stderr, again.stderr[-3000:]
   results = json.loads(out.read_text())
+  assert json.loads((tmp_path / 'again.json').read_text())['results'] == results['results']
   assert set(results['results']) == {'mt_choice', 'mt_until'}
   assert 0 <= results['results']['mt_choice']['acc,none'] <= 1
   assert results['n-samples']['mt_choice'] == {'original': 12, 'effective': 4}

@@ -150,6 +150,18 @@ def test_sample_script_continues_the_prompt_from_the_newest_checkpoint(trained_r
   assert 'sampling memory per device: parameters ' in proc.stderr and '(batch 1, 45 positions)' in proc.stderr
 
 
+@pytest.mark.slow  # Two runs of the script; test_scripts.py has the training loop's.
+def test_sample_script_loads_its_compiled_programs_from_the_machines_cache(trained_run, tmp_path):
+  cache = {'MINTRAIN_CACHE_DIR': str(tmp_path), 'JAX_COMPILATION_CACHE_DIR': '', 'JAX_LOG_COMPILES': '1',
+           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+  first, again = (run_script('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'def ',
+                             '--max_new_tokens', '8', env_extra=cache) for _ in range(2))
+  assert first.returncode == 0 and again.returncode == 0, first.stderr[-2000:] + again.stderr[-2000:]
+  assert "cache hit for 'jit__generate'" not in first.stderr
+  assert "cache hit for 'jit__generate'" in again.stderr
+  assert again.stdout == first.stdout
+
+
 def test_sample_script_samples_on_the_mesh_of_a_given_config(trained_run):
   proc = run_script('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'x',
                     '--max_new_tokens', '8', '--temperature', '0', '--num_samples', '2',

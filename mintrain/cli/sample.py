@@ -83,6 +83,7 @@ def main() -> int:
   from mintrain.errors import PartitioningError
   from mintrain.models.transformer import sampling
   from mintrain.partitioning import AxisRules
+  from mintrain.runtime import caches
 
   def note(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
@@ -92,6 +93,8 @@ def main() -> int:
     checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
     step = checkpoints.steps()[-1] if step is None else step
     config = sampling_config(checkpoints.metadata(step)['config'], layout, overrides, args.num_samples)
+    if config.train.compilation_cache:  # Before anything compiles: JAX settles its cache then.
+      caches.use_compilation_cache()
     mesh_shape = mesh_lib.make_mesh(config.mesh.sizes, devices, config.mesh.slices).shape
     batch_ways = AxisRules.from_config(config.partitioning).ways('batch', mesh_shape)
     if args.num_samples % batch_ways:

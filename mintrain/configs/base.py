@@ -244,7 +244,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.hang_timeout_s = 1800.0
   # JAX's persistent compilation cache, per machine, in $MINTRAIN_CACHE_DIR/xla (default ~/.cache/mintrain),
   # unless JAX_COMPILATION_CACHE_DIR names another: a re-run or a resume of the same program on the same
-  # kind of machine loads the compiled train step instead of compiling it again.
+  # kind of machine loads the compiled train step instead of compiling it again (so do scripts/sample.py and
+  # scripts/evaluate.py, by the checkpoint's config).
   c.train.compilation_cache = True
   # What the run learns (mintrain/objectives/): 'lm' the model family's own loss (next-token cross-entropy
   # over the counted targets); 'dpo' preference tuning from data.format='preference' pairs (the dpo
