@@ -252,8 +252,7 @@ def run(config: Config, workdir: str | epath.Path | None, *, devices: Sequence[j
     run_log = stack.enter_context(actions_lib.RunLog(workdir))
     logs = run_log.path.parent if run_log.path is not None else None  # A remote one: stderr.
     watchdog = stack.enter_context(Watchdog(config.train.hang_timeout_s, logs, _warn))
-    if config.train.compilation_cache:
-      caches.use_compilation_cache()
+    caches.use_compilation_cache(config.train.compilation_cache)
     r = build(config, devices)
     config = r.config
     tok = tok or tokenizer.load(config.data.tokenizer)

@@ -93,6 +93,14 @@ def script_env() -> dict[str, str]:
   return env
 
 
+def fresh_compilation_cache(root: os.PathLike) -> dict[str, str]:
+  """Environment for a script that should pick its own compilation cache under `root` (the tests
+  otherwise name theirs) and log its cache hits, even for the tests' models that compile in under a
+  second."""
+  return {'MINTRAIN_CACHE_DIR': str(root), 'JAX_COMPILATION_CACHE_DIR': '', 'JAX_LOG_COMPILES': '1',
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+
+
 def run_script(*args, timeout=300, env_extra=None) -> subprocess.CompletedProcess:
   """`python *args` from the repo root, in `script_env()`."""
   env = script_env()

@@ -13,7 +13,16 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, build, load_config, mesh_devices, quiet, run_script, short_documents
+from helpers import (
+  TINY,
+  build,
+  fresh_compilation_cache,
+  load_config,
+  mesh_devices,
+  quiet,
+  run_script,
+  short_documents,
+)
 
 from mintrain import loop
 from mintrain.checkpoint.model import layout_config, restore_model
@@ -143,9 +152,7 @@ def test_unknown_tasks_are_a_one_line_error(tasks):
 
 @pytest.mark.slow
 def test_evaluate_script_writes_lm_evals_results_json_and_prints_its_table(trained, tasks, tmp_path):
-  # Its compiled programs go to the machine's cache, here a fresh one (the tests otherwise name their own).
-  cache = {'MINTRAIN_CACHE_DIR': str(tmp_path / 'cache'), 'JAX_COMPILATION_CACHE_DIR': '',
-           'JAX_LOG_COMPILES': '1', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+  cache = fresh_compilation_cache(tmp_path / 'cache')
 
   def evaluate(out):
     return run_script('scripts/evaluate.py', '--workdir', str(trained), '--tasks', 'mt_choice,mt_until',

@@ -124,3 +124,6 @@ def test_runs_compile_into_a_bounded_cache_per_machine_unless_one_is_named(monke
   jax.config.update('jax_compilation_cache_max_size', -1)
   assert caches.use_compilation_cache() == str(tmp_path / 'mine')
   assert jax.config.jax_compilation_cache_max_size == -1
+  # A run with `train.compilation_cache=False` leaves JAX as it is.
+  jax.config.update('jax_compilation_cache_dir', None)
+  assert caches.use_compilation_cache(False) is None and jax.config.jax_compilation_cache_dir is None

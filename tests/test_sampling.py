@@ -152,8 +152,7 @@ def test_sample_script_continues_the_prompt_from_the_newest_checkpoint(trained_r
 
 @pytest.mark.slow  # Two runs of the script; test_scripts.py has the training loop's.
 def test_sample_script_loads_its_compiled_programs_from_the_machines_cache(trained_run, tmp_path):
-  cache = {'MINTRAIN_CACHE_DIR': str(tmp_path), 'JAX_COMPILATION_CACHE_DIR': '', 'JAX_LOG_COMPILES': '1',
-           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+  cache = helpers.fresh_compilation_cache(tmp_path)
   first, again = (run_script('scripts/sample.py', '--workdir', str(trained_run), '--prompt', 'def ',
                              '--max_new_tokens', '8', env_extra=cache) for _ in range(2))
   assert first.returncode == 0 and again.returncode == 0, first.stderr[-2000:] + again.stderr[-2000:]

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, TINY, run_script, script_env, script_flags
+from helpers import REPO, TINY, fresh_compilation_cache, run_script, script_env, script_flags
 
 
 def test_train_runs_end_to_end_and_writes_metrics(tmp_path):
@@ -214,10 +214,8 @@ def test_training_reads_a_hugging_face_dataset_saved_to_disk(tmp_path):
 
 @pytest.mark.slow  # Three runs of the script: the default suite's time; test_hardware checks the directory.
 def test_a_rerun_loads_its_compiled_programs_from_the_machines_cache(tmp_path):
-  # The tests name a cache of their own (JAX_COMPILATION_CACHE_DIR); here the run picks its default.
   cache = tmp_path / 'cache'
-  env = {'MINTRAIN_CACHE_DIR': str(cache), 'JAX_COMPILATION_CACHE_DIR': '', 'JAX_LOG_COMPILES': '1',
-         'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}  # The tiny model compiles in under a second.
+  env = fresh_compilation_cache(cache)
 
   def train(name: str, *flags: str) -> tuple[str, list]:
     proc = run_script('scripts/train.py', '--config', 'mintrain/configs/dp4_tp2.py', '--workdir',

@@ -68,8 +68,7 @@ def main() -> int:
   try:
     restored = saved_model.restore_model(args.workdir, step=args.step, layout=layout, overrides=overrides,
                                      devices=devices)
-    if restored.config.train.compilation_cache:  # Before the harness compiles its scoring programs.
-      caches.use_compilation_cache()
+    caches.use_compilation_cache(restored.config.train.compilation_cache)
     lm = harness.HarnessLM(restored.model, restored.config, restored.tokenizer, restored.mesh,
                            batch_size=args.batch_size, max_length=args.max_length or None)
     print(f'Evaluating step {restored.step} of {restored.directory} on mesh '

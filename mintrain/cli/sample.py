@@ -93,8 +93,7 @@ def main() -> int:
     checkpoints = ckpt_lib.Checkpoints(directory, read_only=True)
     step = checkpoints.steps()[-1] if step is None else step
     config = sampling_config(checkpoints.metadata(step)['config'], layout, overrides, args.num_samples)
-    if config.train.compilation_cache:  # Before anything compiles: JAX settles its cache then.
-      caches.use_compilation_cache()
+    caches.use_compilation_cache(config.train.compilation_cache)
     mesh_shape = mesh_lib.make_mesh(config.mesh.sizes, devices, config.mesh.slices).shape
     batch_ways = AxisRules.from_config(config.partitioning).ways('batch', mesh_shape)
     if args.num_samples % batch_ways:

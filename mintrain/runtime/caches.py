@@ -34,12 +34,13 @@ def machine() -> str:
 COMPILATION_CACHE_BYTES = 4 << 30  # Past it, JAX deletes the least recently used programs.
 
 
-def use_compilation_cache() -> str:
+def use_compilation_cache(enabled: bool = True) -> str | None:
   """Points JAX's persistent compilation cache at root()/xla/<machine>, at most COMPILATION_CACHE_BYTES,
   unless JAX_COMPILATION_CACHE_DIR (`jax_compilation_cache_dir`) names one; returns the directory in use.
   Per machine, because XLA:CPU's code is for the host's processor and a home directory may be shared by
-  several kinds."""
-  if not jax.config.jax_compilation_cache_dir:
+  several kinds. Call it before anything compiles: JAX settles its cache at the first compile. `enabled`
+  is the run's `train.compilation_cache`: False leaves JAX's settings as they are."""
+  if enabled and not jax.config.jax_compilation_cache_dir:
     key = hashlib.sha256(machine().encode()).hexdigest()[:16]
     jax.config.update('jax_compilation_cache_dir', str(root() / 'xla' / key))
     if jax.config.jax_compilation_cache_max_size < 0:

@@ -51,7 +51,8 @@ def capacity(seq_len: int, num_experts: int, k: int, capacity_factor: float) -> 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """`jax.lax.top_k` over the last axis, each device on its own rows. XLA's partitioner gathers a split
   TopK's operand whole onto every device: the router scores of the global batch, on each of them."""
-  spec = P(*jax.typeof(x).sharding.spec, *(None,) * (x.ndim - len(jax.typeof(x).sharding.spec)))
+  given = tuple(jax.typeof(x).sharding.spec)
+  spec = P(*given, *(None,) * (x.ndim - len(given)))
   if spec[-1] is not None:
     spec = P(*spec[:-1], None)
     x = jax.sharding.reshard(x, spec)
