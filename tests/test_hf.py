@@ -536,10 +536,9 @@ def test_reading_any_slices_of_a_written_tensor_gives_back_those_slices(kind, tm
 @pytest.mark.parametrize('kind', list(hf_llama.Kind))
 def test_slices_of_whole_rows_or_heads_read_straight_or_tile_by_tile_give_back_those_slices(kind, tmp_path,
                                                                                               monkeypatch):
-  # The paths that skip the row buffer (whole rows) or transpose in tiles (whole heads); tiles of 3 x 9
+  # The paths that skip the row buffer (whole rows) or transpose in bands (whole heads); bands of 3 rows
   # divide none of the sizes, and blocks of one row or of the whole tensor.
   monkeypatch.setattr(host_allocator, 'TILE_ROWS', 3)
-  monkeypatch.setattr(host_allocator, 'TILE_COLUMNS', 9)
   shapes = {hf_llama.Kind.SAME: (12, 10), hf_llama.Kind.T: (10, 14), hf_llama.Kind.IN_HEADS: (10, 6, 4),
             hf_llama.Kind.HEADS_OUT: (6, 4, 10), hf_llama.Kind.HEADS: (6, 4)}
   ours = np.random.default_rng(0).standard_normal(shapes[kind]).astype(np.float32)

@@ -3,13 +3,16 @@ reports its RSS right after each save, and the RSS must not grow; host arrays th
 
 import os
 import re
+import resource
 import sys
 
 import jax
 import numpy as np
 import pytest
 from helpers import SCRIPT_DEFAULTS, run_script
+from safetensors.numpy import save_file
 
+from mintrain.hf import safetensors as safetensors_reader
 from mintrain.runtime import host_allocator
 
 # scripts/train.py as a user runs it, plus one line after each save: the process's RSS when it returns.
@@ -75,9 +78,8 @@ def test_arrays_carved_from_one_allocation_are_each_adopted_and_keep_their_own_v
     assert device.size == 0 or (np.asarray(device) == i).all()
 
 
-def test_copy_transposed_equals_numpy_transpose_for_shapes_the_tiles_do_not_divide(monkeypatch):
+def test_copy_transposed_equals_numpy_transpose_for_shapes_the_bands_do_not_divide(monkeypatch):
   monkeypatch.setattr(host_allocator, 'TILE_ROWS', 4)
-  monkeypatch.setattr(host_allocator, 'TILE_COLUMNS', 5)
   x = np.random.default_rng(0).standard_normal((10, 7)).astype(np.float32)
   out = np.zeros((9, 12), np.float32)
   host_allocator.copy_transposed(out[1:8, 2:12], x)  # Into a strided view, as the loader does.
@@ -113,6 +115,42 @@ def test_copy_on_write_replicas_are_adopted_show_the_fill_and_a_write_to_one_cha
   np.testing.assert_array_equal(fill, expected)
   del fill, replicas  # The device buffers keep the memory file.
   np.testing.assert_array_equal(np.asarray(devices[3]), expected)
+
+
+@pytest.mark.skipif(not hasattr(os, 'memfd_create'), reason='memory files are Linux-only')
+def test_rows_read_into_a_replicas_fill_reach_every_replica_without_faulting_its_pages_in(tmp_path):
+  tensor = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+  save_file({'w': tensor}, tmp_path / 'w.safetensors')
+  descriptors = len(os.listdir('/proc/self/fd'))
+  with safetensors_reader.File(tmp_path / 'w.safetensors') as file:
+    fill, replicas = host_allocator.copy_on_write_empty((512, 1024), np.float32, 3)  # 2 MiB: 512 pages.
+    assert host_allocator.memory_file(fill[1:]) is not None
+    assert host_allocator.memory_file(fill[:, 1:]) is None  # Not contiguous: read through the mapping.
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    file.tensors['w'].read_rows(256, fill)
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults < 64  # Through the mapping: 512.
+    file.tensors['w'].read_rows(1000, fill[8:32])  # Rows into a part of it.
+  expected = tensor[256:768].copy()
+  expected[8:32] = tensor[1000:1024]
+  for replica in (fill, *replicas):
+    np.testing.assert_array_equal(replica, expected)
+  del fill, replicas
+  assert len(os.listdir('/proc/self/fd')) == descriptors  # The memory file closed with its mappings.
+
+
+@pytest.mark.skipif(not hasattr(os, 'memfd_create'), reason='memory files are Linux-only')
+def test_replicas_hold_no_file_descriptor_once_filled():
+  # Every replicated slice of a large model on the CPU has its replicas: a descriptor each would pass the
+  # usual limit of 1024 (Llama-3.2-1B on 8 data-parallel devices: 112 slices x 9 mappings).
+  descriptors = len(os.listdir('/proc/self/fd'))
+  kept = []
+  for _ in range(3):
+    fill, replicas = host_allocator.copy_on_write_empty((512, 1024), np.float32, 4)
+    fill[...] = 1.0
+    kept.append(replicas)
+    del fill
+  assert len(os.listdir('/proc/self/fd')) == descriptors
+  assert all((replica == 1.0).all() for replicas in kept for replica in replicas)
 
 
 def test_arrays_under_the_huge_size_get_no_copy_on_write_replicas():

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from mintrain.errors import SafetensorsError
+from mintrain.runtime import host_allocator
 
 DTYPES = {'F64': '<f8', 'F32': '<f4', 'F16': '<f2', 'BF16': ml_dtypes.bfloat16, 'I64': '<i8', 'I32': '<i4',
           'I16': '<i2', 'I8': 'i1', 'U8': 'u1', 'BOOL': '?'}
@@ -39,9 +40,21 @@ class Tensor:
     return out
 
   def read_rows(self, first: int, out: np.ndarray) -> None:
-    """Reads whole rows from row `first` on, as many as `out` (C-contiguous) holds, straight into it."""
+    """Reads whole rows from row `first` on, as many as `out` (C-contiguous) holds, straight into it; into
+    a memory file's pages (replicas') by the kernel alone (`host_allocator.memory_file`)."""
     row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
-    self._read(out.reshape(-1).view(np.uint8), self.offset + first * row_bytes)
+    into = host_allocator.memory_file(out)
+    if into is None:
+      self._read(out.reshape(-1).view(np.uint8), self.offset + first * row_bytes)
+      return
+    fd, position = into
+    done = 0
+    while done < out.nbytes:
+      os.lseek(fd, position + done, os.SEEK_SET)
+      n = os.sendfile(fd, self.fd, self.offset + first * row_bytes + done, out.nbytes - done)
+      if n == 0:
+        raise SafetensorsError(f'the file ends {out.nbytes - done} bytes before its tensor data does.')
+      done += n
 
   def row_blocks(self, index: slice | tuple[slice, ...],
              rows_multiple: int = 1) -> Iterator[tuple[int, np.ndarray]]:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.metadata
 import importlib.util
 import math
 import mmap
 import os
 import pkgutil
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -37,9 +39,10 @@ _SETTINGS = ((-8, 'arena_max', 1),  # M_ARENA_MAX
 _applied: bool | None = None
 ADOPT_ALIGNMENT = 64  # JAX's CPU backend takes a host array this aligned as a device buffer without a copy.
 HUGE_ARRAY_BYTES = 2 << 20  # From this size up, an array gets its own mapping backed by huge pages.
-# The tiles `copy_transposed` moves at a time: few source rows, so the cache lines a tile reads (one per
-# row) stay in L1 while the destination rows they feed are written.
-TILE_ROWS, TILE_COLUMNS = 16, 256
+# `copy_transposed` moves this many source rows at a time: they stay in the cache while each destination
+# row takes its next TILE_ROWS values, one cache line of float32.
+TILE_ROWS = 16
+_MEMORY_FILES: dict[int, int] = {}  # id of a `copy_on_write_empty` filling mapping: its memory file.
 
 
 def keep_freed_memory() -> bool:
@@ -148,18 +151,59 @@ def copy_on_write_empty(shape: tuple[int, ...], dtype: np.dtype,
     return None
   try:  # Linux maps a private page to the file's until it is written: later fills show through.
     os.ftruncate(fd, size)
-    shared = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    replicas = [mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE) for _ in range(count)]
-  finally:
-    os.close(fd)  # The mappings keep the file; it is freed with the last of them.
-  return (np.frombuffer(shared, np.dtype(dtype)).reshape(shape),
-          [np.frombuffer(m, np.dtype(dtype)).reshape(shape) for m in replicas])
+    fill = _map(fd, size, shared=True)
+    replicas = [_map(fd, size, shared=False) for _ in range(count)]
+  except BaseException:
+    os.close(fd)
+    raise
+  # The descriptor stays open while the filling mapping lives (`memory_file`); the replicas' mappings keep
+  # the file after it, and it is freed with the last of them.
+  _MEMORY_FILES[id(fill.base)] = fd
+  weakref.finalize(fill.base, lambda key: os.close(_MEMORY_FILES.pop(key)), id(fill.base))
+  return fill.view(dtype).reshape(shape), [m.view(dtype).reshape(shape) for m in replicas]
+
+
+def _map(fd: int, size: int, shared: bool) -> np.ndarray:
+  """`size` bytes of file `fd` mapped, shared or private (copy-on-write), as a uint8 array that holds no
+  descriptor, unmapped when the last array (or device buffer) using it is freed. Python's `mmap` keeps a
+  duplicate descriptor per mapping: one per replica of every parameter would exhaust the process's."""
+  libc = _mapping_calls()
+  flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+  address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+  if address is None or address == ctypes.c_void_p(-1).value:
+    error = ctypes.get_errno()
+    raise OSError(error, f'mmap of a memory file: {os.strerror(error)}')
+  memory = (ctypes.c_char * size).from_address(address)
+  weakref.finalize(memory, libc.munmap, address, size)
+  return np.frombuffer(memory, np.uint8)
+
+
+def memory_file(out: np.ndarray) -> tuple[int, int] | None:
+  """(descriptor, byte position) of the memory file that `out` (C-contiguous) lies in when it is part of
+  a `copy_on_write_empty` array to fill, else None. Writing the file (`os.sendfile`, `os.pwrite`) makes its
+  pages in the kernel; writing through the mapping faults them in one 4 KiB page at a time."""
+  whole = out
+  while isinstance(whole.base, np.ndarray):
+    whole = whole.base
+  fd = _MEMORY_FILES.get(id(whole.base)) if whole.base is not None else None
+  if fd is None or not out.flags.c_contiguous:
+    return None
+  return fd, out.ctypes.data - whole.ctypes.data
+
+
+@functools.cache
+def _mapping_calls() -> ctypes.CDLL:
+  """The C library with `mmap` and `munmap` typed."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.mmap.restype, libc.munmap.restype = ctypes.c_void_p, ctypes.c_int
+  libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_long]
+  libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+  return libc
 
 
 def copy_transposed(out_BA: np.ndarray, x_AB: np.ndarray) -> None:
-  """`out_BA[...] = x_AB.T` in tiles that stay in the cache: numpy's own copy strides across the whole of
+  """`out_BA[...] = x_AB.T` in bands of TILE_ROWS source rows: numpy's own copy strides across the whole of
   one of the two arrays."""
-  a, b = x_AB.shape
-  for i in range(0, a, TILE_ROWS):
-    for j in range(0, b, TILE_COLUMNS):
-      out_BA[j:j + TILE_COLUMNS, i:i + TILE_ROWS] = x_AB[i:i + TILE_ROWS, j:j + TILE_COLUMNS].T
+  for i in range(0, x_AB.shape[0], TILE_ROWS):
+    out_BA[:, i:i + TILE_ROWS] = x_AB[i:i + TILE_ROWS].T
