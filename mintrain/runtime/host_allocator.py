@@ -10,8 +10,9 @@ first platform of `jax_platforms` when it is set; else whether no accelerator is
 no `libtpu`, no library named by TPU_LIBRARY_PATH or PJRT_NAMES_AND_LIBRARY_PATHS).
 
 Host arrays that become device buffers (a loaded checkpoint's slices) come from `adoptable_empty` (several
-at once from `adoptable_arrays`) or, for replicas of one slice, from `copy_on_write_empty`; they are filled
-with transposed host arrays by `copy_transposed`.
+at once from `adoptable_arrays`) or, for replicas of one slice, from `copy_on_write_empty` (whose memory
+file a reader may write directly: `memory_file`); they are filled with transposed host arrays by
+`copy_transposed`.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def their_index(kind: Kind, index: tuple[slice, ...], head_dim: int) -> tuple[sl
 def _place(kind: Kind, rows: np.ndarray, offset: int, index: tuple[slice, ...], head_dim: int,
            out: np.ndarray) -> None:
   """Writes into `out` (our `index`) the part that `rows` of its rectangle (`their_index`) hold, which
-  start `offset` rows into it. Transposes (of whole heads) go through `copy_transposed`'s cache tiles."""
+  start `offset` rows into it. Transposes (of whole heads) go through `copy_transposed`."""
   k, n = head_dim, len(rows)
   if kind is Kind.SAME:
     out[offset:offset + n] = rows
