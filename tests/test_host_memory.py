@@ -140,8 +140,8 @@ def test_rows_read_into_a_replicas_fill_reach_every_replica_without_faulting_its
 
 @pytest.mark.skipif(not hasattr(os, 'memfd_create'), reason='memory files are Linux-only')
 def test_replicas_hold_no_file_descriptor_once_filled():
-  # Every replicated slice of a large model on the CPU has its replicas: a descriptor each would pass the
-  # usual limit of 1024 (Llama-3.2-1B on 8 data-parallel devices: 112 slices x 9 mappings).
+  # Every replicated slice of a large model on the CPU has its replicas: a descriptor each would near the
+  # usual limit of 1024 (Llama-3.2-1B on 8 data-parallel devices: 113 slices x 8 replicas).
   descriptors = len(os.listdir('/proc/self/fd'))
   kept = []
   for _ in range(3):
