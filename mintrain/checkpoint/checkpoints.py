@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import gc
 import importlib.metadata
 import json
 import os
@@ -395,8 +396,12 @@ class Checkpoints:
         warn(f'warning: {e} Falling back to step {older[-1]}.')
         damaged.append(newest)
         newest = older.pop()
-    if damaged and not self.read_only:
-      self._move_aside(damaged, warn)
+    if damaged:
+      # Orbax's failed read coroutines report their errors (as unraisable) when they are collected: now,
+      # while the run's log takes them (`actions.RunLog`), not whenever the collector runs, or at exit.
+      gc.collect()
+      if not self.read_only:
+        self._move_aside(damaged, warn)
     return restored
 
   def _move_aside(self, steps: list[int], warn: Callable[[str], None]) -> None:
