@@ -106,6 +106,19 @@ def jax_cache_settings():
   jax.config.update('jax_compilation_cache_max_size', saved[1])
 
 
+def test_a_machine_is_its_processor_model_and_instruction_set():
+  zen4 = 'processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx512f avx512_bf16\n'
+  zen5 = zen4.replace('avx512_bf16', 'avx512_bf16 avx512_vp2intersect')
+  reordered = zen4.replace('fpu sse2', 'sse2 fpu')
+  assert caches.machine(zen4).startswith('AMD EPYC isa ')
+  # Virtual machines of two processor generations share a model name; their compiled code may not run on
+  # each other, nor are their timings comparable.
+  assert caches.machine(zen4) != caches.machine(zen5)
+  assert caches.machine(zen4) == caches.machine(reordered)
+  arm = 'processor\t: 0\nFeatures\t: fp asimd sve\n'
+  assert ' isa ' in caches.machine(arm) and caches.machine(arm) != caches.machine(arm.replace(' sve', ''))
+
+
 def test_runs_compile_into_a_bounded_cache_per_machine_unless_one_is_named(monkeypatch, tmp_path,
                                                                          jax_cache_settings):
   monkeypatch.setenv('MINTRAIN_CACHE_DIR', str(tmp_path))

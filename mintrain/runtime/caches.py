@@ -18,17 +18,25 @@ def root() -> pathlib.Path:
                       or os.path.join(os.path.expanduser('~'), '.cache', 'mintrain'))
 
 
-def machine() -> str:
-  """What a machine's measurements and compiled code belong to: the processor model, the cores this
-  process may use, the JAX version."""
-  model = platform.processor() or platform.machine()
-  try:
-    names = [line.split(':', 1)[1].strip() for line in pathlib.Path('/proc/cpuinfo').read_text().splitlines()
-             if line.startswith('model name')]
-    model = names[0] if names else model
-  except OSError:
-    pass
-  return f'{model} x{len(os.sched_getaffinity(0))} jax {jax.__version__}'
+def machine(cpuinfo: str | None = None) -> str:
+  """What a machine's measurements and compiled code belong to: the processor model and its instruction
+  set (a hash of /proc/cpuinfo's flags: virtual machines name different generations alike, and XLA:CPU
+  compiles for the host's instructions), the cores this process may use, the JAX version."""
+  model, flags = platform.processor() or platform.machine(), ''
+  if cpuinfo is None:
+    try:
+      cpuinfo = pathlib.Path('/proc/cpuinfo').read_text()
+    except OSError:
+      cpuinfo = ''
+  fields = {}
+  for line in cpuinfo.splitlines():
+    name, _, value = line.partition(':')
+    fields.setdefault(name.strip(), value.strip())
+  model = fields.get('model name') or model
+  features = fields.get('flags') or fields.get('Features')  # x86, Arm.
+  if features:
+    flags = f' isa {hashlib.sha256(" ".join(sorted(features.split())).encode()).hexdigest()[:8]}'
+  return f'{model}{flags} x{len(os.sched_getaffinity(0))} jax {jax.__version__}'
 
 
 COMPILATION_CACHE_BYTES = 4 << 30  # Past it, JAX deletes the least recently used programs.
