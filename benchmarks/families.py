@@ -66,7 +66,7 @@ def main() -> int:
     batches = harness.device_batches(built, 2)
     runs.append((harness.compile_step(built, batches[0]), built, batches))
     print(f'compiled {name}', flush=True)
-  times = harness.time_interleaved(runs, warmup=warmup, steps=steps)
+  times = [t.wall for t in harness.time_interleaved(runs, warmup=warmup, steps=steps)]
   first = statistics.median(times[0])
   rows = []
   for name, (compiled, built, _), step_times in zip(names, runs, times):

@@ -209,20 +209,33 @@ def time_steps(compiled: Compiled, built: Run, batches: Sequence[dict[str, jax.A
   return times, losses
 
 
+@dataclasses.dataclass
+class StepTimes:
+  """Each timed step's wall seconds, and the process's CPU seconds (all threads) over it."""
+  wall: list[float]
+  cpu: list[float]
+
+  def cores_busy(self) -> float:
+    """Median over steps of CPU over wall seconds. Below the cores a step may use, cores sat idle: on
+    simulated CPU devices, while the last devices ran on alone before a collective."""
+    return statistics.median(c / w for c, w in zip(self.cpu, self.wall))
+
+
 def time_interleaved(runs: Sequence[tuple[Compiled, Run, Sequence[dict[str, jax.Array]]]], *, warmup: int,
-                     steps: int) -> list[list[float]]:
-  """Seconds of each timed step of every run, taken in turns (one step of each, then again): on a shared,
-  noisy machine a load that comes and goes slows every variant alike. Each run's state is donated."""
+                     steps: int) -> list[StepTimes]:
+  """The timed steps of every run, taken in turns (one step of each, then again): on a shared, noisy
+  machine a load that comes and goes slows every variant alike. Each run's state is donated."""
   states = [compiled.state for compiled, _, _ in runs]
-  times: list[list[float]] = [[] for _ in runs]
+  times = [StepTimes([], []) for _ in runs]
   for i in range(warmup + steps):
     for j, (compiled, built, batches) in enumerate(runs):
       with jax.set_mesh(built.mesh):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         states[j], metrics = compiled.compiled(states[j], batches[i % len(batches)])
         jax.block_until_ready((states[j], metrics))
         if i >= warmup:
-          times[j].append(time.perf_counter() - start)
+          times[j].wall.append(time.perf_counter() - start)
+          times[j].cpu.append(time.process_time() - cpu)
   for compiled, _, _ in runs:
     compiled.state = None
   return times

@@ -19,7 +19,9 @@ runs on all 8 devices:
   64e top-4 grouped, EP8, bound 2 the same, each peer sent at most twice its even share
 
 The ratio column is each step time over the dense one. Model TFLOP/s use the analytic count (active
-experts only), as the training loop's MFU does.
+experts only), as the training loop's MFU does. `cores busy` is the process's CPU seconds over a step's
+wall seconds (median): on simulated CPU devices, what falls short of the machine's cores sat idle while the
+last devices finished before a collective.
 
   python benchmarks/moe.py             # the table above
   python benchmarks/moe.py --smoke     # tiny models, one step each: it still runs
@@ -82,7 +84,7 @@ def main() -> int:
     batches = harness.device_batches(built, 2)
     return config, (harness.compile_step(built, batches[0]), built, batches)
 
-  measured = {}  # name -> (config, (compiled step, run, batches), its step times)
+  measured = {}  # name -> (config, (compiled step, run, batches), its StepTimes)
   if args.interleave:
     runs = {name: compiled(name) for name in names}
     every = harness.time_interleaved([run for _, run in runs.values()], warmup=warmup, steps=steps)
@@ -90,19 +92,21 @@ def main() -> int:
   else:
     for name in names:
       config, run = compiled(name)
-      measured[name] = (config, run, harness.time_steps(*run, warmup=warmup, steps=steps)[0])
-      print(f'{name}: {statistics.median(measured[name][2]) * 1e3:.1f} ms per step', flush=True)
-  dense_s = statistics.median(measured['dense'][2])
+      [times] = harness.time_interleaved([run], warmup=warmup, steps=steps)
+      measured[name] = (config, run, times)
+      print(f'{name}: {statistics.median(measured[name][2].wall) * 1e3:.1f} ms per step', flush=True)
+  dense_s = statistics.median(measured['dense'][2].wall)
   rows = []
   for name, (config, (step, built, _), times) in measured.items():
-    step_s = statistics.median(times)
+    step_s = statistics.median(times.wall)
     tflops = report.train_flops_per_step(config) / step_s / 1e12
     rows.append((name, harness.describe_mesh(built.mesh), f'{harness.param_count(built):,}',
                  f'{report.train_flops_per_step(config) / 1e9:.2f}', f'{step.total_s:.1f}',
-                 f'{step_s * 1e3:.1f}', f'{step_s / dense_s:.2f}', f'{tflops:.4f}', harness.spread(times)))
+                 f'{step_s * 1e3:.1f}', f'{step_s / dense_s:.2f}', f'{tflops:.4f}',
+                 harness.spread(times.wall), f'{times.cores_busy():.2f}'))
   print(harness.describe_config(path, base))
   print(harness.table(('variant', 'mesh', 'parameters', 'GFLOP per step (active)', 'compile s', 'step ms',
-                       'step / dense', 'model TFLOP/s', 'spread'), rows))
+                       'step / dense', 'model TFLOP/s', 'spread', 'cores busy'), rows))
   return 0
 
 

@@ -4,6 +4,8 @@ They check the benchmark scripts, not mintrain, and each compiles several progra
 set (`pytest -m slow`, run by .ci/run) holds them.
 """
 
+import os
+
 import pytest
 from helpers import run_script
 
@@ -109,6 +111,8 @@ def test_moe_benchmark_smoke_times_the_mixtures_against_the_dense_model():
   assert [row[0] for row in body] == variants
   cells = [dict(zip(header, row)) for row in body]
   assert cells[0]['step / dense'] == '1.00' and all(float(c['step ms']) > 0 for c in cells)
+  # The process's CPU time over the step's: some core was busy, never more than the machine has.
+  assert all(0 < float(c['cores busy']) <= os.cpu_count() + 0.05 for c in cells)
   assert 'expert=4' in cells[2]['mesh'] and 'expert' not in cells[1]['mesh']
   assert 'expert=8' in cells[8]['mesh']
   # The analytic count is of the active experts: the same whatever the dispatch and the capacity.
