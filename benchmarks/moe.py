@@ -94,7 +94,7 @@ def main() -> int:
       config, run = compiled(name)
       [times] = harness.time_interleaved([run], warmup=warmup, steps=steps)
       measured[name] = (config, run, times)
-      print(f'{name}: {statistics.median(measured[name][2].wall) * 1e3:.1f} ms per step', flush=True)
+      print(f'{name}: {statistics.median(times.wall) * 1e3:.1f} ms per step', flush=True)
   dense_s = statistics.median(measured['dense'][2].wall)
   rows = []
   for name, (config, (step, built, _), times) in measured.items():
