@@ -227,6 +227,19 @@ def split_layers(stacked: nnx.Module) -> tuple[Callable[[list[jax.Array]], nnx.M
   return lambda params: nnx.merge(graphdef, jax.tree.unflatten(treedef, params)), params_N
 
 
+def _weights_recomputed(weight_shapes: set[tuple[int, ...]]) -> Callable[..., bool]:
+  """A remat policy that saves everything but what is computed from weights alone (an index into the stack,
+  the FSDP gather, casts, layouts, the q/k/v and gate/up stacks): the backward pass redoes that from the
+  stack rather than keep a copy of the layer's weights. A policy sees only the operands' types, so weights
+  are told from activations by shape; recomputing is always right, so a coincidence costs only time."""
+  def saveable(prim, *avals, **params) -> bool:
+    if prim.name == 'pvary':  # A change of type alone (to vary over manual axes), free to redo.
+      return False
+    shapes = [a.shape for a in avals if getattr(a, 'shape', ())]
+    return not shapes or not all(shape in weight_shapes for shape in shapes)
+  return saveable
+
+
 def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, scanned: bool,
                policy: Callable | None = None, schedule: pipeline.Schedule | None = None
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -236,12 +249,16 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
   (`pipeline.run`). With a remat `policy`, each layer recomputes in the backward pass what the policy does
   not keep. Returns `x` and the non-empty statistics stacked on a leading layer axis ({} if none)."""
 
-  def run(make_layer, params, x: jax.Array, i: jax.Array | int, key: jax.Array | None, *args):
+  def apply_layer(make_layer, params, x: jax.Array, i: jax.Array | int, key: jax.Array | None, *args):
     return make_layer(params)(x, jax.random.fold_in(key, i) if key is not None else None, *args)
 
-  if policy is not None:
+  def rematerialised(policy: Callable | None) -> Callable:
+    if policy is None:
+      return apply_layer
     # A scan already keeps XLA from merging the recomputation back into the forward pass.
-    run = jax.checkpoint(run, policy=policy, prevent_cse=not scanned, static_argnums=(0,))
+    return jax.checkpoint(apply_layer, policy=policy, prevent_cse=not scanned, static_argnums=(0,))
+
+  run = rematerialised(policy)
   if not scanned:
     stats = []
     for i, layer in enumerate(layers):
@@ -264,12 +281,22 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
         return run(lambda params: make_layer(whole(params)), params, x, i, key, *args)
       return jax.lax.scan(body, x, (params_N, first + jnp.arange(params_N[0].shape[0])))
 
+    def selected(params_N: list[jax.Array], j: jax.Array) -> list[jax.Array]:
+      return whole([jax.lax.dynamic_index_in_dim(p, j, keepdims=False) for p in params_N])
+
     def layer_at(at: tuple[list[jax.Array], jax.Array]) -> nnx.Module:
-      params_N, j = at
-      return make_layer(whole([jax.lax.dynamic_index_in_dim(p, j, keepdims=False) for p in params_N]))
+      return make_layer(selected(*at))
+
+    # Without remat too, each layer selects and lays out its round's weights again in the backward pass
+    # rather than keep them for every step of the schedule.
+    # A weight's shapes: its stage's stack, one layer's slice (before and after the index drops its
+    # dimension) and that slice gathered whole.
+    shapes = {w.shape for w in jax.eval_shape(selected, params_N, start)}
+    shapes |= {shape for p in params_N for shape in (p.shape, (1, *p.shape[1:]), p.shape[1:])}
+    indexed_run = run if policy is not None else rematerialised(_weights_recomputed(shapes))
 
     def indexed(x: jax.Array, j: jax.Array):
-      return run(layer_at, (params_N, start + j), x, first + j, key, *args)
+      return indexed_run(layer_at, (params_N, start + j), x, first + j, key, *args)
     return jax.lax.scan(indexed, x, jnp.arange(count))
 
   if schedule is None or schedule.stages == 1:

@@ -293,11 +293,6 @@ class TransformerConfig(Costs, ModelConfig):
     if placement.pipeline.stages > 1 and tensor > 1 and self.remat != 'full':
       notes.append(f'the pipeline keeps its activations for the backward pass whole over the {tensor}-way '
                    'tensor split (the memory plan counts them so); model.remat=full keeps only layer inputs.')
-    schedule = placement.pipeline
-    if schedule.stages > 1 and schedule.repeats > 1 and self.remat == 'none':
-      notes.append(f'pipeline.repeats={schedule.repeats} without remat keeps a copy of its round\'s matmul '
-                   f'weights for each of the {schedule.iterations} steps of the schedule (the memory plan '
-                   'counts them); model.remat=save_matmuls or full keeps them once.')
     return notes
 
   def _check_pipeline(self, schedule: Schedule, length_ways: int) -> None:

@@ -85,9 +85,7 @@ class Costs:
     fused loss, one chunk's at a time, and the hidden states' gradient that it keeps instead). Pipelined
     (`schedule`), each step of the schedule runs a stage's block of 1 / (S R) of the layers on a microbatch
     of 1 / M of the rows, and its scan keeps every step's, the idle ones' too, and one step's more while
-    copying it into or out of the stack, and, circular and without remat, each step's copy of the block's
-    matmul weights (a layer forms its stacked q/k/v and gate/up from its round's weights); the loss still sees
-    all the rows.
+    copying it into or out of the stack; the loss still sees all the rows.
     """
     c = np.dtype(self.compute_dtype).itemsize
     pipelined = schedule.stages > 1
@@ -98,8 +96,6 @@ class Costs:
     if pipelined:
       block = self.num_layers // (schedule.stages * schedule.repeats)
       layers = (schedule.iterations + 1) * block * layer + once
-      if self.remat == 'none' and schedule.repeats > 1:  # Every step's weights as its matmuls read them.
-        layers += schedule.iterations * block * self._matmul_weight_bytes(ways)
     else:
       layers = self.num_layers * layer + once
     tokens = rows * seq_len / ways('length')
@@ -107,13 +103,6 @@ class Costs:
     logits = 2 * 4 * self.vocab_size / ways('vocab') / max(chunks, 1)  # Float32, and softmax.
     loss_grad = c * self.embed_dim if chunks > 0 else 0  # The fused loss keeps d loss / d hidden states.
     return int(layers + tokens * (logits + loss_grad + c * self.embed_dim))
-
-  def _matmul_weight_bytes(self, ways: Ways) -> float:
-    """One dense layer's matmul weights in their compute dtype and layout (q/k/v and gate/up stacked)."""
-    d, h, kv, k = self.embed_dim, self.num_heads, self.kv_heads, self.head_dim
-    attention = (self._mla_projections() // 2 if self.mla else d * (h + 2 * kv) * k) + h * self.value_dim * d
-    mlp = 3 * d * self.mlp_dim / ways('mlp')
-    return np.dtype(self.compute_dtype).itemsize * (attention / ways('heads') + mlp)
 
   def _layer_bytes(self, rows: int, seq_len: int, ways: Ways) -> tuple[float, float]:
     """(what one layer keeps for `rows` sequences, on average over the layers; what is live once beside).
