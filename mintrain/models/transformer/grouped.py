@@ -134,7 +134,10 @@ def gated_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_GDF: jax.Array, w_up_G
   if p.group_N is not None:
     x_RD = jnp.take(x_RD, p.source_P, axis=0, mode='fill', fill_value=0)
     x_RD = x_RD.reshape(p.group_N.shape[0], -1, x_RD.shape[-1])
-  h = activation(_matmul(x_RD, w_gate_GDF, p)) * _matmul(x_RD, w_up_GDF, p)
+  # Gate and up as one grouped matmul: one pass over the rows' tiles and a product twice as wide.
+  f = w_gate_GDF.shape[-1]
+  gate_up = _matmul(x_RD, jnp.concatenate([w_gate_GDF, w_up_GDF], axis=-1), p)
+  h = activation(gate_up[..., :f]) * gate_up[..., f:]
   y = _matmul(h, w_down_GFD, p)
   if p.group_N is not None:  # Back from the tiles; the rows of none (sorted last) are zeros.
     y = y.reshape(-1, y.shape[-1])[p.padded_R]
