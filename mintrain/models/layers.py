@@ -273,8 +273,8 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
                 start: jax.Array | None = None, count: int = 0):
     """The layers of `params_N` (or `count` of them from `start`, a traced index: the circular pipeline's
     round) from layer index `first` on; `whole` makes a layer's parameters whole (the pipeline's FSDP
-    gather). Both happen inside the remat region, so under remat autodiff keeps `params_N` once, not the
-    slices of each call."""
+    gather). Both happen inside the remat region (for `start`, one without remat too), so autodiff keeps
+    `params_N` once, not the slices of each call."""
     if start is None:
       def body(x: jax.Array, layer: tuple[list[jax.Array], jax.Array]):
         params, i = layer
@@ -288,9 +288,8 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
       return make_layer(selected(*at))
 
     # Without remat too, each layer selects and lays out its round's weights again in the backward pass
-    # rather than keep them for every step of the schedule.
-    # A weight's shapes: its stage's stack, one layer's slice (before and after the index drops its
-    # dimension) and that slice gathered whole.
+    # rather than keep them for every step of the schedule. A weight's shapes: its stage's stack, one
+    # layer's slice (before and after the index drops its dimension) and that slice gathered whole.
     shapes = {w.shape for w in jax.eval_shape(selected, params_N, start)}
     shapes |= {shape for p in params_N for shape in (p.shape, (1, *p.shape[1:]), p.shape[1:])}
     indexed_run = run if policy is not None else rematerialised(_weights_recomputed(shapes))

@@ -112,8 +112,8 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
       in_BLD = jnp.where(s == 0, fresh_BLD, received_BLD)
       k = t - s  # This stage's work item: microbatch k mod M on its round k // M; out of range, idle.
       r, mb = jnp.clip(k // m, 0, repeats - 1), jnp.mod(k, m)
-      # Round r's block of the local layers: selected inside the block's remat region, so autodiff keeps
-      # the weights once rather than each step's slice of them (without remat, it keeps them per step).
+      # Round r's block of the local layers: each layer selects its weights inside a remat region (one
+      # that saves all else without model.remat), so autodiff keeps the stack once, not each step's slice.
       rounds = {} if repeats == 1 else {'start': r * block, 'count': block}
       args_b = [a[mb] if sp else a for a, sp in zip(args_M, split)]
       y_BLD = run_block(params_local, in_BLD, (r * stages + s) * block, key, *args_b, whole=whole, **rounds)
