@@ -23,10 +23,10 @@ def test_checkpoint_benchmark_smoke_prints_a_table_of_positive_times():
   assert len(values) == len(header) - 1 and all(n > 0 for n in values), body[0]
 
 
-def smoke(script: str) -> tuple[str, list[str], list[list[str]]]:
-  """Runs `benchmarks/SCRIPT --smoke` without device flags: (stdout, table header, table rows). The time
+def smoke(script: str, *args: str) -> tuple[str, list[str], list[list[str]]]:
+  """Runs `benchmarks/SCRIPT --smoke ARGS` without device flags: (stdout, table header, table rows). The time
   limit only catches a hang: moe.py compiles ten programs, which beside the other workers takes minutes."""
-  proc = run_script(f'benchmarks/{script}', '--smoke', timeout=900)
+  proc = run_script(f'benchmarks/{script}', '--smoke', *args, timeout=900)
   assert proc.returncode == 0, proc.stderr
   rows = [[c.strip() for c in line.strip('|').split('|')] for line in proc.stdout.splitlines()
           if line.startswith('|') and '---' not in line]
@@ -186,6 +186,16 @@ def test_pipeline_benchmark_smoke_times_one_and_two_stages_against_their_bubble(
   assert header[:4] == ['stages', 'microbatches', 'bubble', 'predicted_ms']
   assert [(row[0], row[2]) for row in body] == [('1', '0.0%'), ('2', '33.3%')]  # (S - 1) / (M + S - 1).
   assert all(n > 0 for row in body for n in numbers(row[3:]))
+
+
+def test_pipeline_benchmark_runs_the_circular_schedule_and_skips_the_points_its_config_refuses():
+  stdout, header, body = smoke('pipeline.py', '--override', 'pipeline.repeats=2', '--override',
+                               'model.num_layers=4', '--stages', '2', '--microbatches', '1', '2')
+  assert 'skipped 2 stage(s), 1 microbatches: pipeline.repeats=2' in stdout
+  assert header[5] == 'step / 2 x 2'
+  assert [(row[0], row[1], row[2]) for row in body] == [('2', '2', '20.0%')]  # (S - 1) / (R M + S - 1).
+  cells = dict(zip(header, body[0]))
+  assert float(cells['predicted_ms']) == float(cells['step_ms']) > 0  # The reference row predicts itself.
 
 
 def test_scaling_benchmark_smoke_compares_step_time_growth_with_flop_growth():

@@ -287,12 +287,14 @@ def run_layers(layers: nnx.Module, x: jax.Array, key: jax.Array | None, *args, s
     def layer_at(at: tuple[list[jax.Array], jax.Array]) -> nnx.Module:
       return make_layer(selected(*at))
 
-    # Without remat too, each layer selects and lays out its round's weights again in the backward pass
-    # rather than keep them for every step of the schedule. A weight's shapes: its stage's stack, one
-    # layer's slice (before and after the index drops its dimension) and that slice gathered whole.
-    shapes = {w.shape for w in jax.eval_shape(selected, params_N, start)}
-    shapes |= {shape for p in params_N for shape in (p.shape, (1, *p.shape[1:]), p.shape[1:])}
-    indexed_run = run if policy is not None else rematerialised(_weights_recomputed(shapes))
+    indexed_run = run
+    if policy is None:
+      # Without remat too, each layer selects and lays out its round's weights again in the backward pass
+      # rather than keep them for every step of the schedule. A weight's shapes: its stage's stack, one
+      # layer's slice (before and after the index drops its dimension) and that slice gathered whole.
+      shapes = {w.shape for w in jax.eval_shape(selected, params_N, start)}
+      shapes |= {shape for p in params_N for shape in (p.shape, (1, *p.shape[1:]), p.shape[1:])}
+      indexed_run = rematerialised(_weights_recomputed(shapes))
 
     def indexed(x: jax.Array, j: jax.Array):
       return indexed_run(layer_at, (params_N, start + j), x, first + j, key, *args)
