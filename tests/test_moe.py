@@ -315,9 +315,40 @@ def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kerne
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('kernel', ['ragged_dot', 'tiles'])
+def test_grouped_matmul_in_bfloat16_keeps_the_dtype_and_the_float32_values_to_its_precision(kernel):
+  keys = jax.random.split(jax.random.PRNGKey(1), 5)
+  rows, groups, d, f = 64, 4, 16, 8
+  x_RD = jax.random.normal(keys[0], (rows, d))
+  group_R = jax.random.randint(keys[1], (rows,), 0, groups + 1)
+  w = (jax.random.normal(keys[2], (groups, d, f)) / 4, jax.random.normal(keys[3], (groups, d, f)) / 4,
+       jax.random.normal(keys[4], (groups, f, d)) / 4)
+
+  def loss(mlp, x_RD, *w):
+    return jnp.sum(jnp.sin(mlp(x_RD, *w)).astype(jnp.float32))
+
+  def grouped_mlp(x_RD, *w):
+    return grouped.gated_mlp(x_RD, group_R, *w, jax.nn.silu, kernel=kernel, tile=8)
+
+  def reference(x_RD, *w):
+    return per_row_mlp(x_RD, group_R, *w)
+
+  low = [a.astype(jnp.bfloat16) for a in (x_RD, *w)]
+  got = grouped_mlp(*low)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(jnp.float32), reference(*[a.astype(jnp.float32) for a in low]),
+                             rtol=3e-2, atol=3e-2)
+  grads = jax.grad(functools.partial(loss, grouped_mlp), argnums=(0, 1, 2, 3))(*low)
+  wanted = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2, 3))(
+      *[a.astype(jnp.float32) for a in low])
+  for g, want in zip(grads, wanted):
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_allclose(g.astype(jnp.float32), want, rtol=5e-2, atol=5e-2)
+
+
 def test_tiles_pad_each_group_to_whole_tiles_and_the_automatic_tile_bounds_the_buffers():
-  tiles = grouped.plan(jnp.zeros(100, jnp.int32), 5, 'tiles', tile=8).group_N
-  assert tiles.shape == (13 + 4,)  # ceil(100 / 8) tiles, and one partial per group.
+  buffers = grouped.plan(jnp.zeros(100, jnp.int32), 5, 'tiles', tile=8).source_P
+  assert buffers.shape == ((13 + 4) * 8,)  # ceil(100 / 8) tiles, and one partial per group.
   for rows, groups in ((1024, 8), (2048, 64), (16384, 16), (64, 4)):
     tile = grouped.tile_rows(rows, groups, 0)
     assert 8 <= tile <= 256 and tile & (tile - 1) == 0
@@ -326,8 +357,12 @@ def test_tiles_pad_each_group_to_whole_tiles_and_the_automatic_tile_bounds_the_b
   group_R = jnp.array([2, 0, 2, 2, 1, 3, 0, 2, 2], jnp.int32)  # 3: no group.
   plan = grouped.plan(group_R, 3, 'tiles', tile=2)
   source = np.asarray(plan.source_P).reshape(-1, 2)
-  assert sorted(source[source < 9].tolist()) == list(range(8))  # The 8 grouped rows, each once.
-  assert np.asarray(plan.group_N)[:4].tolist() == [0, 1, 2, 2]  # 2, 1 and 5 rows: 1, 1 and 3 tiles.
+  assert sorted(source[source < 9].tolist()) == [0, 1, 2, 3, 4, 6, 7, 8]  # The grouped rows, each once.
+  assert np.asarray(group_R)[source[0, 0]] == 0 and np.asarray(plan.padded_R)[source[0, 0]] == 0
+  assert np.asarray(plan.tile_end_G).tolist() == [1, 2, 5]  # 2, 1 and 5 rows: 1, 1 and 3 tiles.
+  padded = np.asarray(plan.padded_R)
+  grouped_rows = np.flatnonzero(np.asarray(group_R) < 3)
+  assert (np.asarray(plan.source_P)[padded[grouped_rows]] == grouped_rows).all()  # Where padded_R says.
 
 
 def dropless(kernel):

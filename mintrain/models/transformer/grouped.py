@@ -1,21 +1,23 @@
 """The grouped matmul of dropless experts: each row times its group's matrix, for rows sorted by group.
 
-Shape letters: R rows, G groups, D in, F out, N tiles, T rows of a tile, P padded rows (N x T).
+Shape letters: R rows, G groups, D a row's width, F the MLP's (gate and up side by side: 2F), N tiles,
+T rows of a tile, P padded rows (N x T).
 
 Rows carry a group id; id G means none (padding, or a choice sent elsewhere) and gives a zero row. Two
 kernels compute the same values:
 - `ragged_dot`: `jax.lax.ragged_dot` on the sorted rows, the platform's grouped matmul (GPU, TPU). On the
   CPU it lowers to a dense product masked per group: G times the work.
 - `tiles`: megablox's layout for the CPU. Each group's sorted rows are padded to whole tiles of T rows
-  (at most R / T + G - 1 tiles for any split of R rows), and a loop multiplies the tiles in use, each by
-  its group's matrix read in place, with a VJP of the same loops (the input's gradient tile by tile, the
-  matrices' accumulated in place). No matrix is copied per tile and unused tiles cost nothing, so the
-  work is the routed rows plus at most T - 1 rows of padding per group. XLA's cost analysis counts a
-  loop's body once, so it cannot count this kernel's FLOPs.
+  (at most R / T + G - 1 tiles for any split of R rows), and one loop takes each tile in use through its
+  group's whole gated MLP, with a VJP of the same loop: a loop over the groups reads each group's
+  matrices once and sums their gradients over the group's tiles. Unused tiles cost nothing, not even an
+  elementwise op, so the work is the routed rows plus at most T - 1 rows of padding per group. XLA's
+  cost analysis counts a loop's body once, so it cannot count this kernel's FLOPs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -35,15 +37,21 @@ def tile_rows(rows: int, groups: int, tile: int) -> int:
 
 
 class Plan(NamedTuple):
-  """Where the rows go: `order_R` sorts them by group, `sizes_G` counts each group's, and for `tiles`,
-  `source_P` is the sorted row of each padded row (R: none), `group_N` each tile's group, `tiles` how many
-  are in use and `padded_R` the padded row of each sorted one."""
+  """Where the rows go: `order_R` sorts them by group and `sizes_G` counts each group's; for `tiles`,
+  `source_P` is the row of each padded row (R: none), `tile_end_G` the end of each group's run of tiles
+  (group g has tiles [tile_end_G[g - 1], tile_end_G[g])) and `padded_R` the padded row of each row. The
+  tiles index the rows as given, so neither way passes through the sorted order."""
   order_R: jax.Array
   sizes_G: jax.Array
   source_P: jax.Array | None = None
-  group_N: jax.Array | None = None
-  tiles: jax.Array | None = None
+  tile_end_G: jax.Array | None = None
   padded_R: jax.Array | None = None
+
+
+def ranks(order_R: jax.Array) -> jax.Array:
+  """The inverse of the permutation `order_R`: where each row went."""
+  return jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=order_R.dtype),
+                                                 unique_indices=True)
 
 
 def plan(group_R: jax.Array, groups: int, kernel: str, tile: int = 0) -> Plan:
@@ -62,11 +70,12 @@ def plan(group_R: jax.Array, groups: int, kernel: str, tile: int = 0) -> Plan:
   group_N = jnp.minimum(jnp.searchsorted(tile_end_G, jnp.arange(tiles), side='right'), groups - 1)
   offset_P = (jnp.arange(tiles)[:, None] - tile_start_G[group_N][:, None]) * t + jnp.arange(t)[None, :]
   valid_P = (offset_P >= 0) & (offset_P < sizes_G[group_N][:, None])
-  source_P = jnp.where(valid_P, row_start_G[group_N][:, None] + offset_P, rows).reshape(-1)
-  sorted_group_R = jnp.minimum(group_R[order_R], groups - 1)
-  padded_R = tile_start_G[sorted_group_R] * t + jnp.arange(rows) - row_start_G[sorted_group_R]
-  padded_R = jnp.minimum(padded_R, tiles * t - 1)  # The rows of none (masked by the caller).
-  return Plan(order_R, sizes_G, source_P, group_N.astype(jnp.int32), tile_end_G[-1], padded_R)
+  sorted_P = jnp.minimum(row_start_G[group_N][:, None] + offset_P, rows - 1)
+  source_P = jnp.where(valid_P, order_R[sorted_P], rows).reshape(-1)
+  g_R = jnp.minimum(group_R, groups - 1)
+  padded_R = tile_start_G[g_R] * t + ranks(order_R) - row_start_G[g_R]
+  padded_R = jnp.clip(padded_R, 0, tiles * t - 1)  # The rows of none (masked by the caller).
+  return Plan(order_R, sizes_G, source_P, tile_end_G.astype(jnp.int32), padded_R)
 
 
 def _zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
@@ -76,52 +85,96 @@ def _zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
   return jax.lax.pcast(zeros, axes, to='varying') if axes else zeros
 
 
-def _tiles_times(x_NTD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, tiles: jax.Array) -> jax.Array:
-  """Tile i (of the first `tiles`) times matrix group_N[i]; the tiles past them stay zeros."""
-  def body(i, y_NTF):
-    w_DF = jax.lax.dynamic_index_in_dim(w_GDF, group_N[i], keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(y_NTF, matmul('TD,DF->TF', x_NTD[i], w_DF), i, 0)
-  y_NTF = _zeros((*x_NTD.shape[:2], w_GDF.shape[-1]), jnp.result_type(x_NTD, w_GDF), x_NTD, w_GDF)
-  return jax.lax.fori_loop(0, tiles, body, y_NTF)
+def _each_tile(tile_end_G: jax.Array, weights: tuple[jax.Array, ...],
+               loop: tuple[Callable, Callable, Callable], carry):
+  """The tiles in use, group by group: the outer loop reads a group's matrices `w_g` once for all its
+  tiles. `loop` is (start, step, end): a group's own carry (its weights' gradients, summed over its
+  tiles) is `start(*w_g)`, each tile i does `carry, group = step(i, carry, group, *w_g)`, and
+  `carry = end(carry, group, g)` closes the group."""
+  start, step, end = loop
+
+  def each_group(g, carry):
+    w_g = tuple(jax.lax.dynamic_index_in_dim(w, g, keepdims=False) for w in weights)
+    first = jnp.where(g > 0, tile_end_G[jnp.maximum(g - 1, 0)], 0)
+    carry, group = jax.lax.fori_loop(first, tile_end_G[g], lambda i, c: step(i, *c, *w_g),
+                                     (carry, start(*w_g)))
+    return end(carry, group, g)
+  return jax.lax.fori_loop(0, tile_end_G.shape[0], each_group, carry)
 
 
-@jax.custom_vjp
-def tiled_matmul(x_NTD: jax.Array, w_GDF: jax.Array, group_N: jax.Array, tiles: jax.Array) -> jax.Array:
-  """`tiles`' grouped matmul of tiles (N, T, D) by their groups' matrices (G, D, F)."""
-  return _tiles_times(x_NTD, w_GDF, group_N, tiles)
+def _gate_up(gate_up_TF: jax.Array, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  gate_TF, up_TF = jnp.split(gate_up_TF, 2, axis=-1)
+  return activation(gate_TF) * up_TF
 
 
-def _tiled_matmul_fwd(x_NTD, w_GDF, group_N, tiles):
-  return _tiles_times(x_NTD, w_GDF, group_N, tiles), (x_NTD, w_GDF, group_N, tiles)
+def _tiles_mlp(x_NTD, w_gate_up_GDF, w_down_GFD, tile_end_G, activation, *, keep: bool):
+  """y_NTD of the tiles in use (the rest stay zeros), and (`keep`) their gate/up products for the VJP."""
+  like = (x_NTD, w_gate_up_GDF, w_down_GFD)
+  dtype = jnp.result_type(x_NTD, w_down_GFD)
+  y_NTD = _zeros((*x_NTD.shape[:2], w_down_GFD.shape[-1]), dtype, *like)
+  gate_up_NTF = _zeros((*x_NTD.shape[:2], w_gate_up_GDF.shape[-1]), dtype, *like) if keep else None
+
+  def step(i, carry, group, w_gate_up_DF, w_down_FD):
+    y_NTD, gate_up_NTF = carry
+    gate_up_TF = matmul('TD,DF->TF', x_NTD[i], w_gate_up_DF)
+    y_TD = matmul('TF,FD->TD', _gate_up(gate_up_TF, activation), w_down_FD)
+    y_NTD = jax.lax.dynamic_update_index_in_dim(y_NTD, y_TD, i, 0)
+    if gate_up_NTF is not None:
+      gate_up_NTF = jax.lax.dynamic_update_index_in_dim(gate_up_NTF, gate_up_TF, i, 0)
+    return (y_NTD, gate_up_NTF), group
+
+  loop = (lambda *w_g: (), step, lambda carry, group, g: carry)  # No gradients to sum.
+  return _each_tile(tile_end_G, (w_gate_up_GDF, w_down_GFD), loop, (y_NTD, gate_up_NTF))
 
 
-def _tiled_matmul_bwd(residuals, dy_NTF):
-  x_NTD, w_GDF, group_N, tiles = residuals
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def tiled_gated_mlp(x_NTD: jax.Array, w_gate_up_GDF: jax.Array, w_down_GFD: jax.Array, tile_end_G: jax.Array,
+                    activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """`tiles`' gated MLP of tiles (N, T, D) by their groups' gate and up matrices side by side (G, D, 2F)
+  and down matrices (G, F, D): each tile in use through its group's MLP inside one loop, so that no
+  elementwise op runs over the tiles out of use."""
+  return _tiles_mlp(x_NTD, w_gate_up_GDF, w_down_GFD, tile_end_G, activation, keep=False)[0]
 
-  def body(i, grads):
-    dx_NTD, dw_GDF = grads
-    g = group_N[i]
-    w_DF = jax.lax.dynamic_index_in_dim(w_GDF, g, keepdims=False)
-    dx_TD = matmul('TF,DF->TD', dy_NTF[i], w_DF, dtype=dx_NTD.dtype)
+
+def _tiled_gated_mlp_fwd(x_NTD, w_gate_up_GDF, w_down_GFD, tile_end_G, activation):
+  y_NTD, gate_up_NTF = _tiles_mlp(x_NTD, w_gate_up_GDF, w_down_GFD, tile_end_G, activation, keep=True)
+  return y_NTD, (x_NTD, w_gate_up_GDF, w_down_GFD, tile_end_G, gate_up_NTF)
+
+
+def _tiled_gated_mlp_bwd(activation, residuals, dy_NTD):
+  x_NTD, w_gate_up_GDF, w_down_GFD, tile_end_G, gate_up_NTF = residuals
+  like = (x_NTD, w_gate_up_GDF, w_down_GFD, dy_NTD)
+
+  def start(w_gate_up_DF, w_down_FD):  # A group's weight gradients, summed in float32 over its tiles.
+    return _zeros(w_gate_up_DF.shape, jnp.float32, *like), _zeros(w_down_FD.shape, jnp.float32, *like)
+
+  def step(i, carry, group, w_gate_up_DF, w_down_FD):
+    dx_NTD, dw_gate_up_GDF, dw_down_GFD = carry
+    dw_gate_up_DF, dw_down_FD = group
+    x_TD, dy_TD = x_NTD[i], dy_NTD[i]
+    gate_TF, up_TF = jnp.split(gate_up_NTF[i], 2, axis=-1)
+    act_TF, act_vjp = jax.vjp(activation, gate_TF)
+    dw_down_FD = dw_down_FD + matmul('TF,TD->FD', act_TF * up_TF, dy_TD, dtype=jnp.float32)
+    dh_TF = matmul('TD,FD->TF', dy_TD, w_down_FD)
+    dgate_up_TF = jnp.concatenate([act_vjp(dh_TF * up_TF)[0], dh_TF * act_TF], axis=-1)
+    dx_TD = matmul('TF,DF->TD', dgate_up_TF, w_gate_up_DF, dtype=dx_NTD.dtype)
     dx_NTD = jax.lax.dynamic_update_index_in_dim(dx_NTD, dx_TD, i, 0)
-    dw_DF = (jax.lax.dynamic_index_in_dim(dw_GDF, g, keepdims=False)
-             + matmul('TD,TF->DF', x_NTD[i], dy_NTF[i], dtype=jnp.float32))
-    return dx_NTD, jax.lax.dynamic_update_index_in_dim(dw_GDF, dw_DF.astype(dw_GDF.dtype), g, 0)
+    dw_gate_up_DF = dw_gate_up_DF + matmul('TD,TF->DF', x_TD, dgate_up_TF, dtype=jnp.float32)
+    return (dx_NTD, dw_gate_up_GDF, dw_down_GFD), (dw_gate_up_DF, dw_down_FD)
 
-  like = (x_NTD, w_GDF, dy_NTF)
-  grads = (_zeros(x_NTD.shape, x_NTD.dtype, *like), _zeros(w_GDF.shape, w_GDF.dtype, *like))
-  dx_NTD, dw_GDF = jax.lax.fori_loop(0, tiles, body, grads)
-  return summed_as(dx_NTD, x_NTD), summed_as(dw_GDF, w_GDF), None, None
+  def end(carry, group, g):  # The group's gradients stored in place, once.
+    dx_NTD, *dw_G = carry
+    return (dx_NTD, *(jax.lax.dynamic_update_index_in_dim(w, w_g.astype(w.dtype), g, 0)
+                      for w, w_g in zip(dw_G, group)))
+
+  grads = tuple(_zeros(a.shape, a.dtype, *like) for a in (x_NTD, w_gate_up_GDF, w_down_GFD))
+  dx_NTD, dw_gate_up_GDF, dw_down_GFD = _each_tile(tile_end_G, (w_gate_up_GDF, w_down_GFD),
+                                                   (start, step, end), grads)
+  return (summed_as(dx_NTD, x_NTD), summed_as(dw_gate_up_GDF, w_gate_up_GDF),
+          summed_as(dw_down_GFD, w_down_GFD), None)
 
 
-tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
-
-
-def _matmul(x, w_GDF: jax.Array, p: Plan) -> jax.Array:
-  """x (sorted rows (R, D), or tiles (N, T, D) for `tiles`) times each row's group matrix."""
-  if p.group_N is None:
-    return jax.lax.ragged_dot(x, w_GDF, p.sizes_G)
-  return tiled_matmul(x, w_GDF, p.group_N, p.tiles)
+tiled_gated_mlp.defvjp(_tiled_gated_mlp_fwd, _tiled_gated_mlp_bwd)
 
 
 def gated_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_GDF: jax.Array, w_up_GDF: jax.Array,
@@ -130,16 +183,13 @@ def gated_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_GDF: jax.Array, w_up_G
   """Each row through its group's gated MLP, down(act(x gate) * x up); rows of no group give zeros."""
   rows, groups = x_RD.shape[0], w_gate_GDF.shape[0]
   p = plan(group_R, groups, kernel, tile)
-  x_RD = x_RD[p.order_R]  # Sorted by group, the rows of none last.
-  if p.group_N is not None:
-    x_RD = jnp.take(x_RD, p.source_P, axis=0, mode='fill', fill_value=0)
-    x_RD = x_RD.reshape(p.group_N.shape[0], -1, x_RD.shape[-1])
-  # Gate and up as one grouped matmul: one pass over the rows' tiles and a product twice as wide.
-  f = w_gate_GDF.shape[-1]
-  gate_up = _matmul(x_RD, jnp.concatenate([w_gate_GDF, w_up_GDF], axis=-1), p)
-  h = activation(gate_up[..., :f]) * gate_up[..., f:]
-  y = _matmul(h, w_down_GFD, p)
-  if p.group_N is not None:  # Back from the tiles; the rows of none (sorted last) are zeros.
-    y = y.reshape(-1, y.shape[-1])[p.padded_R]
-    y = jnp.where((jnp.arange(rows) < jnp.sum(p.sizes_G))[:, None], y, 0)
-  return jnp.zeros_like(y).at[p.order_R].set(y, unique_indices=True)
+  # Gate and up side by side: one product twice as wide per row, or per tile.
+  w_gate_up_GDF = jnp.concatenate([w_gate_GDF, w_up_GDF], axis=-1)
+  if p.tile_end_G is None:  # Sorted by group, the rows of none last (and their outputs zeros).
+    h_RF = _gate_up(jax.lax.ragged_dot(x_RD[p.order_R], w_gate_up_GDF, p.sizes_G), activation)
+    y_RD = jax.lax.ragged_dot(h_RF, w_down_GFD, p.sizes_G)
+    return jnp.zeros_like(y_RD).at[p.order_R].set(y_RD, unique_indices=True)
+  x_NTD = jnp.take(x_RD, p.source_P, axis=0, mode='fill', fill_value=0)
+  x_NTD = x_NTD.reshape(-1, tile_rows(rows, groups, tile), x_RD.shape[-1])
+  y_NTD = tiled_gated_mlp(x_NTD, w_gate_up_GDF, w_down_GFD, p.tile_end_G, activation)
+  return jnp.where((group_R < groups)[:, None], y_NTD.reshape(-1, y_NTD.shape[-1])[p.padded_R], 0)

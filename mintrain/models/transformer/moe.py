@@ -6,8 +6,8 @@ towards balance (`Transformer.after_step`, the auxiliary-loss-free rule), option
 groups of experts, and weights each choice by its score alone.
 
 Shape letters: B batch, L length, D embed, E experts, A the top-k choices of a token, C capacity (slots per
-expert per sequence), F expert mlp width, N a device's choices, P peers (S as senders), G a device's
-experts, R rows.
+expert per sequence), F expert mlp width, T a device's tokens, N its choices, P peers (S as senders), G a
+device's experts, R rows.
 
 Dropless routing (capacity factor 0) sorts each device's choices by expert and runs them through a grouped
 matmul (`grouped`), so the experts compute the routed tokens only; with the experts split, the choices
@@ -205,7 +205,7 @@ def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up
   k, local = experts_BLA.shape[-1], w_gate_EDF.shape[0]
   n = b * length * k  # N: this device's choices.
   expert_N = jnp.where(routed_BLA, experts_BLA, num_experts).reshape(n)  # E: padding, routed nowhere.
-  x_ND = jnp.repeat(x_BLD.reshape(b * length, d), k, axis=0)
+  x_TD = x_BLD.reshape(b * length, d)  # Choice i is token i // k's.
   # Tiles for the rows a device expects to compute, as many as its own choices: the padded exchange's
   # buffers hold `exchange` times more, mostly padding that no tile covers.
   tile = grouped.tile_rows(n, local, tile)
@@ -216,33 +216,34 @@ def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up
     return jax.lax.psum(y_RD, mlp_axes) if mlp_axes else y_RD  # Each device summed its part of F.
 
   if not expert_axes:
-    y_ND, kept_N = mlp(x_ND, expert_N), routed_BLA.reshape(n)
+    y_ND, kept_N = mlp(jnp.repeat(x_TD, k, axis=0), expert_N), routed_BLA.reshape(n)
   else:  # Sorted by expert, so by peer: peer j's choices are a run of the sorted ones.
     ep = num_experts // local
     bound = peer_bound(b * length, k, local, ep, exchange)
     order_N = jnp.argsort(expert_N, stable=True)
     count_P = jnp.bincount(expert_N // local, length=ep + 1)[:ep]
     start_P = jnp.cumsum(count_P) - count_P
-    peer_N = expert_N[order_N] // local  # Of the sorted choices: the peer, and the place in its run.
-    place_N = jnp.arange(n) - start_P[jnp.minimum(peer_N, ep - 1)]
-    kept_sorted_N = (peer_N < ep) & (place_N < bound)
+    # Each choice's peer (ep: padding) and place in the run it sends that peer.
+    rank_N = grouped.ranks(order_N)
+    peer_N = jnp.minimum(expert_N // local, ep)
+    place_N = rank_N - start_P[jnp.minimum(peer_N, ep - 1)]
+    kept_N = (peer_N < ep) & (place_N < bound)
     if ragged:
-      y_sorted_ND = _ragged_exchange(x_ND[order_N], expert_N, mlp, local=local, ep=ep, bound=bound,
+      y_sorted_ND = _ragged_exchange(x_TD[order_N // k], expert_N, mlp, local=local, ep=ep, bound=bound,
                                      axes=expert_axes)
+      y_ND = y_sorted_ND[rank_N]
     else:  # Each peer sent `bound` rows: its run, then zeros.
       sent_PB = jnp.arange(bound)[None, :] < count_P[:, None]
       at_PB = order_N[jnp.minimum(start_P[:, None] + jnp.arange(bound)[None, :], n - 1)]
-      send_PBD = jnp.where(sent_PB[..., None], x_ND[at_PB], 0)
+      send_PBD = jnp.where(sent_PB[..., None], x_TD[at_PB // k], 0)
       group_PB = jnp.where(sent_PB, expert_N[at_PB] % local, local)
       # Row i of what arrives came from peer i; the outputs go back to the same places.
       recv_PBD = jax.lax.all_to_all(send_PBD, expert_axes, 0, 0, tiled=True)
       group_PB = jax.lax.all_to_all(group_PB, expert_axes, 0, 0, tiled=True)
       y_RD = mlp(recv_PBD.reshape(ep * bound, d), group_PB.reshape(-1))
       y_PBD = jax.lax.all_to_all(y_RD.reshape(ep, bound, d), expert_axes, 0, 0, tiled=True)
-      y_sorted_ND = jnp.where(kept_sorted_N[:, None],
-                              y_PBD[jnp.minimum(peer_N, ep - 1), jnp.minimum(place_N, bound - 1)], 0)
-    y_ND = jnp.zeros_like(y_sorted_ND).at[order_N].set(y_sorted_ND, unique_indices=True)
-    kept_N = jnp.zeros_like(kept_sorted_N).at[order_N].set(kept_sorted_N, unique_indices=True)
+      y_ND = y_PBD[jnp.minimum(peer_N, ep - 1), jnp.minimum(place_N, bound - 1)]
+    y_ND = jnp.where(kept_N[:, None], y_ND, 0)
   kept_BLA = kept_N.reshape(b, length, k)
   y_BLAD = y_ND.reshape(b, length, k, d)
   weights_BLA = jnp.where(kept_BLA, weights_BLA, 0).astype(y_BLAD.dtype)
