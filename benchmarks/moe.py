@@ -28,17 +28,25 @@ last devices finished before a collective.
   python benchmarks/moe.py --variant '64e top-4 grouped, EP8'   # dense and the named ones only
   python benchmarks/moe.py --interleave --variant '64e top-4 grouped, EP8, bound 2' --variant ...
       # all compiled first, then timed in turns, one step of each (a few variants: they share the memory)
+  git archive HEAD~1 | tar -x -C /tmp/before
+  python benchmarks/moe.py --interleave --variant '64e top-4 grouped, EP8, bound 2' --baseline /tmp/before
+      # each variant also with the MoE layer of another checkout, timed in turns in the same process: a
+      # change to the layer measured under the same load (runs in turns minutes apart spread by 0.1x)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import pathlib
 import statistics
 import sys
 
 import harness
 
 from mintrain import report
+from mintrain.models.transformer import moe as moe_layer
 
 DATA8 = ('mesh.data=8', 'mesh.fsdp=1', 'mesh.expert=1', 'mesh.model=1')
 EP4 = ('mesh.data=2', 'mesh.fsdp=1', 'mesh.expert=4', 'mesh.model=1')
@@ -72,17 +80,24 @@ def main() -> int:
                       help='compile every variant first, then time them in turns (one step of each)')
   parser.add_argument('--variant', action='append', choices=list(VARIANTS)[1:], default=[],
                       help='run the dense step and this variant only; repeatable (default: all)')
+  parser.add_argument('--baseline', type=pathlib.Path, default=None, metavar='CHECKOUT',
+                      help="also run each variant with this checkout's MoE layer (its "
+                           'mintrain/models/transformer/moe.py and grouped.py)')
   args = parser.parse_args()
   devices = harness.start_devices()
   path, base = harness.bench_tiny()
   steps, warmup = (1, 1) if args.smoke else (args.steps, args.warmup)
   names = [name for name in VARIANTS if not args.variant or name == 'dense' or name in args.variant]
+  if args.baseline:
+    names += [f'{name} (baseline)' for name in names[1:]]
 
   def compiled(name: str) -> tuple:
-    config = harness.load(path, (*base, *VARIANTS[name], *(SMOKE if args.smoke else ())))
-    built = harness.build(config, devices)
-    batches = harness.device_batches(built, 2)
-    return config, (harness.compile_step(built, batches[0]), built, batches)
+    variant = name.removesuffix(' (baseline)')
+    config = harness.load(path, (*base, *VARIANTS[variant], *(SMOKE if args.smoke else ())))
+    with baseline_layer(args.baseline) if variant != name else contextlib.nullcontext():
+      built = harness.build(config, devices)
+      batches = harness.device_batches(built, 2)
+      return config, (harness.compile_step(built, batches[0]), built, batches)
 
   measured = {}  # name -> (config, (compiled step, run, batches), its StepTimes)
   if args.interleave:
@@ -108,6 +123,25 @@ def main() -> int:
   print(harness.table(('variant', 'mesh', 'parameters', 'GFLOP per step (active)', 'compile s', 'step ms',
                        'step / dense', 'model TFLOP/s', 'spread', 'cores busy'), rows))
   return 0
+
+
+@contextlib.contextmanager
+def baseline_layer(checkout: pathlib.Path):
+  """The dropless MoE layer of `checkout` in place of this one's while a step is traced and compiled."""
+  def load(name: str):
+    spec = importlib.util.spec_from_file_location(f'baseline_{name}',
+                                                  checkout / 'mintrain/models/transformer' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+  theirs = load('moe')
+  theirs.grouped = load('grouped')
+  ours = moe_layer._grouped_local
+  moe_layer._grouped_local = theirs._grouped_local
+  try:
+    yield
+  finally:
+    moe_layer._grouped_local = ours
 
 
 if __name__ == '__main__':

@@ -5,6 +5,7 @@ set (`pytest -m slow`, run by .ci/run) holds them.
 """
 
 import os
+import pathlib
 
 import pytest
 from helpers import run_script
@@ -117,6 +118,23 @@ def test_moe_benchmark_smoke_times_the_mixtures_against_the_dense_model():
   assert 'expert=8' in cells[8]['mesh']
   # The analytic count is of the active experts: the same whatever the dispatch and the capacity.
   assert len({c['GFLOP per step (active)'] for c in cells[1:6]}) == 1
+
+
+def test_moe_benchmark_times_a_variant_with_another_checkouts_layer_too(tmp_path):
+  layer = tmp_path / 'mintrain/models/transformer'
+  layer.mkdir(parents=True)
+  source = pathlib.Path(__file__).parents[1] / 'mintrain/models/transformer'
+  (layer / 'grouped.py').write_text((source / 'grouped.py').read_text())
+  # The other checkout's layer says when it is traced: the baseline's step is built with it.
+  (layer / 'moe.py').write_text((source / 'moe.py').read_text().replace(
+      'def _grouped_local(', 'def _grouped_local(*args, **kwargs):\n  print("baseline layer traced")\n'
+      '  return _ours(*args, **kwargs)\n\n\ndef _ours(', 1))
+  stdout, header, body = smoke('moe.py', '--variant', '8e top-2 grouped', '--baseline', str(tmp_path))
+  assert [row[0] for row in body] == ['dense', '8e top-2 grouped', '8e top-2 grouped (baseline)']
+  assert stdout.count('baseline layer traced') >= 1
+  cells = [dict(zip(header, row)) for row in body]
+  assert cells[1]['GFLOP per step (active)'] == cells[2]['GFLOP per step (active)']
+  assert all(float(c['step ms']) > 0 for c in cells)
 
 
 def test_data_pipeline_benchmark_smoke_reads_each_source_faster_than_nothing():
