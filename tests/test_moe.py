@@ -142,6 +142,7 @@ def loss_statistics_and_grads(mesh, batch, *overrides):
   return float(count), {k: float(v) for k, v in metrics.items()}, grads
 
 
+@pytest.mark.slow  # ~22 s: the default suite's time; the dropless tiles test below pads its rows too.
 def test_padding_takes_no_expert_slot_and_changes_neither_loss_statistics_nor_gradients():
   """With 4 slots per expert for 32 choices a sequence, padding that queued for slots would push real
   tokens' choices out, and what it holds would change the loss; it is not routed at all."""
@@ -315,6 +316,7 @@ def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kerne
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # ~12 s each: the default suite's time; the float32 kernel test stays there.
 @pytest.mark.parametrize('kernel', ['ragged_dot', 'tiles'])
 def test_grouped_matmul_in_bfloat16_keeps_the_dtype_and_the_float32_values_to_its_precision(kernel):
   keys = jax.random.split(jax.random.PRNGKey(1), 5)

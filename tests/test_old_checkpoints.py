@@ -4,6 +4,7 @@ import json
 import pathlib
 import shutil
 
+import pytest
 from helpers import SCRIPT_DEFAULTS, run_script
 
 # tests/data/run_before_layout/checkpoints/4: written by ded0bca's scripts/train.py with these options and
@@ -16,6 +17,7 @@ OPTIONS = ('model.num_layers=1', 'model.embed_dim=32', 'model.mlp_dim=64', 'mode
 LOSSES_FROM_DED0BCA = {5: 5.934063911437988, 6: 5.577324867248535}
 
 
+@pytest.mark.slow  # ~19 s: a resumed run of the script; the default suite's time.
 def test_a_checkpoint_from_before_the_layout_change_resumes_with_the_same_losses(tmp_path):
   workdir = tmp_path / 'run'
   shutil.copytree(SAVED, workdir)

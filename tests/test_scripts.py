@@ -31,6 +31,7 @@ def test_train_runs_end_to_end_and_writes_metrics(tmp_path):
   assert [r['step'] for r in records if 'eval_loss' in r] == [6]
 
 
+@pytest.mark.slow  # ~16 s: a run under a pseudo-terminal; the default suite's time.
 def test_on_a_terminal_progress_is_one_live_line_with_a_bar_and_other_lines_end_it(tmp_path):
   master, slave = pty.openpty()
   args = ['scripts/train.py', '--config', 'single',
@@ -81,6 +82,7 @@ def test_help_answers_before_jax_is_imported(script):
   assert 'usage:' in proc.stdout and proc.stdout.rstrip().endswith('jax imported: False')
 
 
+@pytest.mark.slow  # ~17 s: an install into a fresh environment; the default suite's time.
 def test_the_installed_commands_run_outside_a_checkout(tmp_path):
   """pyproject's console scripts: a shipped config by name, from a directory that is no checkout."""
   bin_dir = pathlib.Path(sys.executable).parent
@@ -125,6 +127,7 @@ def test_any_mesh_shape_gets_the_simulated_devices_it_needs():
   assert 'data=2 x fsdp=2 x model=4 (16 devices)' in proc.stdout
 
 
+@pytest.mark.slow  # ~17 s: the default suite's time; the per-parameter report test stays there.
 def test_show_sharding_prints_the_notes_a_training_run_would():
   proc = run_script('scripts/show_sharding.py', '--config', 'mintrain/configs/pp2_dp2_tp2.py')
   assert proc.returncode == 0, proc.stderr

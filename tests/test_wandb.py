@@ -64,6 +64,7 @@ WANDB = ('metrics.wandb_project=mintrain-test', 'metrics.wandb_mode=offline', 'm
          'train.log_every=1', 'train.steps=4', 'checkpoint.every_steps=2')
 
 
+@pytest.mark.slow  # ~20 s: two runs of the script; the default suite's time.
 def test_an_offline_run_writes_scalars_config_and_report_and_a_resume_continues_the_same_run(tmp_path):
   os.environ.pop('WANDB_MODE', None)
   config = load_config('single', *TINY, *WANDB)
