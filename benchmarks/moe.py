@@ -42,6 +42,7 @@ import importlib.util
 import pathlib
 import statistics
 import sys
+from collections.abc import Callable
 
 import harness
 
@@ -88,13 +89,15 @@ def main() -> int:
   path, base = harness.bench_tiny()
   steps, warmup = (1, 1) if args.smoke else (args.steps, args.warmup)
   names = [name for name in VARIANTS if not args.variant or name == 'dense' or name in args.variant]
+  theirs = None
   if args.baseline:
     names += [f'{name} (baseline)' for name in names[1:]]
+    theirs = baseline_layer(args.baseline)
 
   def compiled(name: str) -> tuple:
     variant = name.removesuffix(' (baseline)')
     config = harness.load(path, (*base, *VARIANTS[variant], *(SMOKE if args.smoke else ())))
-    with baseline_layer(args.baseline) if variant != name else contextlib.nullcontext():
+    with layer_in_place(theirs) if variant != name else contextlib.nullcontext():
       built = harness.build(config, devices)
       batches = harness.device_batches(built, 2)
       return config, (harness.compile_step(built, batches[0]), built, batches)
@@ -125,9 +128,8 @@ def main() -> int:
   return 0
 
 
-@contextlib.contextmanager
-def baseline_layer(checkout: pathlib.Path):
-  """The dropless MoE layer of `checkout` in place of this one's while a step is traced and compiled."""
+def baseline_layer(checkout: pathlib.Path) -> Callable:
+  """The dropless MoE layer (`_grouped_local`) of `checkout`'s moe.py, with its own grouped.py."""
   def load(name: str):
     spec = importlib.util.spec_from_file_location(f'baseline_{name}',
                                                   checkout / 'mintrain/models/transformer' / f'{name}.py')
@@ -136,13 +138,18 @@ def baseline_layer(checkout: pathlib.Path):
     return module
   theirs = load('moe')
   theirs.grouped = load('grouped')
+  return theirs._grouped_local
+
+
+@contextlib.contextmanager
+def layer_in_place(layer: Callable):
+  """`layer` in place of this checkout's dropless MoE layer while a step is traced and compiled."""
   ours = moe_layer._grouped_local
-  moe_layer._grouped_local = theirs._grouped_local
+  moe_layer._grouped_local = layer
   try:
     yield
   finally:
     moe_layer._grouped_local = ours
-
 
 if __name__ == '__main__':
   sys.exit(main())

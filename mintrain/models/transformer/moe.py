@@ -226,7 +226,8 @@ def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up
     # Each choice's peer (ep: padding) and place in the run it sends that peer.
     rank_N = grouped.ranks(order_N)
     peer_N = jnp.minimum(expert_N // local, ep)
-    place_N = rank_N - start_P[jnp.minimum(peer_N, ep - 1)]
+    sender_N = jnp.minimum(peer_N, ep - 1)  # A real peer for every choice (padding: masked by kept_N).
+    place_N = rank_N - start_P[sender_N]
     kept_N = (peer_N < ep) & (place_N < bound)
     if ragged:
       y_sorted_ND = _ragged_exchange(x_TD[order_N // k], expert_N, mlp, local=local, ep=ep, bound=bound,
@@ -242,7 +243,7 @@ def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up
       group_PB = jax.lax.all_to_all(group_PB, expert_axes, 0, 0, tiled=True)
       y_RD = mlp(recv_PBD.reshape(ep * bound, d), group_PB.reshape(-1))
       y_PBD = jax.lax.all_to_all(y_RD.reshape(ep, bound, d), expert_axes, 0, 0, tiled=True)
-      y_ND = y_PBD[jnp.minimum(peer_N, ep - 1), jnp.minimum(place_N, bound - 1)]
+      y_ND = y_PBD[sender_N, jnp.minimum(place_N, bound - 1)]
     y_ND = jnp.where(kept_N[:, None], y_ND, 0)
   kept_BLA = kept_N.reshape(b, length, k)
   y_BLAD = y_ND.reshape(b, length, k, d)
