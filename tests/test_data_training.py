@@ -126,6 +126,7 @@ def test_bad_data_path_is_a_one_line_error_from_the_script(tmp_path):
   assert len(errors) == 1 and 'none/*.txt' in errors[0] and 'Traceback' not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # ~13 s, two runs: the default suite's time.
 def test_restored_checkpoint_with_another_source_does_not_reuse_its_stream(tmp_path):
   config = load_config('single', *TINY, 'train.steps=2', 'data.source=synthetic', 'model.vocab_size=384')
   train_loop.run(config, tmp_path / 'synthetic', devices=mesh_devices(config), print_fn=quiet)

@@ -203,6 +203,7 @@ def test_the_router_chooses_on_each_devices_own_tokens(router):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # ~12 s: the default suite's time; the dropless count's test below stays there.
 def test_analytic_flops_count_active_experts_and_agree_with_xla():
   """With capacity factor 1 (L * k / E slots per expert), the experts compute exactly the active FLOPs;
   dispatch and combine are gathers and scatters, not matmuls. As in tests/test_flops.py, the rest XLA

@@ -178,6 +178,7 @@ def test_a_killed_process_stops_the_job_and_the_next_start_resumes(tmp_path):
   assert f'Resuming from step {steps[-1]} ' in out
 
 
+@pytest.mark.slow  # ~14 s waiting out the join timeout: the default suite's time.
 def test_a_process_that_never_joins_is_named_within_the_join_timeout(tmp_path):
   """Process 0 of 2 alone, and process 1 of 2 alone: each gives up after --init_timeout with one line."""
   def alone(process_id):
