@@ -151,5 +151,6 @@ def layer_in_place(layer: Callable):
   finally:
     moe_layer._grouped_local = ours
 
+
 if __name__ == '__main__':
   sys.exit(main())

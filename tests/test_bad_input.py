@@ -298,7 +298,7 @@ def snapshot(path: pathlib.Path) -> dict[str, bytes]:
 
 
 # One row of each kind in the default suite (each is a process of its own, about 4 s of the suite's time
-# on 2 cores); the slow set runs every row, the full disk among them (a filesystem made for it: ~20 s).
+# on 2 cores); the slow set runs every row, the full disk among them (~20 s: a run until its disk fills).
 DEFAULT_ROWS = {
     'config with a syntax error', 'override with a close match', 'infinite learning rate',
     'tokenizer that is not one', 'token file with an id outside the vocabulary',
