@@ -189,18 +189,25 @@ def compile_step(built: Run, batch: dict[str, jax.Array]) -> Compiled:
 
 
 def time_steps(compiled: Compiled, built: Run, batches: Sequence[dict[str, jax.Array]], *, warmup: int,
-               steps: int, after_step: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
+               steps: int, after_step: Callable[[], None] | None = None,
+               trace: pathlib.Path | None = None) -> tuple[list[float], list[float]]:
   """(seconds of each timed step, loss of every step) of `warmup` untimed then `steps` timed steps.
 
-  `after_step` runs after each timed step, outside its time (e.g. a calibration to pair with it).
+  `after_step` runs after each timed step, outside its time (e.g. a calibration to pair with it). With
+  `trace`, one more step runs under `jax.profiler`, its trace written under that directory.
   """
   state, times, losses = compiled.state, [], []
   with jax.set_mesh(built.mesh):
-    for i, batch in zip(range(warmup + steps), cycle(batches)):
+    for i, batch in zip(range(warmup + steps + (trace is not None)), cycle(batches)):
+      traced = i == warmup + steps
+      if traced:
+        jax.profiler.start_trace(str(trace))
       start = time.perf_counter()
       state, metrics = compiled.compiled(state, batch)
       jax.block_until_ready((state, metrics))
-      if i >= warmup:
+      if traced:
+        jax.profiler.stop_trace()
+      elif i >= warmup:
         times.append(time.perf_counter() - start)
         if after_step is not None:
           after_step()

@@ -31,6 +31,8 @@ Flax and the rest of its dependencies (libtpu lies unused: the processes run wit
   python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python   # 2 rounds: 19 min at load 10
   python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python --allocator glibc
   python benchmarks/peers.py --only mintrain --smoke     # the tests' small model, mintrain, one step
+  python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python --configs shipped --rounds 1 \
+      --profile /tmp/peers_profile    # one more step of each traced, both broken down by op side by side
 
 Both on MaxText's JAX release (0.12.0.1; mintrain's own environment has 0.10.x): mintrain in a Python 3.12
 environment with that release and mintrain's other dependencies, mintrain itself installed without its
@@ -62,6 +64,8 @@ import sys
 import tempfile
 import threading
 import time
+
+import op_profile  # The standard library only: MaxText's environment imports this file too.
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULT = 'RESULT '  # The line a measuring process prints, then JSON.
@@ -154,8 +158,9 @@ def describe_allocator(probe: dict) -> str:
 
 
 def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool, allocator: str,
-                     hlo: pathlib.Path | None) -> None:
-  """One fresh mintrain process (run by `measure`): prints the first-step line, then a RESULT."""
+                     hlo: pathlib.Path | None, trace: pathlib.Path | None) -> None:
+  """One fresh mintrain process (run by `measure`): prints the first-step line, then a RESULT. With
+  `trace`, one more step after the timed ones runs under the profiler, its trace written to that file."""
   import harness
   import jax
 
@@ -175,7 +180,11 @@ def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool, a
   with jax.set_mesh(built.mesh):
     compiled.state, metrics = jax.block_until_ready(compiled.compiled(compiled.state, batches[0]))
   print(FIRST_STEP, flush=True)
-  times, _ = harness.time_steps(compiled, built, batches[1:] + batches[:1], warmup=warmup - 1, steps=steps)
+  with tempfile.TemporaryDirectory(prefix='peers_trace_') as trace_dir:
+    times, _ = harness.time_steps(compiled, built, batches[1:] + batches[:1], warmup=warmup - 1, steps=steps,
+                                  trace=pathlib.Path(trace_dir) if trace else None)
+    if trace is not None:
+      shutil.copy(op_profile.newest_trace(pathlib.Path(trace_dir)), trace)
   print(RESULT + json.dumps({'times': times, 'loss0': float(metrics['loss']), 'jax': jax.__version__,
                              'params_billion': f'{harness.param_count(built) / 1e9:.3f}',  # As MaxText logs.
                              'arenas': malloc_arenas(), **allocator_probe()}),
@@ -208,6 +217,7 @@ class Launch:
   logs: pathlib.Path | None
   max_rss_gib: float
   hlo: pathlib.Path | None = None  # Where each process writes its compiled train step (`--hlo`).
+  profile: pathlib.Path | None = None  # Where each process writes the trace of one more step (`--profile`).
 
   def measure(self, command: list[str], first_step: re.Pattern, name: str, env: dict[str, str] | None = None
               ) -> tuple[dict, list[str]]:
@@ -258,13 +268,22 @@ def watch_memory(proc: subprocess.Popen, peak: list[float], limit_gib: float) ->
 def run_mintrain(launch: Launch, name: str, python: str, configuration: str, warmup: int, steps: int,
                  smoke: bool, allocator: str) -> dict:
   hlo = [f'--hlo-file={launch.hlo / name}.hlo'] if launch.hlo else []
+  trace = [f'--trace-file={launch.profile / name}.xplane.pb'] if launch.profile else []
   command = [python, __file__, '--process', 'mintrain', '--configs', configuration, '--allocator',
-             allocator, '--warmup', str(warmup), '--steps', str(steps), *(['--smoke'] if smoke else []), *hlo]
+             allocator, '--warmup', str(warmup), '--steps', str(steps), *(['--smoke'] if smoke else []), *hlo,
+             *trace]
   result, _ = launch.measure(command, re.compile(re.escape(FIRST_STEP)), name, mintrain_env(launch.env))
   return result
 
 
-def run_maxtext(launch: Launch, name: str, python: str, arguments: list[str], warmup: int) -> dict:
+def run_maxtext(launch: Launch, name: str, python: str, config, configuration: str, warmup: int, steps: int,
+                output_dir: str) -> dict:
+  """`warmup` then `steps` timed steps of MaxText in `configuration`; with `launch.profile`, one more under
+  MaxText's own profiler (`profiler=xplane`), whose trace is then copied beside the others."""
+  arguments = [*maxtext_arguments(config, warmup + steps + bool(launch.profile), output_dir),
+               *CONFIGURATIONS[configuration].maxtext]
+  if launch.profile:
+    arguments += ['profiler=xplane', f'skip_first_n_steps_for_profiler={warmup + steps}', 'profiler_steps=1']
   env, dump = dict(launch.env), None
   if launch.hlo:  # XLA writes every module it compiles; the train step's optimised one is kept.
     dump = pathlib.Path(tempfile.mkdtemp(prefix='maxtext_hlo_'))
@@ -275,11 +294,14 @@ def run_maxtext(launch: Launch, name: str, python: str, arguments: list[str], wa
     for found in dump.glob('*jit_train_step*after_optimizations.txt'):
       (launch.hlo / f'{name}.hlo').write_text(found.read_text())
     shutil.rmtree(dump)
-  steps = [m.groups() for m in map(MAXTEXT_STEP.search, lines) if m]
+  logged = [m.groups() for m in map(MAXTEXT_STEP.search, lines) if m]
   params = [m.group(1) for m in map(MAXTEXT_PARAMS.search, lines) if m]
-  result.update(steps_done=len(steps), params_billion=params[0] if params else '?')
+  result.update(steps_done=len(logged), params_billion=params[0] if params else '?')
+  if launch.profile and 'killed' not in result:
+    shutil.copy(op_profile.newest_trace(pathlib.Path(output_dir)), launch.profile / f'{name}.xplane.pb')
   if 'killed' not in result:
-    result.update(times=[float(s) for i, s, _ in steps if int(i) >= warmup], loss0=float(steps[0][2]))
+    result.update(times=[float(s) for i, s, _ in logged if warmup <= int(i) < warmup + steps],
+                  loss0=float(logged[0][2]))
   return result
 
 
@@ -336,14 +358,20 @@ def main() -> int:
   parser.add_argument('--hlo', type=pathlib.Path, default=None, metavar='DIR',
                       help="write each process's compiled train step (XLA's optimised HLO) to "
                            'DIR/<round>_<configuration>_<framework>.hlo, and compare their ops')
+  parser.add_argument('--profile', type=pathlib.Path, default=None, metavar='DIR',
+                      help='trace one more step of every process (jax.profiler; MaxText by its own '
+                           "profiler=xplane) into DIR, write its compiled step as --hlo does, and break "
+                           'both steps down by op, side by side (benchmarks/op_profile.py)')
   parser.add_argument('--process', choices=FRAMEWORKS, help=argparse.SUPPRESS)
   parser.add_argument('--hlo-file', type=pathlib.Path, default=None, help=argparse.SUPPRESS)
+  parser.add_argument('--trace-file', type=pathlib.Path, default=None, help=argparse.SUPPRESS)
   parser.add_argument('maxtext_arguments', nargs='*', help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.process == 'maxtext':
     return maxtext_process(args.maxtext_arguments)
   if args.process == 'mintrain':
-    mintrain_process(args.configs[0], args.warmup, args.steps, args.smoke, args.allocator, args.hlo_file)
+    mintrain_process(args.configs[0], args.warmup, args.steps, args.smoke, args.allocator, args.hlo_file,
+                     args.trace_file)
     return 0
 
   frameworks = [args.only] if args.only else list(FRAMEWORKS)
@@ -358,9 +386,10 @@ def main() -> int:
 
   path, base = harness.bench_tiny()
   config = harness.load(path, (*base, *(harness.SMOKE if args.smoke else ())))
-  for directory in filter(None, (args.logs, args.hlo)):
+  for directory in filter(None, (args.logs, args.hlo, args.profile)):
     directory.mkdir(parents=True, exist_ok=True)
-  launch = Launch(child_env(args.allocator), args.logs, args.max_rss_gib, args.hlo)
+  launch = Launch(child_env(args.allocator), args.logs, args.max_rss_gib, args.hlo or args.profile,
+                  args.profile)
   load_average = os.getloadavg()
   results = {}  # (configuration, framework) -> one result per round
   with tempfile.TemporaryDirectory(prefix='peers_') as output_dir:
@@ -372,9 +401,8 @@ def main() -> int:
             result = run_mintrain(launch, name, args.mintrain_python, configuration, warmup, steps,
                                   args.smoke, args.allocator)
           else:
-            arguments = [*maxtext_arguments(config, warmup + steps, output_dir),
-                         *CONFIGURATIONS[configuration].maxtext]
-            result = run_maxtext(launch, name, args.maxtext_python, arguments, warmup)
+            result = run_maxtext(launch, name, args.maxtext_python, config, configuration, warmup, steps,
+                                 output_dir)
           results.setdefault((configuration, framework), []).append(result)
           print(f'round {i + 1}: {configuration} {framework}: {describe_run(result)}', flush=True)
   load_average += os.getloadavg()
@@ -384,8 +412,10 @@ def main() -> int:
         f'before: {", ".join(f"{x:.1f}" for x in load_average[:3])}; after: '
         f'{", ".join(f"{x:.1f}" for x in load_average[3:])}.\n')
   print_report(results, frameworks, args.configs)
-  if args.hlo:
-    print_programs(sorted(args.hlo.glob('*.hlo')))
+  if launch.hlo:
+    print_programs(sorted(launch.hlo.glob('*.hlo')))
+  if args.profile:
+    print_profiles(args.profile, rounds, args.configs, frameworks)
   return 0
 
 
@@ -471,6 +501,29 @@ def print_programs(paths: list[pathlib.Path]) -> None:
                         for v in program_ops(path.read_text()).values())] for path in paths]
   print("\ncompiled train steps (XLA's optimised HLO, every computation):\n")
   print(harness.table(['process', *PROGRAM_OPS, 'collective_MiB'], rows))
+
+
+def print_profiles(directory: pathlib.Path, rounds: int, configurations: list[str], frameworks: list[str]
+                   ) -> None:
+  """Each round's and configuration's traced steps by op, the frameworks side by side."""
+  import harness
+
+  for i in range(rounds):
+    for configuration in configurations:
+      traced = {}
+      for framework in frameworks:
+        name = f'{i + 1}_{configuration}_{framework}'
+        hlo, trace = directory / f'{name}.hlo', directory / f'{name}.xplane.pb'
+        if hlo.exists() and trace.exists():
+          traced[framework] = op_profile.breakdown(hlo.read_text(), trace)
+      if not traced:
+        continue
+      print(f'\nround {i + 1}, {configuration}: one traced step by op, ms per device '
+            f"({', '.join(traced)})\n")
+      print(harness.table(*op_profile.rows(traced)))
+      for framework, b in traced.items():
+        if b.unmatched_ms > 1:
+          print(f'note: {framework}: {b.unmatched_ms:.1f} ms of events named ops not in its compiled step')
 
 
 if __name__ == '__main__':

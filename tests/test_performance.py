@@ -91,12 +91,18 @@ def test_bench_tiny_keeps_at_least_nine_tenths_of_its_recorded_share_of_the_matm
 def test_peers_mintrain_half_runs_bench_tiny_steps_in_a_fresh_process_with_mintrains_allocator_setting(
     tmp_path):
   proc = run_script('benchmarks/peers.py', '--only', 'mintrain', '--smoke', '--configs', 'float32',
-                    '--hlo', str(tmp_path))
+                    '--profile', str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  [[row], [program]] = tables(proc.stdout)
+  [[row], [program], ops] = tables(proc.stdout)
   # Its compiled step, written and counted: the smoke model's matmuls and its gradients' all-reduce.
   assert program['process'] == '1_float32_mintrain' and (tmp_path / '1_float32_mintrain.hlo').is_file()
   assert int(program['dot']) > 0 and int(program['all-reduce']) > 0 and float(program['collective_MiB']) > 0
+  # One more step traced, its ops' time by what they compute.
+  assert (tmp_path / '1_float32_mintrain.xplane.pb').is_file()
+  parts = {r['part']: r for r in ops}
+  assert float(parts['matmul (dot fusions)']['mintrain ms']) > 0
+  assert float(parts['all-reduce (collective)']['mintrain ms']) > 0
+  assert float(parts['matmul GFLOP/s (per device)']['mintrain ms']) > 0
   assert (row['configuration'], row['framework']) == ('float32', 'mintrain')
   assert float(row['s_per_step']) > 0 and float(row['to_first_step_s']) > float(row['s_per_step'])
   # Probed after the steps: what the steps ran under.

@@ -1,0 +1,178 @@
+"""Where a compiled step's time goes by what each op computes, for any JAX program: matmuls (with their
+FLOP/s), collectives by kind, copies and transposes, other fusions, the rest.
+
+`benchmarks/breakdown.py` groups mintrain's ops by the mintrain function that made them; this groups by the
+op itself, so that two frameworks' steps (`peers.py --profile`) compare row by row. Inputs: the step's
+optimised HLO text (`Compiled.as_text()`, or XLA's `--xla_dump_hlo_as_text` file) and a profiler trace
+(`*.xplane.pb`, as `jax.profiler.start_trace` writes it) of one or more steps. Times are per device (summed
+over devices, divided by their number) and per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import pathlib
+import re
+
+COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
+CONTAINERS = ('while', 'call', 'conditional')  # Their time is that of the ops inside, which are counted.
+LAYOUT = ('copy', 'transpose', 'bitcast', 'parameter', 'tuple', 'get-tuple-element', 'constant', 'broadcast')
+INDEXING = ('gather', 'scatter', 'dynamic-slice', 'dynamic-update-slice')
+MATMUL = 'matmul (dot fusions)'
+COMPUTATION = re.compile(r'^(?:ENTRY )?%([\w.-]+) \(')
+INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.-]+) = (.*?) ([a-z][a-z-]*)\((.*)$')
+DIMS = re.compile(r'^\(?[a-z]\w*\[([0-9,]*)\]')
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  opcode: str
+  row: str  # The row of the table its time goes to.
+  backward: bool  # XLA names the backward pass's ops transpose(jvp(...)).
+  gflop: float  # Of its matmuls, per execution.
+
+
+def _dims(shape: str) -> list[int]:
+  match = DIMS.match(shape.strip())
+  return [int(d) for d in match.group(1).split(',') if d] if match else []
+
+
+def _dot_gflop(rest: str, result: str, shapes: dict[str, str]) -> float:
+  """2 x result elements x contracted size, the contracted dims read off the left operand's shape."""
+  lhs = re.match(r'\s*(?:[a-z]\w*\[[0-9,]*\]\S* )?%([\w.-]+)', rest)
+  contracting = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}', rest)
+  if not lhs or not contracting or lhs.group(1) not in shapes:
+    return 0.0
+  lhs_dims = _dims(shapes[lhs.group(1)])
+  contracted = math.prod(lhs_dims[int(c)] for c in contracting.group(1).split(',') if c)
+  return 2 * math.prod(_dims(result)) * contracted / 1e9
+
+
+def program(hlo: str) -> tuple[str, dict[str, Op]]:
+  """(the module's name, HLO op name -> Op) for every op of an optimised HLO module."""
+  module = re.match(r'HloModule ([\w.-]+)', hlo).group(1)
+  computations = collections.defaultdict(list)  # name -> [(op name, opcode, result shape, rest)]
+  current = None
+  for line in hlo.splitlines():
+    if match := COMPUTATION.match(line):
+      current = match.group(1)
+    elif line.startswith('}'):
+      current = None
+    elif current and (match := INSTRUCTION.match(line)):
+      computations[current].append(match.groups())
+
+  def contents(name: str, seen: frozenset = frozenset()) -> tuple[set[str], float]:
+    """The opcodes of a fused computation (nested fusions opened) and its dots' GFLOP."""
+    opcodes, gflop = set(), 0.0
+    shapes = {op: result for op, result, _, _ in computations[name]}
+    for _, result, opcode, rest in computations[name]:
+      called = re.search(r'calls=%([\w.-]+)', rest)
+      if opcode == 'fusion' and called and called.group(1) not in seen:
+        inner, inner_gflop = contents(called.group(1), seen | {name})
+        opcodes |= inner
+        gflop += inner_gflop
+      else:
+        opcodes.add(opcode)
+        gflop += _dot_gflop(rest, result, shapes) if opcode == 'dot' else 0.0
+    return opcodes, gflop
+
+  ops = {}
+  for computation in computations.values():
+    shapes = {op: result for op, result, _, _ in computation}
+    for name, result, opcode, rest in computation:
+      called = re.search(r'calls=%([\w.-]+)', rest)
+      inside, gflop = contents(called.group(1)) if opcode == 'fusion' and called else ({opcode}, 0.0)
+      if opcode == 'dot':
+        gflop = _dot_gflop(rest, result, shapes)
+      if opcode in COLLECTIVES:
+        row = f'{opcode} (collective)'
+      elif inside & {'dot', 'convolution'}:
+        row = MATMUL
+      elif inside <= set(LAYOUT):
+        row = 'copy, transpose, broadcast'
+      elif inside & set(INDEXING):
+        row = 'gather, scatter, dynamic slices'
+      elif opcode == 'fusion':
+        row = 'other fusions (elementwise, reductions)'
+      else:
+        row = f'other ops: {opcode}'
+      op_name = re.search(r'op_name="([^"]*)"', rest)
+      ops[name] = Op(opcode, row, bool(op_name and 'transpose(' in op_name.group(1)), gflop)
+  return module, ops
+
+
+def xplane_events(path: pathlib.Path, module: str) -> list[tuple[str, int, float]]:
+  """(HLO op name, device, seconds) of every op of `module` the trace holds."""
+  import jax
+
+  profile = jax.profiler.ProfileData.from_file(str(path))
+  events = []
+  for plane in profile.planes:
+    for line in plane.lines:
+      for event in line.events:
+        stats = dict(event.stats)
+        if stats.get('hlo_module') == module and 'hlo_op' in stats:
+          events.append((stats['hlo_op'], int(stats.get('device_ordinal', 0)), event.duration_ns / 1e9))
+  return events
+
+
+@dataclasses.dataclass
+class Breakdown:
+  """One traced program's time by row, per device and step."""
+  forward_ms: collections.Counter
+  backward_ms: collections.Counter
+  matmul_gflop: float  # Per device and step, from the traced dot fusions' shapes.
+  unmatched_ms: float  # Events naming no op of the program (there should be none).
+
+  @property
+  def total_ms(self) -> float:
+    return sum(self.forward_ms.values()) + sum(self.backward_ms.values())
+
+  def ms(self, row: str) -> float:
+    return self.forward_ms[row] + self.backward_ms[row]
+
+
+def breakdown(hlo: str, trace: pathlib.Path, steps: int = 1) -> Breakdown:
+  """The ops of `hlo` in the trace, per device and step."""
+  module, ops = program(hlo)
+  events = xplane_events(trace, module)
+  devices = max(len({device for _, device, _ in events}), 1)
+  per = 1e3 / devices / steps
+  forward, backward, gflop, unmatched = collections.Counter(), collections.Counter(), 0.0, 0.0
+  for name, _, seconds in events:
+    op = ops.get(name)
+    if op is None:
+      unmatched += seconds * per
+    elif op.opcode not in CONTAINERS:
+      (backward if op.backward else forward)[op.row] += seconds * per
+      gflop += op.gflop / devices / steps
+  return Breakdown(forward, backward, gflop, unmatched)
+
+
+def newest_trace(directory: pathlib.Path) -> pathlib.Path:
+  found = sorted(directory.rglob('*.xplane.pb'), key=lambda p: p.stat().st_mtime)
+  if not found:
+    raise FileNotFoundError(f'no *.xplane.pb under {directory}')
+  return found[-1]
+
+
+def rows(named: dict[str, Breakdown]) -> tuple[list[str], list[list[str]]]:
+  """A table with one ms and one share column per breakdown, rows by the largest total first."""
+  every = sorted({row for b in named.values() for row in (*b.forward_ms, *b.backward_ms)},
+                 key=lambda row: -sum(b.ms(row) for b in named.values()))
+  header = ['part'] + [f'{name} {what}' for name in named for what in ('ms', 'share')]
+  table = []
+  for row in every:
+    cells = [row]
+    for b in named.values():
+      cells += [f'{b.ms(row):.1f}', f'{b.ms(row) / b.total_ms:.1%}' if b.total_ms else '-']
+    table.append(cells)
+  table.append(['all ops'] + [cell for b in named.values() for cell in (f'{b.total_ms:.1f}', '100%')])
+  rate = ['matmul GFLOP/s (per device)']
+  for b in named.values():
+    ms = b.ms(MATMUL)
+    rate += [f'{b.matmul_gflop / ms * 1e3:.1f}' if ms else '-', f'{b.matmul_gflop:.3g} GFLOP']
+  table.append(rate)
+  return header, table
