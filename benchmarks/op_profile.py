@@ -1,5 +1,6 @@
 """Where a compiled step's time goes by what each op computes, for any JAX program: matmuls (with their
-FLOP/s), collectives by kind, copies and transposes, other fusions, the rest.
+FLOP/s), collectives by kind, copies and transposes, dtype converts, fusions with and without a reduction,
+the rest.
 
 `benchmarks/breakdown.py` groups mintrain's ops by the mintrain function that made them; this groups by the
 op itself, so that two frameworks' steps (`peers.py --profile`) compare row by row. Inputs: the step's
@@ -92,10 +93,14 @@ def program(hlo: str) -> tuple[str, dict[str, Op]]:
         row = MATMUL
       elif inside <= set(LAYOUT):
         row = 'copy, transpose, broadcast'
+      elif inside <= {*LAYOUT, 'convert'}:
+        row = 'dtype converts'
       elif inside & set(INDEXING):
         row = 'gather, scatter, dynamic slices'
+      elif 'reduce' in inside:
+        row = 'fusions with a reduction (softmax, norms, sums)'
       elif opcode == 'fusion':
-        row = 'other fusions (elementwise, reductions)'
+        row = 'elementwise fusions'
       else:
         row = f'other ops: {opcode}'
       op_name = re.search(r'op_name="([^"]*)"', rest)
@@ -149,6 +154,25 @@ def breakdown(hlo: str, trace: pathlib.Path, steps: int = 1) -> Breakdown:
       (backward if op.backward else forward)[op.row] += seconds * per
       gflop += op.gflop / devices / steps
   return Breakdown(forward, backward, gflop, unmatched)
+
+
+def top_ops(hlo: str, trace: pathlib.Path, count: int = 40, steps: int = 1) -> list[list[str]]:
+  """The `count` ops that took longest (ms per device and step), with their row and matmul GFLOP/s."""
+  module, ops = program(hlo)
+  events = xplane_events(trace, module)
+  devices = max(len({device for _, device, _ in events}), 1)
+  seconds, runs = collections.Counter(), collections.Counter()
+  for name, _, s in events:
+    if name in ops and ops[name].opcode not in CONTAINERS:
+      seconds[name] += s / devices / steps
+      runs[name] += 1 / devices / steps
+  table = []
+  for name, s in seconds.most_common(count):
+    op = ops[name]
+    rate = f'{op.gflop * runs[name] / s:.1f}' if op.gflop else ''
+    table.append([name, op.row, 'backward' if op.backward else 'forward', f'{runs[name]:g}', f'{s * 1e3:.2f}',
+                  rate])
+  return table
 
 
 def newest_trace(directory: pathlib.Path) -> pathlib.Path:

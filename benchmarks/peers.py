@@ -32,7 +32,8 @@ Flax and the rest of its dependencies (libtpu lies unused: the processes run wit
   python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python --allocator glibc
   python benchmarks/peers.py --only mintrain --smoke     # the tests' small model, mintrain, one step
   python benchmarks/peers.py --maxtext-python /tmp/maxtext-venv/bin/python --configs shipped --rounds 1 \
-      --profile /tmp/peers_profile    # one more step of each traced, both broken down by op side by side
+      --profile /tmp/peers_profile    # one more step of each traced, both broken down by op side by side;
+                                      # each process's longest ops in /tmp/peers_profile/*.ops.md
 
 Both on MaxText's JAX release (0.12.0.1; mintrain's own environment has 0.10.x): mintrain in a Python 3.12
 environment with that release and mintrain's other dependencies, mintrain itself installed without its
@@ -516,6 +517,9 @@ def print_profiles(directory: pathlib.Path, rounds: int, configurations: list[st
         hlo, trace = directory / f'{name}.hlo', directory / f'{name}.xplane.pb'
         if hlo.exists() and trace.exists():
           traced[framework] = op_profile.breakdown(hlo.read_text(), trace)
+          longest = op_profile.top_ops(hlo.read_text(), trace)
+          (directory / f'{name}.ops.md').write_text(
+              harness.table(['op', 'part', 'pass', 'runs', 'ms', 'GFLOP/s'], longest) + '\n')
       if not traced:
         continue
       print(f'\nround {i + 1}, {configuration}: one traced step by op, ms per device '
