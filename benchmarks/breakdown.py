@@ -31,13 +31,12 @@ import time
 
 import harness
 import jax
+from op_profile import COLLECTIVES, CONTAINERS
 
-COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
 HELPERS = ('gather', 'AxisRules.reshard', 'matmul')  # Their time goes to the layer that calls them.
 # `models.layers.linear` is a custom VJP; JAX traces its rules once per shape and reuses them, so
 # their stacks name whichever layer came first. Its matmuls form one row instead.
 LINEAR = ('linear', '_linear', '_linear_fwd', '_linear_bwd')
-CONTAINERS = ('while', 'call', 'conditional')  # Their time is that of the ops inside, which are counted.
 INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = .*? ([a-z][a-z-]*)\(.*?metadata=\{([^}]*)\}')
 
 

@@ -125,11 +125,20 @@ def xplane_events(path: pathlib.Path, module: str) -> list[tuple[str, int, float
 
 @dataclasses.dataclass
 class Breakdown:
-  """One traced program's time by row, per device and step."""
-  forward_ms: collections.Counter
-  backward_ms: collections.Counter
-  matmul_gflop: float  # Per device and step, from the traced dot fusions' shapes.
+  """One traced program's time by row and by op, per device and step."""
+  ops: dict[str, Op]
+  op_ms: collections.Counter  # HLO op name -> ms.
+  op_runs: collections.Counter  # HLO op name -> executions.
   unmatched_ms: float  # Events naming no op of the program (there should be none).
+  forward_ms: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # By row.
+  backward_ms: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  matmul_gflop: float = 0.0  # From the traced dot fusions' shapes.
+
+  def __post_init__(self):
+    for name, ms in self.op_ms.items():
+      op = self.ops[name]
+      (self.backward_ms if op.backward else self.forward_ms)[op.row] += ms
+      self.matmul_gflop += op.gflop * self.op_runs[name]
 
   @property
   def total_ms(self) -> float:
@@ -138,41 +147,31 @@ class Breakdown:
   def ms(self, row: str) -> float:
     return self.forward_ms[row] + self.backward_ms[row]
 
+  def longest(self, count: int = 40) -> list[list[str]]:
+    """The `count` ops that took longest: name, row, pass, runs, ms, matmul GFLOP/s."""
+    table = []
+    for name, ms in self.op_ms.most_common(count):
+      op = self.ops[name]
+      rate = f'{op.gflop * self.op_runs[name] / ms * 1e3:.1f}' if op.gflop else ''
+      table.append([name, op.row, 'backward' if op.backward else 'forward', f'{self.op_runs[name]:g}',
+                    f'{ms:.2f}', rate])
+    return table
+
 
 def breakdown(hlo: str, trace: pathlib.Path, steps: int = 1) -> Breakdown:
   """The ops of `hlo` in the trace, per device and step."""
   module, ops = program(hlo)
   events = xplane_events(trace, module)
-  devices = max(len({device for _, device, _ in events}), 1)
-  per = 1e3 / devices / steps
-  forward, backward, gflop, unmatched = collections.Counter(), collections.Counter(), 0.0, 0.0
+  per = 1 / max(len({device for _, device, _ in events}), 1) / steps
+  op_ms, op_runs, unmatched = collections.Counter(), collections.Counter(), 0.0
   for name, _, seconds in events:
     op = ops.get(name)
     if op is None:
-      unmatched += seconds * per
+      unmatched += seconds * 1e3 * per
     elif op.opcode not in CONTAINERS:
-      (backward if op.backward else forward)[op.row] += seconds * per
-      gflop += op.gflop / devices / steps
-  return Breakdown(forward, backward, gflop, unmatched)
-
-
-def top_ops(hlo: str, trace: pathlib.Path, count: int = 40, steps: int = 1) -> list[list[str]]:
-  """The `count` ops that took longest (ms per device and step), with their row and matmul GFLOP/s."""
-  module, ops = program(hlo)
-  events = xplane_events(trace, module)
-  devices = max(len({device for _, device, _ in events}), 1)
-  seconds, runs = collections.Counter(), collections.Counter()
-  for name, _, s in events:
-    if name in ops and ops[name].opcode not in CONTAINERS:
-      seconds[name] += s / devices / steps
-      runs[name] += 1 / devices / steps
-  table = []
-  for name, s in seconds.most_common(count):
-    op = ops[name]
-    rate = f'{op.gflop * runs[name] / s:.1f}' if op.gflop else ''
-    table.append([name, op.row, 'backward' if op.backward else 'forward', f'{runs[name]:g}', f'{s * 1e3:.2f}',
-                  rate])
-  return table
+      op_ms[name] += seconds * 1e3 * per
+      op_runs[name] += per
+  return Breakdown(ops, op_ms, op_runs, unmatched)
 
 
 def newest_trace(directory: pathlib.Path) -> pathlib.Path:

@@ -298,9 +298,9 @@ def run_maxtext(launch: Launch, name: str, python: str, config, configuration: s
   logged = [m.groups() for m in map(MAXTEXT_STEP.search, lines) if m]
   params = [m.group(1) for m in map(MAXTEXT_PARAMS.search, lines) if m]
   result.update(steps_done=len(logged), params_billion=params[0] if params else '?')
-  if launch.profile and 'killed' not in result:
-    shutil.copy(op_profile.newest_trace(pathlib.Path(output_dir)), launch.profile / f'{name}.xplane.pb')
   if 'killed' not in result:
+    if launch.profile:
+      shutil.copy(op_profile.newest_trace(pathlib.Path(output_dir)), launch.profile / f'{name}.xplane.pb')
     result.update(times=[float(s) for i, s, _ in logged if warmup <= int(i) < warmup + steps],
                   loss0=float(logged[0][2]))
   return result
@@ -469,9 +469,7 @@ def print_report(results: dict, frameworks: list[str], configurations: list[str]
 
 
 # Ops of a compiled program worth counting side by side, and the collectives whose bytes are summed.
-PROGRAM_OPS = ('fusion', 'dot', 'copy', 'transpose', 'while', 'all-reduce', 'all-gather', 'reduce-scatter',
-               'all-to-all', 'collective-permute')
-COLLECTIVES = PROGRAM_OPS[5:]
+PROGRAM_OPS = ('fusion', 'dot', 'copy', 'transpose', 'while', *op_profile.COLLECTIVES)
 ITEM_BYTES = {'f64': 8, 's64': 8, 'u64': 8, 'f32': 4, 's32': 4, 'u32': 4, 'bf16': 2, 'f16': 2, 's16': 2,
               'u16': 2, 's8': 1, 'u8': 1, 'pred': 1}
 INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%\S+ = (.*?) ([a-z][a-z\-]*)\(')
@@ -489,7 +487,7 @@ def program_ops(hlo: str) -> dict[str, float]:
       continue
     shape, op = match.groups()
     counts[op] += 1
-    if op in COLLECTIVES:
+    if op in op_profile.COLLECTIVES:
       moved += sum(ITEM_BYTES[t] * math.prod(int(d) for d in dims.split(',') if d)
                    for t, dims in ARRAY.findall(shape))
   return {**counts, 'collective_MiB': moved / 2**20}
@@ -516,10 +514,9 @@ def print_profiles(directory: pathlib.Path, rounds: int, configurations: list[st
         name = f'{i + 1}_{configuration}_{framework}'
         hlo, trace = directory / f'{name}.hlo', directory / f'{name}.xplane.pb'
         if hlo.exists() and trace.exists():
-          traced[framework] = op_profile.breakdown(hlo.read_text(), trace)
-          longest = op_profile.top_ops(hlo.read_text(), trace)
+          traced[framework] = found = op_profile.breakdown(hlo.read_text(), trace)
           (directory / f'{name}.ops.md').write_text(
-              harness.table(['op', 'part', 'pass', 'runs', 'ms', 'GFLOP/s'], longest) + '\n')
+              harness.table(['op', 'part', 'pass', 'runs', 'ms', 'GFLOP/s'], found.longest()) + '\n')
       if not traced:
         continue
       print(f'\nround {i + 1}, {configuration}: one traced step by op, ms per device '
