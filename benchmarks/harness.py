@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import pathlib
 import statistics
+import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from itertools import cycle
 
@@ -114,6 +117,27 @@ def against_matmul(t: Timing, config: Config, devices: Sequence[jax.Device]) -> 
   per = 1 if devices[0].platform == 'cpu' else built.mesh.size
   return AgainstMatmul(built, compiled.total_s, times, losses, calibrations,
                        report.train_flops_per_step(config) / per / 1e12)
+
+
+_CHECKOUTS: list[str] = []  # The sys.path entries `checkout` added.
+
+
+def checkout(tree: pathlib.Path) -> types.ModuleType:
+  """This module again, importing mintrain from `tree` (a checkout of the repository): the mintrain modules
+  imported so far are dropped, so that several checkouts' steps compile in one process and run in turns
+  (`time_interleaved`), under the same load and allocator. What was compiled before keeps working; the
+  checkout must have the API this module calls (a nearby commit)."""
+  for name in [name for name in sys.modules if name == 'mintrain' or name.startswith('mintrain.')]:
+    del sys.modules[name]
+  sys.path[:] = [entry for entry in sys.path if entry not in _CHECKOUTS]
+  _CHECKOUTS.append(str(tree.resolve()))
+  sys.path.insert(0, _CHECKOUTS[-1])
+  importlib.invalidate_caches()
+  spec = importlib.util.spec_from_file_location(f'harness_{len(_CHECKOUTS)}', __file__)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # Its dataclasses look their module up.
+  spec.loader.exec_module(module)
+  return module
 
 
 def start_devices() -> list[jax.Device]:

@@ -19,11 +19,17 @@ device over per device.
   python benchmarks/step.py --config mintrain/configs/dp4_tp2.py --only baseline
   python benchmarks/step.py --override model.vocab_size=384   # what-if: any key=value, on every variant
   python benchmarks/step.py --smoke                      # tiny model, baseline, one step: it still runs
+  python benchmarks/step.py --tree /tmp/before --tree . --only baseline   # two checkouts, steps in turns
+
+With `--tree`, each variant of each checkout is compiled in this one process and all are timed in turns,
+a step of each, then again, so that a load that comes and goes slows them alike; each is reported against
+the first checkout's same variant (the median of the paired steps' ratios). No calibration runs then.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import sys
 
@@ -51,10 +57,14 @@ def main() -> int:
   harness.config_arguments(parser, 'config override applied to every variant; repeatable')
   parser.add_argument('--only', nargs='+', choices=sorted(VARIANTS), default=None, help='variants to run')
   harness.timing_arguments(parser, 5, 'tiny model, baseline, one step')
+  parser.add_argument('--tree', action='append', type=pathlib.Path, default=[], metavar='CHECKOUT',
+                      help='a checkout whose step to time (repeatable): all in turns, against the first')
   args = parser.parse_args()
 
   devices = harness.start_devices()
   t = harness.timing(args)
+  if args.tree:
+    return compare_checkouts(args.tree, args.only or ['baseline'], t, devices)
 
   shares_host = devices[0].platform == 'cpu'
   rows, first = [], None
@@ -88,6 +98,37 @@ def main() -> int:
         f'{t.calibration_s} s after each step; ratio = median over steps of model / matmul rate\n')
   print(harness.table(['variant', 'compile_s', 'step_ms', 'spread', 'tokens_per_s', 'model_TFLOP_s',
                        'matmul_TFLOP_s', 'ratio', 'loss_at_init'], rows))
+  return 0
+
+
+def compare_checkouts(trees: list[pathlib.Path], names: list[str], t: harness.Timing, devices) -> int:
+  """Each variant's step from each checkout, compiled here and timed in turns (`--tree`)."""
+  runs, labels = [], []
+  for tree in trees:
+    ours = harness.checkout(tree)
+    inside = t.path.is_relative_to(harness.REPO)  # A config of the repository: the checkout's own.
+    path = tree.resolve() / t.path.relative_to(harness.REPO) if inside else t.path
+    for name in names:
+      overrides = t.base + VARIANTS[name]
+      if missing := ours.missing_keys(path, overrides):
+        print(f'skipping {name} of {tree}: its config has no {", ".join(missing)}', flush=True)
+        continue
+      built = ours.build(ours.load(path, overrides), devices)
+      batches = ours.device_batches(built, 2)
+      runs.append((ours.compile_step(built, batches[0]), built, batches))
+      labels.append((str(tree), name))
+      print(f'compiled {name} with {pathlib.Path(ours.config_lib.__file__).parent}', flush=True)
+  times = harness.time_interleaved(runs, warmup=t.warmup, steps=t.steps)
+  first = {name: steps for (tree, name), steps in zip(labels, times) if tree == str(trees[0])}
+  rows = []
+  for (tree, name), steps in zip(labels, times):
+    paired = [b / a for a, b in zip(first[name].wall, steps.wall)] if name in first else []
+    rows.append([tree, name, f'{statistics.median(steps.wall) * 1e3:.1f}', harness.spread(steps.wall),
+                 f'{statistics.median(paired):.3f}' if paired else '-', f'{steps.cores_busy():.2f}'])
+  print(f'\nconfig {harness.describe_config(t.path, t.base)}')
+  print(f'{t.steps} steps of each in turns after {t.warmup} warm-up; against first: the median over paired '
+        f'steps of this step over the first checkout\'s\n')
+  print(harness.table(['checkout', 'variant', 'step_ms', 'spread', 'against first', 'cores busy'], rows))
   return 0
 
 

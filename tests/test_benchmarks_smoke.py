@@ -6,6 +6,7 @@ set (`pytest -m slow`, run by .ci/run) holds them.
 
 import os
 import pathlib
+import shutil
 
 import pytest
 from helpers import run_script
@@ -54,6 +55,21 @@ def test_step_benchmark_smoke_reports_model_flops_against_a_same_run_matmul_cali
   cells = dict(zip(header, body[0]))
   assert all(float(cells[c].replace(',', '').rstrip('%')) > 0 for c in header[1:] if c != 'spread')
   assert 'ratio = median over steps of model / matmul rate' in stdout
+
+
+def test_step_benchmark_times_two_checkouts_steps_in_turns_in_one_process(tmp_path):
+  repo = pathlib.Path(__file__).parents[1]
+  shutil.copytree(repo / 'mintrain', tmp_path / 'mintrain', ignore=shutil.ignore_patterns('__pycache__'))
+  build = tmp_path / 'mintrain/build.py'  # The other checkout says when it builds a run.
+  build.write_text(build.read_text() + '\nprint("other checkout imported")\n')
+  stdout, header, body = smoke('step.py', '--tree', str(tmp_path), '--tree', str(repo))
+  assert stdout.count('other checkout imported') == 1
+  assert f'compiled baseline with {tmp_path}/mintrain' in stdout
+  assert f'compiled baseline with {repo}/mintrain' in stdout
+  cells = [dict(zip(header, row)) for row in body]
+  assert [c['checkout'] for c in cells] == [str(tmp_path), str(repo)]
+  assert cells[0]['against first'] == '1.000' and float(cells[1]['against first']) > 0
+  assert all(float(c['step_ms']) > 0 for c in cells)
 
 
 def test_overhead_benchmark_smoke_hand_written_step_matches_mintrain_loss():

@@ -381,6 +381,19 @@ def test_linear_has_the_einsum_value_and_gradients(subscripts, x_axes, w_axes, o
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_linears_weight_gradient_copies_the_smaller_operand_transposed():
+  # XLA:CPU's matmul reads the first operand of a weight gradient (the rows contracted) transposed, a copy.
+  # Here dy (B*L x 16) is smaller than x (B*L x 96): dy is the one copied, never x (BENCHMARKS.md).
+  rng = np.random.RandomState(0)
+  x, w = jnp.asarray(rng.randn(4, 64, 96), jnp.float32), jnp.asarray(rng.randn(96, 16), jnp.float32)
+  grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(linear('BLF,FD->BLD', x, w))), (0, 1)))
+  program = grads.lower(x, w).compile().as_text()
+  assert re.search(r'f32\[16,256\]', program) and not re.search(r'f32\[96,256\]', program)
+  expected = jax.grad(lambda x, w: jnp.sum(jnp.sin(jnp.einsum('BLF,FD->BLD', x, w))), (0, 1))(x, w)
+  for got, want in zip(grads(x, w), expected):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize('overrides', [
     ('model.remat=full', 'model.scan_layers=True'),
     ('model.mlp_overlap=True',),

@@ -137,13 +137,22 @@ def _linear_bwd(subscripts, out_sharding, residuals, dy):
   x_axes, rest = subscripts.split(',')
   w_axes, y_axes = rest.split('->')
   _, x_vjp = jax.vjp(lambda x: matmul(subscripts, x, w, out_sharding), x)
-  w_sharding = jax.typeof(w).sharding
-  if x.size <= dy.size:
-    dw = matmul(f'{x_axes},{y_axes}->{w_axes}', x, dy, w_sharding, w.dtype)
-  else:
-    dw = matmul(f'{y_axes},{x_axes}->{w_axes}', dy, x, w_sharding, w.dtype)
   # Under a shard_map that splits the rows by hand (the pipeline's), each device holds its rows' share.
-  return x_vjp(dy)[0], summed_as(dw, w)
+  return x_vjp(dy)[0], summed_as(_weight_grad(x_axes, x, y_axes, dy, w_axes, w), w)
+
+
+def _weight_grad(x_axes: str, x: jax.Array, y_axes: str, dy: jax.Array, w_axes: str,
+                 w: jax.Array) -> jax.Array:
+  """`x`'s rows against `dy`'s, in `w`'s axes. XLA:CPU's matmul copies its first operand transposed for
+  this contraction, so the smaller of `x` and `dy` goes first, and the product is formed with that
+  operand's axes first (else XLA puts the other first, to write `w`'s order directly), then transposed."""
+  (a_axes, a), (b_axes, b) = sorted([(x_axes, x), (y_axes, dy)], key=lambda pair: pair[1].size)
+  order = ''.join(sorted(w_axes, key=lambda axis: axis not in a_axes))
+  sharding = jax.typeof(w).sharding
+  spec = (*sharding.spec, *(None,) * (len(w_axes) - len(sharding.spec)))
+  spec = jax.sharding.PartitionSpec(*(spec[w_axes.index(axis)] for axis in order))
+  dw = matmul(f'{a_axes},{b_axes}->{order}', a, b, jax.sharding.NamedSharding(sharding.mesh, spec), w.dtype)
+  return dw if order == w_axes else jnp.transpose(dw, [order.index(axis) for axis in w_axes])
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
