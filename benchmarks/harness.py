@@ -102,21 +102,29 @@ class AgainstMatmul:
 def against_matmul(t: Timing, config: Config, devices: Sequence[jax.Device]) -> AgainstMatmul:
   """Builds and compiles `config`'s step and times it as `t` says, each timed step followed by a matmul
   calibration: other load on a shared machine slows both alike."""
-  from mintrain import report
-  from mintrain.runtime import hardware
-
   built = build(config, devices)
   batches = device_batches(built, 2)
   compiled = compile_step(built, batches[0])
   calibrations = []
 
   def calibrate() -> None:
-    calibrations.append(hardware.measure_matmul_tflops(config.model.compute_dtype, size=t.calibration_size,
-                                                       seconds=t.calibration_s, device=devices[0]))
+    calibrations.append(matmul_tflops(t, config, devices))
   times, losses = time_steps(compiled, built, batches, warmup=t.warmup, steps=t.steps, after_step=calibrate)
-  per = 1 if devices[0].platform == 'cpu' else built.mesh.size
-  return AgainstMatmul(built, compiled.total_s, times, losses, calibrations,
-                       report.train_flops_per_step(config) / per / 1e12)
+  return AgainstMatmul(built, compiled.total_s, times, losses, calibrations, model_tflop(config, built))
+
+
+def matmul_tflops(t: Timing, config: Config, devices: Sequence[jax.Device]) -> float:
+  """TFLOP/s of `t`'s square matmul calibration in the config's compute dtype, on the first device."""
+  from mintrain.runtime import hardware
+  return hardware.measure_matmul_tflops(config.model.compute_dtype, size=t.calibration_size,
+                                        seconds=t.calibration_s, device=devices[0])
+
+
+def model_tflop(config: Config, built: Run) -> float:
+  """Model TFLOP per step per device; on the CPU per host (its simulated devices share it)."""
+  from mintrain import report
+  per = 1 if built.mesh.devices.flat[0].platform == 'cpu' else built.mesh.size
+  return report.train_flops_per_step(config) / per / 1e12
 
 
 _CHECKOUTS: list[str] = []  # The sys.path entries `checkout` added.
@@ -253,9 +261,10 @@ class StepTimes:
 
 
 def time_interleaved(runs: Sequence[tuple[Compiled, Run, Sequence[dict[str, jax.Array]]]], *, warmup: int,
-                     steps: int) -> list[StepTimes]:
+                     steps: int, after_turn: Callable[[], None] | None = None) -> list[StepTimes]:
   """The timed steps of every run, taken in turns (one step of each, then again): on a shared, noisy
-  machine a load that comes and goes slows every variant alike. Each run's state is donated."""
+  machine a load that comes and goes slows every variant alike. `after_turn` runs after each timed turn
+  (e.g. a calibration to pair with it). Each run's state is donated."""
   states = [compiled.state for compiled, _, _ in runs]
   times = [StepTimes([], []) for _ in runs]
   for i in range(warmup + steps):
@@ -267,6 +276,8 @@ def time_interleaved(runs: Sequence[tuple[Compiled, Run, Sequence[dict[str, jax.
         if i >= warmup:
           times[j].wall.append(time.perf_counter() - start)
           times[j].cpu.append(time.process_time() - cpu)
+    if i >= warmup and after_turn is not None:
+      after_turn()
   for compiled, _, _ in runs:
     compiled.state = None
   return times

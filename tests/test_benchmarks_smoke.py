@@ -232,8 +232,10 @@ def test_pipeline_benchmark_runs_the_circular_schedule_and_skips_the_points_its_
   assert float(cells['predicted_ms']) == float(cells['step_ms']) > 0  # The reference row predicts itself.
 
 
-def test_scaling_benchmark_smoke_compares_step_time_growth_with_flop_growth():
-  stdout, header, body = smoke('scaling.py')
+@pytest.mark.parametrize('timing', [(), ('--interleave',)])
+def test_scaling_benchmark_smoke_compares_step_time_growth_with_flop_growth(timing):
+  stdout, header, body = smoke('scaling.py', *timing)
+  assert ('in turns, a calibration after each turn' in stdout) == bool(timing)
   assert [row[1] for row in body] == ['num_layers=1', 'num_layers=2']
   cells = [dict(zip(header, row)) for row in body]
   assert float(cells[0]['time_x']) == float(cells[0]['flops_x']) == 1.0
