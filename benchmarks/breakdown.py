@@ -114,9 +114,7 @@ def main() -> int:
   path, overrides = harness.bench_tiny() if args.config is None else (args.config.resolve(), ())
   overrides += tuple(args.override) + (harness.SMOKE if args.smoke else ())
   config = harness.load(path, overrides)
-  built = harness.build(config, devices)
-  batches = harness.device_batches(built, 2)
-  compiled = harness.compile_step(built, batches[0])
+  compiled, built, batches = harness.prepare(config, devices)
   ops = instructions(compiled.compiled.as_text())
 
   with jax.set_mesh(built.mesh), tempfile.TemporaryDirectory(prefix='mintrain_breakdown_') as trace_dir:

@@ -53,9 +53,7 @@ def main() -> int:
   rows, temp, step_ms = [], {}, {}
   for name, overrides in RUNS.items():
     config = harness.load(configs.DIR / 'base.py', (*model, *overrides))
-    built = harness.build(config, devices)
-    batches = harness.device_batches(built, 1)
-    compiled = harness.compile_step(built, batches[0])
+    compiled, built, batches = harness.prepare(config, devices, 1)
     analysis = harness.memory_analysis(compiled)
     times, _ = harness.time_steps(compiled, built, batches, warmup=1, steps=steps)
     temp[name], step_ms[name] = analysis['temp'], statistics.median(times) * 1e3

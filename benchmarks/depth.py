@@ -59,9 +59,7 @@ def main() -> int:
   for depth in depths:
     for form, extra in forms.items():
       config = harness.load(path, overrides + extra + (f'model.num_layers={depth}',))
-      built = harness.build(config, devices)
-      batches = harness.device_batches(built, 2)
-      compiled = harness.compile_step(built, batches[0])
+      compiled, built, batches = harness.prepare(config, devices)
       times, _ = harness.time_steps(compiled, built, batches, warmup=1, steps=steps)
       results[form, depth] = (compiled.lower_s, compiled.compile_s, statistics.median(times))
       print(f'measured {form} {depth} layers', flush=True)

@@ -62,9 +62,7 @@ def main() -> int:
   runs = []
   for name in names:
     config = harness.load(path, (*base, *VARIANTS[name], *(SMOKE.get(name, ()) if args.smoke else ())))
-    built = harness.build(config, devices)
-    batches = harness.device_batches(built, 2)
-    runs.append((harness.compile_step(built, batches[0]), built, batches))
+    runs.append(harness.prepare(config, devices))
     print(f'compiled {name}', flush=True)
   times = [t.wall for t in harness.time_interleaved(runs, warmup=warmup, steps=steps)]
   first = statistics.median(times[0])

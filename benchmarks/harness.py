@@ -102,9 +102,7 @@ class AgainstMatmul:
 def against_matmul(t: Timing, config: Config, devices: Sequence[jax.Device]) -> AgainstMatmul:
   """Builds and compiles `config`'s step and times it as `t` says, each timed step followed by a matmul
   calibration: other load on a shared machine slows both alike."""
-  built = build(config, devices)
-  batches = device_batches(built, 2)
-  compiled = compile_step(built, batches[0])
+  compiled, built, batches = prepare(config, devices)
   calibrations = []
 
   def calibrate() -> None:
@@ -206,6 +204,15 @@ class Compiled:
   @property
   def total_s(self) -> float:
     return self.lower_s + self.compile_s
+
+
+def prepare(config: Config, devices: Sequence[jax.Device], count: int = 2
+            ) -> tuple[Compiled, Run, list[dict[str, jax.Array]]]:
+  """(compiled step, run, batches): the config's run built, `count` batches on its devices and its step
+  compiled, as `time_steps` and `time_interleaved` take them."""
+  built = build(config, devices)
+  batches = device_batches(built, count)
+  return compile_step(built, batches[0]), built, batches
 
 
 def compile_step(built: Run, batch: dict[str, jax.Array]) -> Compiled:

@@ -42,9 +42,7 @@ def main() -> int:
   runs, rows = [], []
   for name, overrides in VARIANTS.items():
     config = harness.load(path, (*base, *overrides))
-    built = harness.build(config, devices)
-    batches = harness.device_batches(built, 2)
-    runs.append((harness.compile_step(built, batches[0]), built, batches))
+    runs.append(harness.prepare(config, devices))
     print(f'compiled {name}', flush=True)
   times = [t.wall for t in harness.time_interleaved(runs, warmup=warmup, steps=steps)]
   full = statistics.median(times[0])

@@ -54,9 +54,7 @@ def main() -> int:
   rows, held = [], {}
   for name in names:
     config = harness.load(configs.DIR / f'{name}.py', overrides)
-    built = harness.build(config, devices)
-    batches = harness.device_batches(built, 2)
-    compiled = harness.compile_step(built, batches[0])
+    compiled, built, batches = harness.prepare(config, devices)
     params_b = harness.first_device_bytes(compiled.state.params)
     opt_b = harness.first_device_bytes(compiled.state.opt_state)
     plan = built.plan

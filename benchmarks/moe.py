@@ -98,9 +98,7 @@ def main() -> int:
     variant = name.removesuffix(' (baseline)')
     config = harness.load(path, (*base, *VARIANTS[variant], *(SMOKE if args.smoke else ())))
     with layer_in_place(theirs) if variant != name else contextlib.nullcontext():
-      built = harness.build(config, devices)
-      batches = harness.device_batches(built, 2)
-      return config, (harness.compile_step(built, batches[0]), built, batches)
+      return config, harness.prepare(config, devices)
 
   measured = {}  # name -> (config, (compiled step, run, batches), its StepTimes)
   if args.interleave:

@@ -179,9 +179,7 @@ def main() -> int:
     return 1
   hp = hyperparameters(config)
 
-  built = harness.build(config, devices)
-  batches = harness.device_batches(built, 2)
-  ours = harness.compile_step(built, batches[0])
+  ours, built, batches = harness.prepare(config, devices)
   hand_mesh = jax.make_mesh(tuple(built.mesh.shape.values()), MESH_AXES,
                             axis_types=(AxisType.Auto,) * len(MESH_AXES),
                             devices=built.mesh.devices.flatten())

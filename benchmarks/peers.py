@@ -173,9 +173,7 @@ def mintrain_process(configuration: str, warmup: int, steps: int, smoke: bool, a
     devices, _ = mesh.pick_devices(harness.DEVICES)
   path, base = harness.bench_tiny()
   overrides = (*base, *CONFIGURATIONS[configuration].mintrain, *(harness.SMOKE if smoke else ()))
-  built = harness.build(harness.load(path, overrides), devices)
-  batches = harness.device_batches(built, 2)
-  compiled = harness.compile_step(built, batches[0])
+  compiled, built, batches = harness.prepare(harness.load(path, overrides), devices)
   if hlo is not None:
     hlo.write_text(compiled.compiled.as_text())
   with jax.set_mesh(built.mesh):

@@ -45,11 +45,7 @@ def measure_in_turns(t: harness.Timing, points: list[tuple[str, ...]], devices) 
   """Every point compiled first, then timed in turns with a calibration after each turn (`--interleave`):
   as `measure`, with `time_x` the median over turns of the step over the first point's of the same turn."""
   configs = [harness.load(t.path, (*t.base, *overrides)) for overrides in points]
-  runs = []
-  for config in configs:
-    built = harness.build(config, devices)
-    batches = harness.device_batches(built, 2)
-    runs.append((harness.compile_step(built, batches[0]), built, batches))
+  runs = [harness.prepare(config, devices) for config in configs]
   calibrations = []
   times = harness.time_interleaved(
       runs, warmup=t.warmup, steps=t.steps,
@@ -96,14 +92,16 @@ def main() -> int:
   series = [('depth', 'model.num_layers', layers), ('batch', 'train.global_batch_size', batches)]
   rows = []
   for name, key, values in series:
-    points = []
-    if args.interleave and values:
+    if not values:
+      continue
+    if args.interleave:
       points = measure_in_turns(t, [(f'{key}={value}',) for value in values], devices)
-    for value in [] if args.interleave else values:
-      points.append(measure(t, (f'{key}={value}',), devices))
-      print(f'measured {key}={value}', flush=True)
-    if points:
-      rows += series_rows(name, key.split('.')[-1], values, points)
+    else:
+      points = []
+      for value in values:
+        points.append(measure(t, (f'{key}={value}',), devices))
+        print(f'measured {key}={value}', flush=True)
+    rows += series_rows(name, key.split('.')[-1], values, points)
   timed = 'in turns, a calibration after each turn' if args.interleave else 'a calibration after each step'
   print(f'\nconfig {harness.describe_config(t.path, t.base)}; median of {t.steps} steps after {t.warmup} '
         f'warm-up per point, {timed}; x: against the first point of the series; ratio: model FLOP/s over '

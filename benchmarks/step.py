@@ -113,9 +113,7 @@ def compare_checkouts(trees: list[pathlib.Path], names: list[str], t: harness.Ti
       if missing := ours.missing_keys(path, overrides):
         print(f'skipping {name} of {tree}: its config has no {", ".join(missing)}', flush=True)
         continue
-      built = ours.build(ours.load(path, overrides), devices)
-      batches = ours.device_batches(built, 2)
-      runs.append((ours.compile_step(built, batches[0]), built, batches))
+      runs.append(ours.prepare(ours.load(path, overrides), devices))
       labels.append((str(tree), name))
       print(f'compiled {name} with {pathlib.Path(ours.config_lib.__file__).parent}', flush=True)
   times = harness.time_interleaved(runs, warmup=t.warmup, steps=t.steps)
