@@ -54,9 +54,13 @@ def measure_process(smoke: bool, overrides: list[str]) -> None:
   run = harness.build(harness.load(path, (*base, *overrides, *(harness.SMOKE if smoke else ()))), devices)
   mark('build_s')
   with jax.set_mesh(run.mesh):
-    init = run.init.lower().compile()
+    if hasattr(run.init, 'compile'):  # Its draws' programs and the state's (since 2026-12-03).
+      init = run.init.compile()
+      args = ()
+    else:  # One program, its keys as arguments since 2026-11-28.
+      init, args = run.init.lower().compile(), getattr(run.init, 'args', ())
     mark('init_compile_s')
-    state = jax.block_until_ready(init(*getattr(run.init, 'args', ())))  # Its keys (none before 2026-11-28).
+    state = jax.block_until_ready(init(*args))
     mark('init_run_s')
     batch = harness.device_batches(run, 1)[0]
     mark('batch_s')

@@ -44,7 +44,7 @@ class Run:
   graphdef: nnx.GraphDef
   tx: optax.GradientTransformation
   abstract_state: TrainState  # ShapeDtypeStructs with concrete NamedShardings of `mesh`.
-  init: Callable[[], TrainState]  # Jitted, with its keys (`train_state.Bound`); call under the mesh.
+  init: train_state.Initialiser  # The state the seed draws: `()`, or `compile()` and call; under the mesh.
   from_params: Callable[[nnx.State], TrainState]  # Jitted: fresh optimizer state and step 0 around params.
   train_step: Callable  # Jitted, state donated: (state, batch) -> (state, metrics).
   # Jitted: (params, batch, reference=None) -> (summed loss, count) over its counted targets (or pairs).
@@ -98,8 +98,9 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   keys = train_state.draw_keys(config.seed, draws)  # Host arrays: building allocates nothing on devices.
   with jax.set_mesh(mesh):
     abstract_state = _concrete(jax.eval_shape(draw, keys), mesh)
+    own_draws = train_state.draws(make, keys)
   shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-  init = train_state.Bound(jax.jit(draw), (keys,))
+  init = train_state.Initialiser(jax.jit(draw, donate_argnums=1), tuple(keys), tuple(own_draws))
   frozen = jax.jit(lambda keys: draw(keys).frozen, out_shardings=shardings.frozen)
   frozen_from_seed = train_state.Bound(frozen, (keys,))
   from_base = from_params

@@ -1,10 +1,12 @@
 """The train state, its layout (by abstract evaluation outside the mesh, checked before anything is traced)
-and its initialisation inside `jit`, each parameter drawn directly in its storage sharding."""
+and its compiled initialisation (`Initialiser`), each parameter drawn directly in its storage sharding."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +19,7 @@ from jax.extend import random as jax_random
 from jax.sharding import Mesh, PartitionSpec
 
 from mintrain import partitioning
-from mintrain.models.layers import Frozen, ParamKeys
+from mintrain.models.layers import Draw, Frozen, ParamKeys
 from mintrain.objectives import objective
 from mintrain.partitioning import AxisRules
 
@@ -175,9 +177,10 @@ def param_layout(abstract: nnx.Module, rules: AxisRules, mesh: Mesh) -> list[Par
 def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation, seed: int,
               keeps_reference: bool = False
               ) -> tuple[Callable[[Sequence[jax.Array]], TrainState], Callable[[nnx.State], TrainState]]:
-  """(init, from_params): the whole state drawn from the data of the parameters' keys (`draw_keys`), or
-  built around given parameters (and frozen ones; a fresh optimizer state, step 0, and with
-  `keeps_reference` a frozen copy of the trained parameters). Call them under `jit` on the mesh."""
+  """(init, from_params): the whole state drawn from the data of the parameters' keys (`draw_keys`; those
+  in `drawn`, by key number, drawn already), or built around given parameters (and frozen ones; a fresh
+  optimizer state, step 0, and with `keeps_reference` a frozen copy of the trained parameters). Call them
+  under `jit` on the mesh."""
 
   def from_params(params: nnx.State, frozen: nnx.State | None = None) -> TrainState:
     rng = jax.random.key_data(key(seed + 1))
@@ -185,12 +188,94 @@ def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransfor
                       frozen=frozen if frozen is not None else nnx.State({}),
                       reference=objective.reference(keeps_reference, params))
 
-  def init(keys: Sequence[jax.Array]) -> TrainState:
+  def init(keys: Sequence[jax.Array], drawn: dict[int, jax.Array] | None = None) -> TrainState:
     given = [jax.random.wrap_key_data(k, impl=PRNG_IMPL) for k in keys]
-    _, params, frozen = nnx.split(make(ParamKeys(given=given)), nnx.Param, Frozen)
+    _, params, frozen = nnx.split(make(ParamKeys(given=given, drawn=drawn)), nnx.Param, Frozen)
     return from_params(params, frozen)
 
   return init, from_params
+
+
+def draws(make: Callable[[nnx.Rngs], nnx.Module], keys: Sequence[np.ndarray]) -> list[Draw]:
+  """The draws of the model's own parameters (a stack of layers draws its own, `stack_layers`), in their
+  layouts: call under the mesh. Allocates nothing."""
+  recorder = ParamKeys(given=[jax.random.wrap_key_data(k, impl=PRNG_IMPL) for k in keys])
+  nnx.eval_shape(lambda: make(recorder))
+  return recorder.draws
+
+
+def _same_draw(draw: Draw) -> tuple:
+  """What makes two draws one program: the initializer's code and closure (each `param` call makes its own
+  closure), shape, dtype and layout; an initializer that cannot be compared is its own."""
+  init = draw.init
+  try:
+    what = (init.__code__, tuple(c.cell_contents for c in init.__closure__ or ()), init.__defaults__)
+    hash(what)
+  except (AttributeError, TypeError, ValueError):
+    what = (id(init),)
+  return what + (draw.shape, draw.dtype, draw.spec)
+
+
+def _draw_program(draw: Draw) -> Callable[[jax.Array], jax.Array]:
+  def drawn(key_data: jax.Array) -> jax.Array:
+    key = jax.random.wrap_key_data(key_data, impl=PRNG_IMPL)
+    return draw.init(key, draw.shape, draw.dtype, out_sharding=draw.spec)
+  return jax.jit(drawn)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledInit:
+  """`Initialiser.compile`'s programs; calling it draws the state."""
+
+  kinds: list[list[Draw]]  # The draws, by the program that makes them.
+  draws: list[jax.stages.Compiled]  # One per kind.
+  build: jax.stages.Compiled
+  keys: tuple[np.ndarray, ...]
+
+  def __call__(self) -> TrainState:
+    drawn = {d.index: program(self.keys[d.index]) for program, kind in zip(self.draws, self.kinds)
+             for d in kind}
+    return self.build(self.keys, drawn)
+
+  def as_text(self) -> str:
+    return '\n'.join(program.as_text() for program in (*self.draws, self.build))
+
+
+@dataclasses.dataclass(frozen=True)
+class Initialiser:
+  """The state the seed draws, in two steps: every parameter the model draws itself by one compiled program
+  per kind of draw (initializer, shape, dtype, layout), run once per parameter of that kind; then one
+  program that builds the state around them (stacked layers' own draws, adapters, the optimizer state).
+  XLA:CPU compiles each kernel of a program on its own, so an unrolled model's n like-shaped parameters in
+  one program were n kernels to compile; here they are one. The values are those one program draws."""
+
+  build: Any  # jax.jit of `make_init`'s init, the drawn parameters donated.
+  keys: tuple[np.ndarray, ...]
+  draws: tuple[Draw, ...]
+  _compiled: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # By mesh.
+
+  def compile(self) -> CompiledInit:
+    """Compiles both steps once per mesh, the draws' programs side by side on the host's cores; call under
+    the mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh not in self._compiled:
+      self._compiled[mesh] = self._compile()
+    return self._compiled[mesh]
+
+  def _compile(self) -> CompiledInit:
+    kinds: dict[tuple, list[Draw]] = {}
+    for d in self.draws:
+      kinds.setdefault(_same_draw(d), []).append(d)
+    lowered = [_draw_program(kind[0]).lower(self.keys[kind[0].index]) for kind in kinds.values()]
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+      programs = list(pool.map(lambda program: program.compile(), lowered))
+    abstract = {d.index: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=program.output_shardings)
+                for program, kind in zip(programs, kinds.values()) for d in kind}
+    return CompiledInit(list(kinds.values()), programs, self.build.lower(self.keys, abstract).compile(),
+                        self.keys)
+
+  def __call__(self) -> TrainState:
+    return self.compile()()
 
 
 @dataclasses.dataclass(frozen=True)

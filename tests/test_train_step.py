@@ -157,22 +157,29 @@ def _fused_computations(hlo: str) -> set[str]:
 
 # Scanned: the default suite's time (7 min); unrolled draws the same keys through the same path.
 @pytest.mark.parametrize('scanned', [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_the_initialiser_draws_the_seeds_parameters_with_one_kernel_per_shape(scanned):
-  # Its keys are arguments, so like-shaped draws are one computation to XLA; a key folded inside the
-  # program is a constant of its draw, and every draw a kernel of its own to compile. The parameters are
-  # bit for bit those of the unrolled model built from `nnx.Rngs(params=key(seed))`; scanned (each
-  # parameter of all layers one vmapped draw), those same layers stacked.
+def test_the_initialiser_compiles_one_program_per_kind_of_draw_and_draws_the_seeds_parameters(scanned):
+  # Its keys are arguments, so like draws are one computation to XLA (a key folded inside the program is a
+  # constant of its draw, and every draw a kernel of its own to compile); unrolled, the layers' like
+  # parameters share one compiled program, run once per parameter. The parameters are bit for bit those of
+  # the unrolled model built from `nnx.Rngs(params=key(seed))`; scanned (each parameter of all layers one
+  # vmapped draw, in the state's program), those same layers stacked.
   setup = build(load_config('test_small', 'model.num_layers=2', f'model.scan_layers={scanned}'))
   make = setup.config.family.make
   unrolled = dataclasses.replace(setup.config.model, scan_layers=False)
   with jax.set_mesh(setup.mesh):
-    compiled = setup.init.lower().compile()
-    drawn = convert_layers(flat(jax.device_get(compiled(*setup.init.args).params)), to_scanned=False)
+    compiled = setup.init.compile()
+    drawn = convert_layers(flat(jax.device_get(compiled().params)), to_scanned=False)
     reference = flat(jax.device_get(jax.jit(lambda: nnx.state(make(
         unrolled, setup.rules, setup.placement, nnx.Rngs(params=train_state.key(setup.config.seed))),
         nnx.Param))()))
-  kernels = _fused_computations(compiled.as_text())
-  assert len(kernels) <= len({info.shard_shape for info in setup.layout}) + 2, sorted(kernels)[:2]
+  shapes = len({info.shard_shape for info in setup.layout})
+  drawn_apart = sum(len(kind) for kind in compiled.kinds)
+  assert len(compiled.kinds) <= shapes + 2 and drawn_apart == len(setup.init.draws)
+  if not scanned:  # Every parameter drawn apart, 2 layers' like ones by one program.
+    assert drawn_apart == len(setup.layout) > len(compiled.kinds), (drawn_apart, len(compiled.kinds))
+  kernels = set().union(*(_fused_computations(program.as_text()) for program in compiled.draws))
+  kernels |= _fused_computations(compiled.build.as_text())
+  assert len(kernels) <= shapes + 2, sorted(kernels)[:2]
   assert drawn.keys() == reference.keys()
   for path, x in reference.items():
     np.testing.assert_array_equal(drawn[path], x, err_msg=path)

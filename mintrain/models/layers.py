@@ -4,8 +4,9 @@ layout inside the layer that uses it (so FSDP's all-gather and reduce-scatter ha
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,11 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
   """
   axes = tuple(axes)
   spec = None if jax.sharding.get_abstract_mesh().empty else rules.param_spec(axes)
-  value = init(rngs.params(), tuple(shape), dtype, out_sharding=spec)
+  shape = tuple(shape)
+  if isinstance(rngs, ParamKeys):
+    value = rngs.draw(init, shape, dtype, spec)
+  else:
+    value = init(rngs.params(), shape, dtype, out_sharding=spec)
   decay = len(shape) >= 2 if decay is None else decay
   # The logical names are metadata only: Flax must not map them to mesh axes itself.
   return nnx.Param(value, out_sharding=axes, eager_sharding=False, weight_decay=decay)
@@ -187,18 +192,43 @@ def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
 
+@dataclasses.dataclass(frozen=True)
+class Draw:
+  """One parameter's draw: `init(key number index, shape, dtype)`, laid out as `spec`."""
+
+  index: int
+  init: Initializer
+  shape: tuple[int, ...]
+  dtype: jnp.dtype
+  spec: jax.sharding.PartitionSpec | None
+
+
 class ParamKeys:
   """Hands out the keys of a model's parameters in order, where `nnx.Rngs` would: `given` ones (the
   initialiser's arguments), or the n-th `fold_in(base, n)`, as `nnx.Rngs(params=base).params()` does; so a
-  seed draws the same parameters either way. `count`: how many were handed out."""
+  seed draws the same parameters either way. `count`: how many were handed out.
 
-  def __init__(self, base: jax.Array | None = None, given: Sequence[jax.Array] | None = None):
-    self._base, self._given, self.count = base, given, 0
+  `param` draws through `draw`, which records each draw (`draws`) or returns its value from `drawn` (by key
+  number), drawn beforehand in a program of its own (`train_state.Initialiser`)."""
+
+  def __init__(self, base: jax.Array | None = None, given: Sequence[jax.Array] | None = None,
+               drawn: Mapping[int, jax.Array] | None = None):
+    self._base, self._given, self._drawn, self.count = base, given, drawn or {}, 0
+    self.draws: list[Draw] = []
 
   def params(self) -> jax.Array:
     drawn = jax.random.fold_in(self._base, self.count) if self._given is None else self._given[self.count]
     self.count += 1
     return drawn
+
+  def draw(self, init: Initializer, shape: tuple[int, ...], dtype: jnp.dtype,
+           spec: jax.sharding.PartitionSpec | None) -> jax.Array:
+    index = self.count
+    key = self.params()
+    if index in self._drawn:
+      return self._drawn[index]
+    self.draws.append(Draw(index, init, shape, jnp.dtype(dtype), spec))
+    return init(key, shape, dtype, out_sharding=spec)
 
 
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs,
