@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pathlib
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -101,7 +102,7 @@ def host_available_bytes() -> int | None:
   for path in ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory/memory.limit_in_bytes'):
     if os.path.exists(path):
       try:
-        limit = open(path).read().strip()
+        limit = pathlib.Path(path).read_text().strip()
       except OSError:
         continue
       if limit.isdigit():
