@@ -21,7 +21,7 @@ from mintrain.data.prompts import PromptBatches
 from mintrain.data.tokenizer import Tokenizer
 from mintrain.errors import ConfigError
 from mintrain.models.family import Placement
-from mintrain.models.layers import Frozen, ParamKeys, merge
+from mintrain.models.layers import Draw, Frozen, ParamKeys, merge
 from mintrain.optimizer import make_optimizer, schedule
 from mintrain.partitioning import AxisRules
 from mintrain.train_state import ParamInfo, TrainState
@@ -97,8 +97,8 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
   draw, from_params = train_state.make_init(make, tx, config.seed, objective.keeps_reference(config))
   keys = train_state.draw_keys(config.seed, draws)  # Host arrays: building allocates nothing on devices.
   with jax.set_mesh(mesh):
-    abstract_state = _concrete(jax.eval_shape(draw, keys), mesh)
-    own_draws = train_state.draws(make, keys)
+    own_draws: list[Draw] = []
+    abstract_state = _concrete(jax.eval_shape(functools.partial(draw, record=own_draws), keys), mesh)
   shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
   init = train_state.Initialiser(jax.jit(draw, donate_argnums=1), tuple(keys), tuple(own_draws))
   frozen = jax.jit(lambda keys: draw(keys).frozen, out_shardings=shardings.frozen)

@@ -178,7 +178,8 @@ def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransfor
               keeps_reference: bool = False
               ) -> tuple[Callable[[Sequence[jax.Array]], TrainState], Callable[[nnx.State], TrainState]]:
   """(init, from_params): the whole state drawn from the data of the parameters' keys (`draw_keys`; those
-  in `drawn`, by key number, drawn already), or built around given parameters (and frozen ones; a fresh
+  in `drawn`, by key number, drawn already; the model's own draws appended to `record`), or built around
+  given parameters (and frozen ones; a fresh
   optimizer state, step 0, and with `keeps_reference` a frozen copy of the trained parameters). Call them
   under `jit` on the mesh."""
 
@@ -188,20 +189,15 @@ def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransfor
                       frozen=frozen if frozen is not None else nnx.State({}),
                       reference=objective.reference(keeps_reference, params))
 
-  def init(keys: Sequence[jax.Array], drawn: dict[int, jax.Array] | None = None) -> TrainState:
-    given = [jax.random.wrap_key_data(k, impl=PRNG_IMPL) for k in keys]
-    _, params, frozen = nnx.split(make(ParamKeys(given=given, drawn=drawn)), nnx.Param, Frozen)
+  def init(keys: Sequence[jax.Array], drawn: dict[int, jax.Array] | None = None,
+           record: list[Draw] | None = None) -> TrainState:
+    param_keys = ParamKeys(given=[jax.random.wrap_key_data(k, impl=PRNG_IMPL) for k in keys], drawn=drawn)
+    _, params, frozen = nnx.split(make(param_keys), nnx.Param, Frozen)
+    if record is not None:
+      record.extend(param_keys.draws)
     return from_params(params, frozen)
 
   return init, from_params
-
-
-def draws(make: Callable[[nnx.Rngs], nnx.Module], keys: Sequence[np.ndarray]) -> list[Draw]:
-  """The draws of the model's own parameters (a stack of layers draws its own, `stack_layers`), in their
-  layouts: call under the mesh. Allocates nothing."""
-  recorder = ParamKeys(given=[jax.random.wrap_key_data(k, impl=PRNG_IMPL) for k in keys])
-  nnx.eval_shape(lambda: make(recorder))
-  return recorder.draws
 
 
 def _same_draw(draw: Draw) -> tuple:
@@ -223,11 +219,16 @@ def _draw_program(draw: Draw) -> Callable[[jax.Array], jax.Array]:
   return jax.jit(drawn)
 
 
+# The fewest draws of a kind that are drawn apart: a program of its own costs about what compiling one small
+# draw's kernel does, so a kind of fewer is left to the state's program.
+APART = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledInit:
   """`Initialiser.compile`'s programs; calling it draws the state."""
 
-  kinds: list[list[Draw]]  # The draws, by the program that makes them.
+  kinds: list[list[Draw]]  # The draws made apart, by the program that makes them.
   draws: list[jax.stages.Compiled]  # One per kind.
   build: jax.stages.Compiled
   keys: tuple[np.ndarray, ...]
@@ -243,9 +244,10 @@ class CompiledInit:
 
 @dataclasses.dataclass(frozen=True)
 class Initialiser:
-  """The state the seed draws, in two steps: every parameter the model draws itself by one compiled program
-  per kind of draw (initializer, shape, dtype, layout), run once per parameter of that kind; then one
-  program that builds the state around them (stacked layers' own draws, adapters, the optimizer state).
+  """The state the seed draws, in two steps: the parameters the model draws itself, by one compiled program
+  per kind of draw (initializer, shape, dtype, layout) of at least `APART`, run once per parameter of that
+  kind; then one program that builds the state around them (the other draws, stacked layers' vmapped ones,
+  adapters, the optimizer state).
   XLA:CPU compiles each kernel of a program on its own, so an unrolled model's n like-shaped parameters in
   one program were n kernels to compile; here they are one. The values are those one program draws."""
 
@@ -263,9 +265,10 @@ class Initialiser:
     return self._compiled[mesh]
 
   def _compile(self) -> CompiledInit:
-    kinds: dict[tuple, list[Draw]] = {}
+    by_kind: dict[tuple, list[Draw]] = {}
     for d in self.draws:
-      kinds.setdefault(_same_draw(d), []).append(d)
+      by_kind.setdefault(_same_draw(d), []).append(d)
+    kinds = {what: kind for what, kind in by_kind.items() if len(kind) >= APART}
     lowered = [_draw_program(kind[0]).lower(self.keys[kind[0].index]) for kind in kinds.values()]
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
       programs = list(pool.map(lambda program: program.compile(), lowered))
