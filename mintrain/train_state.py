@@ -245,9 +245,9 @@ class CompiledInit:
 @dataclasses.dataclass(frozen=True)
 class Initialiser:
   """The state the seed draws, in two steps: the parameters the model draws itself, by one compiled program
-  per kind of draw (initializer, shape, dtype, layout) of at least `APART`, run once per parameter of that
-  kind; then one program that builds the state around them (the other draws, stacked layers' vmapped ones,
-  adapters, the optimizer state).
+  per kind of random draw (initializer, shape, dtype, layout) of at least `APART`, run once per parameter
+  of that kind; then one program that builds the state around them (the other draws, stacked layers'
+  vmapped ones, adapters, the optimizer state).
   XLA:CPU compiles each kernel of a program on its own, so an unrolled model's n like-shaped parameters in
   one program were n kernels to compile; here they are one. The values are those one program draws."""
 
@@ -268,7 +268,7 @@ class Initialiser:
     by_kind: dict[tuple, list[Draw]] = {}
     for d in self.draws:
       by_kind.setdefault(_same_draw(d), []).append(d)
-    kinds = {what: kind for what, kind in by_kind.items() if len(kind) >= APART}
+    kinds = {what: kind for what, kind in by_kind.items() if len(kind) >= APART and self._random(kind[0])}
     lowered = [_draw_program(kind[0]).lower(self.keys[kind[0].index]) for kind in kinds.values()]
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
       programs = list(pool.map(lambda program: program.compile(), lowered))
@@ -276,6 +276,12 @@ class Initialiser:
                 for program, kind in zip(programs, kinds.values()) for d in kind}
     return CompiledInit(list(kinds.values()), programs, self.build.lower(self.keys, abstract).compile(),
                         self.keys)
+
+  def _random(self, draw: Draw) -> bool:
+    """Whether the draw reads its key: a constant (zeros, ones) compiles to next to nothing anywhere."""
+    key_ = jax.random.wrap_key_data(self.keys[draw.index], impl=PRNG_IMPL)
+    jaxpr = jax.make_jaxpr(lambda k: draw.init(k, draw.shape, draw.dtype))(key_).jaxpr
+    return any(jaxpr.invars[0] in eqn.invars for eqn in jaxpr.eqns)
 
   def __call__(self) -> TrainState:
     return self.compile()()
