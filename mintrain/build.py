@@ -101,8 +101,9 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> Run:
     abstract_state = _concrete(jax.eval_shape(functools.partial(draw, record=own_draws), keys), mesh)
   shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
   init = train_state.Initialiser(jax.jit(draw, donate_argnums=1), tuple(keys), tuple(own_draws))
+  # The keys stay arguments, so that XLA sees them as such (`draw_keys`).
   frozen = jax.jit(lambda keys: draw(keys).frozen, out_shardings=shardings.frozen)
-  frozen_from_seed = train_state.Bound(frozen, (keys,))
+  frozen_from_seed = functools.partial(frozen, keys)
   from_base = from_params
   base_params = abstract_state.params
   if config.lora.enabled:

@@ -179,9 +179,8 @@ def make_init(make: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransfor
               ) -> tuple[Callable[[Sequence[jax.Array]], TrainState], Callable[[nnx.State], TrainState]]:
   """(init, from_params): the whole state drawn from the data of the parameters' keys (`draw_keys`; those
   in `drawn`, by key number, drawn already; the model's own draws appended to `record`), or built around
-  given parameters (and frozen ones; a fresh
-  optimizer state, step 0, and with `keeps_reference` a frozen copy of the trained parameters). Call them
-  under `jit` on the mesh."""
+  given parameters (and frozen ones; a fresh optimizer state, step 0, and with `keeps_reference` a frozen
+  copy of the trained parameters). Call them under `jit` on the mesh."""
 
   def from_params(params: nnx.State, frozen: nnx.State | None = None) -> TrainState:
     rng = jax.random.key_data(key(seed + 1))
@@ -285,21 +284,6 @@ class Initialiser:
 
   def __call__(self) -> TrainState:
     return self.compile()()
-
-
-@dataclasses.dataclass(frozen=True)
-class Bound:
-  """A jitted function with its arguments: `()` runs it, `lower()` lowers it (the initialiser with its
-  keys, which stay arguments so that XLA sees them as such)."""
-
-  fn: Any
-  args: tuple
-
-  def __call__(self) -> Any:
-    return self.fn(*self.args)
-
-  def lower(self) -> jax.stages.Lowered:
-    return self.fn.lower(*self.args)
 
 
 def state_bytes_per_device(tree) -> int:
