@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import pathlib
 import statistics
 import sys
@@ -136,7 +137,12 @@ def baseline_layer(checkout: pathlib.Path) -> Callable:
     return module
   theirs = load('moe')
   theirs.grouped = load('grouped')
-  return theirs._grouped_local
+  # Only the arguments it takes: an older layer has fewer (`platform`).
+  parameters = inspect.signature(theirs._grouped_local).parameters
+  if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+    return theirs._grouped_local
+  return lambda *args, **kwargs: theirs._grouped_local(*args, **{k: v for k, v in kwargs.items()
+                                                                 if k in parameters})
 
 
 @contextlib.contextmanager

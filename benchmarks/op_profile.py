@@ -108,19 +108,39 @@ def program(hlo: str) -> tuple[str, dict[str, Op]]:
   return module, ops
 
 
-def xplane_events(path: pathlib.Path, module: str) -> list[tuple[str, int, float]]:
-  """(HLO op name, device, seconds) of every op of `module` the trace holds."""
+def xplane_events(path: pathlib.Path, module: str) -> list[tuple[str, str, int, float]]:
+  """(HLO op name, event name, device, seconds) of every op of `module` the trace holds. An accelerator's
+  trace also names the ops in the host's launch events: only its device planes' kernels count then."""
   import jax
 
   profile = jax.profiler.ProfileData.from_file(str(path))
+  planes = list(profile.planes)
+  on_devices = [p for p in planes if p.name.startswith(('/device:GPU', '/device:TPU'))]
   events = []
-  for plane in profile.planes:
+  for plane in on_devices or planes:
     for line in plane.lines:
       for event in line.events:
         stats = dict(event.stats)
         if stats.get('hlo_module') == module and 'hlo_op' in stats:
-          events.append((stats['hlo_op'], int(stats.get('device_ordinal', 0)), event.duration_ns / 1e9))
+          events.append((stats['hlo_op'], event.name, int(stats.get('device_ordinal', 0)),
+                         event.duration_ns / 1e9))
   return events
+
+
+# A GPU step replayed as a command buffer (a CUDA graph) names the buffer, not the op, in each kernel's
+# `hlo_op`. XLA's own kernels are named after their fusion ('loop_add_fusion_2' for %loop_add_fusion.2);
+# a library's are not, and go to a row by what their names say they compute (not split by pass).
+LIBRARY_KERNELS = (('library matmuls (cuBLAS)', ('nvjet', 'gemm', 'xmma', 'cutlass')),
+                   ('attention (cuDNN)', ('sdpa', 'fmha', 'cudnn')))
+
+
+def _kernel_op(event: str, kernels: dict[str, str], ops: dict[str, Op]) -> Op | None:
+  if event in kernels:
+    return ops[kernels[event]]
+  for row, marks in LIBRARY_KERNELS:
+    if any(mark in event.lower() for mark in marks):
+      return Op('custom-call', row, 'bprop' in event or 'dgrad' in event or 'wgrad' in event, 0.0)
+  return None
 
 
 @dataclasses.dataclass
@@ -161,10 +181,14 @@ class Breakdown:
 def breakdown(hlo: str, trace: pathlib.Path, steps: int = 1) -> Breakdown:
   """The ops of `hlo` in the trace, per device and step."""
   module, ops = program(hlo)
+  kernels = {name.replace('.', '_'): name for name in ops}
   events = xplane_events(trace, module)
-  per = 1 / max(len({device for _, device, _ in events}), 1) / steps
+  per = 1 / max(len({device for _, _, device, _ in events}), 1) / steps
   op_ms, op_runs, unmatched = collections.Counter(), collections.Counter(), 0.0
-  for name, _, seconds in events:
+  for name, event, _, seconds in events:
+    if name not in ops and (op := _kernel_op(event, kernels, ops)) is not None:
+      name = kernels.get(event, event)
+      ops.setdefault(name, op)
     op = ops.get(name)
     if op is None:
       unmatched += seconds * 1e3 * per

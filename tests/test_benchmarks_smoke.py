@@ -244,3 +244,34 @@ def test_scaling_benchmark_smoke_compares_step_time_growth_with_flop_growth(timi
   time_x, flops_x = float(cells[1]['time_x']), float(cells[1]['flops_x'])
   low, high = (time_x - 0.005) / (flops_x + 0.005), (time_x + 0.005) / (flops_x - 0.005)
   assert low - 0.005 <= float(cells[1]['time_x / flops_x']) <= high + 0.005
+
+
+def tables(stdout: str) -> list[tuple[list[str], list[dict[str, str]]]]:
+  """Each Markdown table of `stdout`: its header, and its rows as {column: cell}."""
+  out, lines = [], []
+  for line in [*stdout.splitlines(), '']:
+    if line.startswith('|'):
+      lines.append([c.strip() for c in line.strip('|').split('|')])
+    elif lines:
+      header, *rows = [row for row in lines if not all(set(c) <= {'-'} for c in row)]
+      out.append((header, [dict(zip(header, row)) for row in rows]))
+      lines = []
+  return out
+
+
+def test_gpu_benchmark_smoke_times_each_part_and_checks_the_grouped_matmuls_values(tmp_path):
+  proc = run_script('benchmarks/gpu.py', '--smoke', '--profile', str(tmp_path), timeout=900)
+  assert proc.returncode == 0, proc.stderr
+  found = tables(proc.stdout)
+  mfu, moe = [rows for header, rows in found if header[0] == 'variant']
+  assert [r['variant'] for r in mfu] == ['as configured (unrolled, no remat)', 'scanned layers']
+  assert all(float(r['step_ms']) > 0 and float(r['MFU'].rstrip('%')) > 0 for r in mfu)
+  assert all(r['cuDNN'] == '0' for r in mfu)  # cuDNN's attention is a GPU's only.
+  assert [r['variant'] for r in moe] == ['dense', '8e top-2 ragged_dot'] and moe[0]['step / first'] == '1.00'
+  checked = next(rows for header, rows in found if header[-1] == 'within 1e-5')
+  assert [r['kernel'] for r in checked] == ['ragged_dot', 'tiles of 256 rows', 'tiles, automatic']
+  assert all(r['within 1e-5'] == 'yes' for r in checked)
+  # The traced step, broken down by op: its HLO and trace kept, every op's time in a row.
+  assert (tmp_path / 'step.hlo.txt').is_file() and (tmp_path / 'step.xplane.pb').is_file()
+  parts = next(rows for header, rows in found if header[0] == 'part')
+  assert float(next(r for r in parts if r['part'] == 'all ops')['step ms']) > 0

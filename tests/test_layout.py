@@ -45,10 +45,12 @@ def expected_spec(logical_axes: tuple) -> P:
   if logical_axes[:1] == ('layers',):
     return P('stage', *EXPECTED[logical_axes[1:]])
   return EXPECTED[logical_axes]
-# The shipped configs that fit the tests' 8 devices; a plan for more (mixtral_8x7b_256: 256 devices) is
-# laid out by show_sharding.py under several processes in tests/test_scripts.py.
+# The shipped configs that fit the tests' 8 devices and host; a plan for more (mixtral_8x7b_256: 256 devices)
+# is laid out by show_sharding.py under several processes in tests/test_scripts.py, and a model sized for an
+# accelerator (llama3_1b: 1.2B parameters, 20 GB with its optimizer state) by benchmarks/gpu.py's smoke test.
 CONFIGS = sorted(p.stem for p in (configs.DIR).glob('*.py') if p.stem not in ('base', '__init__')
-                 and devices_needed(load_config(p.stem).mesh.sizes) <= 8)
+                 and devices_needed(load_config(p.stem).mesh.sizes) <= 8
+                 and load_config(p.stem).model.param_count() < 10**8)
 
 
 def test_every_shipped_config_is_covered():

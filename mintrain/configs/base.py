@@ -130,11 +130,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.shared_expert_gate = True  # Qwen2-MoE scales its shared expert by a sigmoid gate; DeepSeek not.
   c.model.capacity_factor = 0.0  # Slots per expert: factor * seq_len * k / E (the rest dropped); 0: dropless.
   # Dropless (capacity_factor 0): each choice meets its expert alone, by a grouped matmul: 'ragged_dot'
-  # (jax.lax.ragged_dot: GPU, TPU), 'tiles' (each expert's sorted rows in tiles of moe_tile rows, a loop
-  # over the tiles in use: CPU), 'auto' (by platform) or 'off' (every expert all seq_len slots: E / k times
-  # the active work).
+  # (jax.lax.ragged_dot: TPU; XLA makes it a dense product masked per expert on CPU and GPU), 'tiles' (each
+  # expert's sorted rows in tiles of moe_tile rows, a loop over the tiles in use: CPU, GPU), 'auto' (by
+  # platform) or 'off' (every expert all seq_len slots: E / k times the active work).
   c.model.grouped_matmul = 'auto'
-  c.model.moe_tile = 0  # Rows of a tile; 0: a power of two, at most half an expert's even share of rows.
+  c.model.moe_tile = 0  # Rows of a tile; 0: a power of two by the even share (CPU: <= 256, GPU: <= 1024).
   # Dropless on mesh.expert: the choices a device sends each peer at most, times its even share (choices /
   # expert ways); past it they are dropped (moe_dropped_fraction). 0: all of them, never a drop.
   c.model.expert_exchange_factor = 0.0

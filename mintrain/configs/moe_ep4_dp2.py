@@ -11,7 +11,7 @@ def get_config():
   c.model.experts_per_token = 2
   c.model.expert_mlp_dim = 128  # Active expert width 2 x 128: the FLOPs of a 256-wide dense MLP.
   c.model.capacity_factor = 0.0  # Dropless.
-  c.model.grouped_matmul = 'auto'  # ragged_dot on GPU and TPU, tiles of sorted rows on CPU.
+  c.model.grouped_matmul = 'auto'  # ragged_dot on TPU, tiles of sorted rows on CPU and GPU.
   c.model.expert_exchange_factor = 0.0  # No bound on what a peer is sent: exact.
   c.model.expert_exchange = 'auto'  # ragged_all_to_all on GPU and TPU, a padded all_to_all on CPU.
   return c

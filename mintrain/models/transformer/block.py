@@ -73,7 +73,8 @@ class Block(nnx.Module):
     if cfg.post_norms:
       self.attn_post_norm = norm(cfg, rules, rngs)
     self.mlp_norm = norm(cfg, rules, rngs)
-    self.mlp = (moe.MoE(cfg, rules=rules, rngs=rngs, activation=ACTIVATIONS[cfg.mlp_activation]) if moe_layer
+    activation = ACTIVATIONS[cfg.mlp_activation]
+    self.mlp = (moe.MoE(cfg, placement, rules=rules, rngs=rngs, activation=activation) if moe_layer
                 else GatedMLP(cfg, rules=rules, rngs=rngs))
     if cfg.post_norms:
       self.mlp_post_norm = norm(cfg, rules, rngs)

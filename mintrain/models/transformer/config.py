@@ -106,7 +106,7 @@ class TransformerConfig(Costs, ModelConfig):
   shared_expert_dim: int = option(at_least=0)  # Width of an expert every token takes; 0: none.
   shared_expert_gate: bool = option()  # Qwen2-MoE: the shared expert scaled by a sigmoid gate (DeepSeek not).
   capacity_factor: float = option(at_least=0)  # Slots per expert: factor * L * k / E; 0: dropless.
-  # Dropless experts' matmul: 'ragged_dot' (GPU, TPU), 'tiles' (tiles of moe_tile rows; CPU), 'auto'
+  # Dropless experts' matmul: 'ragged_dot' (TPU), 'tiles' (tiles of moe_tile rows; CPU, GPU), 'auto'
   # (by platform) or 'off' (every expert gets all L slots: E / k times the work).
   grouped_matmul: str = option(choices=GROUPED_MATMUL_OPTIONS)
   moe_tile: int = option(at_least=0)  # Rows of a 'tiles' tile; 0: by the rows and experts.
@@ -258,13 +258,15 @@ class TransformerConfig(Costs, ModelConfig):
 
   def for_platform(self, platform: str) -> TransformerConfig:
     """The fused loss and `linear`'s custom VJP were measured to help on CPU only (BENCHMARKS.md), so
-    elsewhere 'auto' leaves them off until measured there. The ragged exchange needs the platform's
+    elsewhere 'auto' leaves them off until measured there. `ragged_dot` is a grouped matmul on TPUs only:
+    XLA lowers it on CPUs and CUDA GPUs to a dense product masked per group (BENCHMARKS.md: 7.5x the dense
+    MLP at 8 experts on an H200, 64x at 64), so tiles run there. The ragged exchange needs the platform's
     ragged-all-to-all."""
     auto = 1 if platform == 'cpu' and not self.final_softcap else 0
     chunks = self.loss_chunks if self.loss_chunks >= 0 else auto
     grouped_matmul = self.grouped_matmul
     if grouped_matmul == 'auto':
-      grouped_matmul = 'tiles' if platform == 'cpu' else 'ragged_dot'
+      grouped_matmul = 'ragged_dot' if platform == 'tpu' else 'tiles'
     ragged = platform in RAGGED_EXCHANGE_PLATFORMS
     if self.expert_exchange == 'ragged' and not ragged:
       raise ConfigError(f'model.expert_exchange=ragged needs jax.lax.ragged_all_to_all, which XLA does not '

@@ -5,14 +5,16 @@ T rows of a tile, P padded rows (N x T).
 
 Rows carry a group id; id G means none (padding, or a choice sent elsewhere) and gives a zero row. Two
 kernels compute the same values:
-- `ragged_dot`: `jax.lax.ragged_dot` on the sorted rows, the platform's grouped matmul (GPU, TPU). On the
-  CPU it lowers to a dense product masked per group: G times the work.
+- `ragged_dot`: `jax.lax.ragged_dot` on the sorted rows, the platform's grouped matmul (TPU). On the CPU,
+  and on CUDA GPUs with XLA's defaults (jax 0.11), it lowers to a dense product masked per group: G times
+  the work, and an (R, G, D) temporary that ran a 64-expert layer out of an H200's memory.
 - `tiles`: megablox's layout for the CPU. Each group's sorted rows are padded to whole tiles of T rows
   (at most R / T + G - 1 tiles for any split of R rows), and one loop takes each tile in use through its
   group's whole gated MLP, with a VJP of the same loop: a loop over the groups reads each group's
   matrices once and sums their gradients over the group's tiles. Unused tiles cost nothing, not even an
   elementwise op, so the work is the routed rows plus at most T - 1 rows of padding per group. XLA's
-  cost analysis counts a loop's body once, so it cannot count this kernel's FLOPs.
+  cost analysis counts a loop's body once, so it cannot count this kernel's FLOPs. On a GPU each tile is
+  a loop iteration of several kernel launches, so its automatic tiles are larger (`tile_rows`).
 """
 
 from __future__ import annotations
@@ -26,14 +28,21 @@ import jax.numpy as jnp
 
 from mintrain.models.layers import matmul, summed_as, varying_axes
 
+# An automatic tile's (most rows, part of a group's even share): on the CPU, where padding costs what it
+# computes, at most half the share, so that the buffers hold at most 1.5 x the rows; elsewhere (GPU) each
+# tile costs kernel launches, and fewer, larger tiles won despite their padding (BENCHMARKS.md).
+AUTO_TILE = {'cpu': (256, 2)}
+ACCELERATOR_TILE = (1024, 1)
 
-def tile_rows(rows: int, groups: int, tile: int) -> int:
-  """T: `tile`, or (0) the largest power of two in [8, 256] at most half a group's even share, so that
-  the tiles' buffers hold at most 1.5 x the rows (tiles of 8 rows at least)."""
+
+def tile_rows(rows: int, groups: int, tile: int, platform: str = 'cpu') -> int:
+  """T: `tile`, or (0) the largest power of two in [8, most] at most the platform's part of a group's even
+  share (`AUTO_TILE`)."""
   if tile:
     return tile
-  share = rows // (2 * groups)
-  return min(256, max(8, 1 << max(share, 1).bit_length() - 1))
+  most, part = AUTO_TILE.get(platform, ACCELERATOR_TILE)
+  share = rows // (part * groups)
+  return min(most, max(8, 1 << max(share, 1).bit_length() - 1))
 
 
 class Plan(NamedTuple):
@@ -55,7 +64,8 @@ def ranks(order_R: jax.Array) -> jax.Array:
 
 
 def plan(group_R: jax.Array, groups: int, kernel: str, tile: int = 0) -> Plan:
-  """The rows of `group_R` (ids in [0, G]; G: none) sorted, counted and, for `tiles`, tiled."""
+  """The rows of `group_R` (ids in [0, G]; G: none) sorted, counted and, for `tiles`, tiled (`tile` rows
+  a tile; 0: the CPU's automatic size)."""
   rows = group_R.shape[0]
   order_R = jnp.argsort(group_R, stable=True)
   sizes_G = jnp.bincount(group_R, length=groups + 1)[:groups].astype(jnp.int32)

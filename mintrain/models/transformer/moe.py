@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from mintrain.models.family import Placement
 from mintrain.models.layers import fold, gather, gather_split, matmul, param, plus
 from mintrain.models.transformer import grouped
 from mintrain.partitioning import AxisRules, spec_axes
@@ -195,7 +196,8 @@ def _ragged_exchange(x_sorted_ND: jax.Array, expert_N: jax.Array,
 
 def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up_EDF, w_down_EFD, *,
                    num_experts: int, expert_axes: tuple[str, ...], mlp_axes: tuple[str, ...], kernel: str,
-                   tile: int, exchange: float, ragged: bool, activation: Callable[[jax.Array], jax.Array]
+                   tile: int, platform: str, exchange: float, ragged: bool,
+                   activation: Callable[[jax.Array], jax.Array]
                    ) -> tuple[jax.Array, jax.Array]:
   """Dropless, one device's part inside `shard_map`: each routed choice through its expert alone (no
   slots), by a grouped matmul (`grouped.gated_mlp`). With experts split over `expert_axes`, the choices
@@ -208,7 +210,7 @@ def _grouped_local(x_BLD, experts_BLA, routed_BLA, weights_BLA, w_gate_EDF, w_up
   x_TD = x_BLD.reshape(b * length, d)  # Choice i is token i // k's.
   # Tiles for the rows a device expects to compute, as many as its own choices: the padded exchange's
   # buffers hold `exchange` times more, mostly padding that no tile covers.
-  tile = grouped.tile_rows(n, local, tile)
+  tile = grouped.tile_rows(n, local, tile, platform)
 
   def mlp(x_RD: jax.Array, group_R: jax.Array) -> jax.Array:
     y_RD = grouped.gated_mlp(x_RD, group_R, w_gate_EDF, w_up_EDF, w_down_EFD, activation, kernel=kernel,
@@ -292,7 +294,8 @@ def statistics(logits_BLE: jax.Array, probs_BLE: jax.Array, experts_BLA: jax.Arr
 class MoE(nnx.Module):
   """The MLP of a mixture-of-experts block: (x_BLD) -> (y_BLD, statistics)."""
 
-  def __init__(self, cfg, *, rules: AxisRules, rngs: nnx.Rngs, activation: Callable[[jax.Array], jax.Array]):
+  def __init__(self, cfg, placement: Placement, *, rules: AxisRules, rngs: nnx.Rngs,
+               activation: Callable[[jax.Array], jax.Array]):
     d, e, f = cfg.embed_dim, cfg.num_experts, cfg.expert_dim
     dtype = jnp.dtype(cfg.param_dtype)
     init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -310,7 +313,7 @@ class MoE(nnx.Module):
       self.shared_wi_gate_DF = param(rngs, dense, (d, s), ('embed', 'mlp'), dtype, rules)
       self.shared_wi_up_DF = param(rngs, dense, (d, s), ('embed', 'mlp'), dtype, rules)
       self.shared_wo_FD = param(rngs, dense, (s, d), ('mlp', 'embed'), dtype, rules)
-    self.cfg, self.rules, self.activation = cfg, rules, activation
+    self.cfg, self.rules, self.activation, self.platform = cfg, rules, activation, placement.platform
 
   def __call__(self, x_BLD: jax.Array, *, tokens_BL: jax.Array | None = None, dropless: bool = False,
                key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -341,7 +344,7 @@ class MoE(nnx.Module):
                                         jnp.broadcast_to(tokens_BL[:, :, None], experts_BLA.shape), choice)
       body = jax.shard_map(
           lambda *args: _grouped_local(*args, num_experts=e, expert_axes=expert_axes, mlp_axes=mlp_axes,
-                                       kernel=cfg.grouped_matmul, tile=cfg.moe_tile,
+                                       kernel=cfg.grouped_matmul, tile=cfg.moe_tile, platform=self.platform,
                                        exchange=cfg.expert_exchange_factor,
                                        ragged=cfg.expert_exchange == 'ragged', activation=self.activation),
           in_specs=specs, out_specs=(tokens, choice))
