@@ -160,7 +160,8 @@ def layer(ragged: bool, exchange: float):
   weights_BLA = jax.nn.softmax(jax.random.normal(keys[1], (8, 6, 2)), axis=-1)
   routing = [jax.device_put(a, P('e')) for a in (experts_BLA, routed_BLA, weights_BLA)]
   local = functools.partial(moe._grouped_local, num_experts=8, expert_axes=('e',), mlp_axes=(),
-                            kernel='tiles', tile=0, exchange=exchange, ragged=ragged, activation=jax.nn.silu)
+                            kernel='tiles', tile=0, platform='cpu', exchange=exchange, ragged=ragged,
+                            activation=jax.nn.silu)
   body = jax.shard_map(local, in_specs=P('e'), out_specs=P('e'))
   return lambda x_BLD, *weights: body(x_BLD, *routing, *weights)
 

@@ -132,9 +132,13 @@ def _experts_local(x_BLD, slot_BLA, kept_BLA, weights_BLA, w_gate_EDF, w_up_EDF,
   x_BECD = x_BSD.reshape(b, num_experts, cap, d)
   if expert_axes:  # Its experts' slots from every device of the expert group: (ep * B, E / ep, C, D).
     x_BECD = jax.lax.all_to_all(x_BECD, expert_axes, split_axis=1, concat_axis=0, tiled=True)
-  gate_BECF = matmul('BECD,EDF->BECF', x_BECD, w_gate_EDF)
-  up_BECF = matmul('BECD,EDF->BECF', x_BECD, w_up_EDF)
-  y_BECD = matmul('BECF,EFD->BECD', activation(gate_BECF) * up_BECF, w_down_EFD)
+  # Each expert's slots of every sequence as one matrix: XLA:CPU has no bfloat16 product summed in float32
+  # with the experts between two free dimensions ('BECD,EDF->BECF' fails to run).
+  x_ERD = x_BECD.transpose(1, 0, 2, 3).reshape(x_BECD.shape[1], -1, d)
+  gate_ERF = matmul('ERD,EDF->ERF', x_ERD, w_gate_EDF)
+  up_ERF = matmul('ERD,EDF->ERF', x_ERD, w_up_EDF)
+  y_ERD = matmul('ERF,EFD->ERD', activation(gate_ERF) * up_ERF, w_down_EFD)
+  y_BECD = y_ERD.reshape(x_BECD.shape[1], x_BECD.shape[0], cap, d).transpose(1, 0, 2, 3)
   if mlp_axes:  # Each device summed its part of F.
     y_BECD = jax.lax.psum(y_BECD, mlp_axes)
   if expert_axes:
