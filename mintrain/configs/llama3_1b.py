@@ -3,7 +3,6 @@
 128k vocabulary, 16k tokens a step.
 
   python benchmarks/gpu.py --part mfu          # its step, and variants of it, against the device's peak
-  python scripts/train.py --config llama3_1b --workdir runs/llama3_1b
 """
 
 from . import base
