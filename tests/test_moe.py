@@ -370,13 +370,34 @@ def test_tiles_pad_each_group_to_whole_tiles_and_the_automatic_tile_bounds_the_b
   assert (np.asarray(plan.source_P)[padded[grouped_rows]] == grouped_rows).all()  # Where padded_R says.
 
 
-@pytest.mark.parametrize('mode', ['capacity', 'dropless_slots'])
-def test_the_slot_path_trains_in_bfloat16_like_float32(mode):
-  # XLA:CPU could not run the experts' bfloat16 products with the experts between two free dimensions.
-  (want, _), (got, _) = (step_metrics('single', *MODES[mode], f'model.compute_dtype={dtype}')
-                         for dtype in ('float32', 'bfloat16'))
-  assert np.isfinite(got['loss']) and abs(got['loss'] - want['loss']) < 0.02 * want['loss']
-  assert got['moe_dropped_fraction'] == want['moe_dropped_fraction'] == 0
+def test_the_slot_path_runs_in_bfloat16_and_gives_its_float32_values():
+  # XLA:CPU could not run the experts' bfloat16 products with the experts between two free dimensions
+  # (a bfloat16 run with a capacity, or grouped_matmul=off, died in its first step at the default model's
+  # sizes; smaller ones ran).
+  keys = jax.random.split(jax.random.PRNGKey(5), 6)
+  b, length, d, f, e, k = 8, 16, 128, 64, 4, 2
+  experts_BLA = jax.lax.top_k(jax.random.normal(keys[0], (b, length, e)), k)[1]
+  slot_BLA, kept_BLA = moe.slots(experts_BLA, e, length, None)  # Dropless: every expert L slots.
+  weights_BLA = jax.nn.softmax(jax.random.normal(keys[1], (b, length, k)), axis=-1)
+  inputs = (jax.random.normal(keys[2], (b, length, d)), jax.random.normal(keys[3], (e, d, f)) / 8,
+            jax.random.normal(keys[4], (e, d, f)) / 8, jax.random.normal(keys[5], (e, f, d)) / 8)
+  cotangent_BLD = jax.random.normal(keys[1], (b, length, d))
+
+  def layer(dtype, x_BLD, *w):
+    y_BLD = moe._experts_local(x_BLD.astype(dtype), slot_BLA, kept_BLA, weights_BLA.astype(dtype),
+                               *(a.astype(dtype) for a in w), num_experts=e, cap=length, expert_axes=(),
+                               mlp_axes=(), activation=jax.nn.silu)
+    return jnp.sum(y_BLD.astype(jnp.float32) * cotangent_BLD), y_BLD
+
+  def values_and_grads(dtype):
+    step = jax.jit(jax.value_and_grad(functools.partial(layer, dtype), argnums=(0, 1, 2, 3), has_aux=True))
+    (_, y_BLD), grads = step(*inputs)
+    return [y_BLD, *grads]
+  got, want = values_and_grads(jnp.bfloat16), values_and_grads(jnp.float32)
+  assert got[0].dtype == jnp.bfloat16
+  for g, w in zip(got, want):  # Within a bfloat16's precision, as a whole.
+    w = np.asarray(w)
+    assert np.linalg.norm(np.asarray(g, np.float32) - w) < 2e-2 * np.linalg.norm(w) and w.any()
 
 
 def test_a_gpu_runs_tiles_of_up_to_an_experts_even_share_and_only_a_tpu_runs_ragged_dot():
