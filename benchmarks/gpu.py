@@ -196,15 +196,6 @@ def matmul_tflops(device: jax.Device) -> float:
   return hardware.measure_matmul_tflops('bfloat16', size=size, seconds=1.0, device=device)
 
 
-def per_row_mlp(x_RD, group_R, w_gate_GDF, w_up_GDF, w_down_GFD):
-  """The reference: each row times its own group's matrices, gathered (rows of no group: zeros)."""
-  groups = w_gate_GDF.shape[0]
-  g_R = jnp.minimum(group_R, groups - 1)
-  h_RF = jax.nn.silu(jnp.einsum('rd,rdf->rf', x_RD, w_gate_GDF[g_R])) * jnp.einsum('rd,rdf->rf', x_RD,
-                                                                                   w_up_GDF[g_R])
-  return jnp.where((group_R < groups)[:, None], jnp.einsum('rf,rfd->rd', h_RF, w_down_GFD[g_R]), 0)
-
-
 # How the grouped matmul is computed: (kernel, rows of a tile; 0: the platform's automatic size). JAX's
 # Pallas Triton lowering of ragged_dot (`jax_ragged_dot_use_gpu_pallas_triton_lowering`) is not in its
 # 0.11.2 wheels (BENCHMARKS.md).
@@ -229,9 +220,10 @@ def kernels(device: jax.Device, *, smoke: bool) -> None:
     def loss(mlp, *a):
       return jnp.sum(jnp.sin(mlp(*a)))
 
-    want = per_row_mlp(x_RD, group_R, *w)
-    want_grads = jax.grad(functools.partial(loss, lambda x, *w: per_row_mlp(x, group_R, *w)),
-                          argnums=(0, 1, 2, 3))(x_RD, *w)
+    def reference(x, *w):
+      return grouped.per_row_mlp(x, group_R, *w, jax.nn.silu)
+    want = reference(x_RD, *w)
+    want_grads = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2, 3))(x_RD, *w)
     rows_out = []
     for name, (kernel, tile) in GROUPED.items():
       mlp = grouped_mlp(group_R, kernel, grouped.tile_rows(rows, groups, tile, device.platform))

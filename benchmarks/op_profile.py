@@ -134,12 +134,13 @@ LIBRARY_KERNELS = (('library matmuls (cuBLAS)', ('nvjet', 'gemm', 'xmma', 'cutla
                    ('attention (cuDNN)', ('sdpa', 'fmha', 'cudnn')))
 
 
-def _kernel_op(event: str, kernels: dict[str, str], ops: dict[str, Op]) -> Op | None:
+def _kernel_op(event: str, kernels: dict[str, str], ops: dict[str, Op]) -> tuple[str, Op] | None:
+  """(op name, Op) of a kernel named `event`: its fusion's, or a library kernel's own."""
   if event in kernels:
-    return ops[kernels[event]]
+    return kernels[event], ops[kernels[event]]
   for row, marks in LIBRARY_KERNELS:
     if any(mark in event.lower() for mark in marks):
-      return Op('custom-call', row, 'bprop' in event or 'dgrad' in event or 'wgrad' in event, 0.0)
+      return event, Op('custom-call', row, 'bprop' in event or 'dgrad' in event or 'wgrad' in event, 0.0)
   return None
 
 
@@ -186,8 +187,8 @@ def breakdown(hlo: str, trace: pathlib.Path, steps: int = 1) -> Breakdown:
   per = 1 / max(len({device for _, _, device, _ in events}), 1) / steps
   op_ms, op_runs, unmatched = collections.Counter(), collections.Counter(), 0.0
   for name, event, _, seconds in events:
-    if name not in ops and (op := _kernel_op(event, kernels, ops)) is not None:
-      name = kernels.get(event, event)
+    if name not in ops and (found := _kernel_op(event, kernels, ops)) is not None:
+      name, op = found
       ops.setdefault(name, op)
     op = ops.get(name)
     if op is None:

@@ -286,13 +286,8 @@ def test_rematerialised_moe_layers_give_the_same_losses(remat):
                              rtol=1e-4)
 
 
-def per_row_mlp(x_RD, group_R, w_gate_GDF, w_up_GDF, w_down_GFD):
-  """Each row times its own group's matrices (the group's or zeros for G: none), one row at a time."""
-  g_R = jnp.minimum(group_R, w_gate_GDF.shape[0] - 1)
-  h_RF = (jax.nn.silu(jnp.einsum('RD,RDF->RF', x_RD, w_gate_GDF[g_R]))
-          * jnp.einsum('RD,RDF->RF', x_RD, w_up_GDF[g_R]))
-  y_RD = jnp.einsum('RF,RFD->RD', h_RF, w_down_GFD[g_R])
-  return jnp.where((group_R < w_gate_GDF.shape[0])[:, None], y_RD, 0)
+def per_row_mlp(x_RD, group_R, *w):
+  return grouped.per_row_mlp(x_RD, group_R, *w, jax.nn.silu)
 
 
 @pytest.mark.parametrize('kernel,tile', [('ragged_dot', 0), ('tiles', 0), ('tiles', 8), ('tiles', 3)])

@@ -28,20 +28,15 @@ import jax.numpy as jnp
 
 from mintrain.models.layers import matmul, summed_as, varying_axes
 
-# An automatic tile's (most rows, part of a group's even share): on the CPU, where padding costs what it
-# computes, at most half the share, so that the buffers hold at most 1.5 x the rows; elsewhere (GPU) each
-# tile costs kernel launches, and fewer, larger tiles won despite their padding (BENCHMARKS.md).
-AUTO_TILE = {'cpu': (256, 2)}
-ACCELERATOR_TILE = (1024, 1)
-
 
 def tile_rows(rows: int, groups: int, tile: int, platform: str = 'cpu') -> int:
-  """T: `tile`, or (0) the largest power of two in [8, most] at most the platform's part of a group's even
-  share (`AUTO_TILE`)."""
+  """T: `tile`, or (0) the largest power of two of at least 8 rows and at most: on the CPU, where padding
+  costs what it computes, 256 and half a group's even share (the buffers hold at most 1.5 x the rows);
+  elsewhere (GPU), where each tile costs kernel launches and fewer, larger tiles won despite their padding
+  (BENCHMARKS.md), 1024 and the whole share."""
   if tile:
     return tile
-  most, part = AUTO_TILE.get(platform, ACCELERATOR_TILE)
-  share = rows // (part * groups)
+  most, share = (256, rows // (2 * groups)) if platform == 'cpu' else (1024, rows // groups)
   return min(most, max(8, 1 << max(share, 1).bit_length() - 1))
 
 
@@ -86,6 +81,17 @@ def plan(group_R: jax.Array, groups: int, kernel: str, tile: int = 0) -> Plan:
   padded_R = tile_start_G[g_R] * t + ranks(order_R) - row_start_G[g_R]
   padded_R = jnp.clip(padded_R, 0, tiles * t - 1)  # The rows of none (masked by the caller).
   return Plan(order_R, sizes_G, source_P, tile_end_G.astype(jnp.int32), padded_R)
+
+
+def per_row_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_GDF: jax.Array, w_up_GDF: jax.Array,
+                w_down_GFD: jax.Array, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """What both kernels compute, by definition: each row times its own group's matrices, gathered (R
+  copies of them: for checks, not training); rows of no group give zeros."""
+  groups = w_gate_GDF.shape[0]
+  g_R = jnp.minimum(group_R, groups - 1)
+  h_RF = (activation(jnp.einsum('RD,RDF->RF', x_RD, w_gate_GDF[g_R]))
+          * jnp.einsum('RD,RDF->RF', x_RD, w_up_GDF[g_R]))
+  return jnp.where((group_R < groups)[:, None], jnp.einsum('RF,RFD->RD', h_RF, w_down_GFD[g_R]), 0)
 
 
 def _zeros(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.Array:
