@@ -69,12 +69,13 @@ def to_host(tree):
 
 class RunLog(logging.Handler):
   """For a run's duration, the libraries' log records (Orbax through absl, asyncio: e.g. the tracebacks of a
-  save that ran out of disk, which mintrain's DiskFullError says in one line) and the exceptions Python
-  reports as unraisable (Orbax's read coroutines after a damaged checkpoint) go to WORKDIR/logs/run.log, not
-  the console, which keeps mintrain's one line. Held in memory until the run may write (`open`); for a
-  remote workdir, copied there when the run ends."""
+  save that ran out of disk, which mintrain's DiskFullError says in one line), mintrain's own details (the
+  traceback of a damaged checkpoint's read) and the exceptions Python reports as unraisable (Orbax's read
+  coroutines after a damaged checkpoint) go to WORKDIR/logs/run.log, not the console, which keeps
+  mintrain's one line. Held in memory until the run may write (`open`); for a remote workdir, copied there
+  when the run ends."""
 
-  LOGGERS = ('absl', 'asyncio')
+  LOGGERS = ('absl', 'asyncio', 'mintrain.details')
 
   def __init__(self, workdir: epath.Path | None):
     super().__init__(logging.DEBUG)

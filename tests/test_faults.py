@@ -41,6 +41,7 @@ def test_a_fallback_past_a_damaged_checkpoint_prints_one_warning_and_logs_orbax_
   assert not [line for line in console if 'Traceback' in line or 'Exception ignored' in line]
   assert len([line for line in console if line.startswith('warning: Checkpoint step 4')]) == 1
   details = (workdir / 'logs' / 'run.log').read_text()
+  assert 'Checkpoint step 4 could not be read' in details
   assert 'Traceback' in details and 'Encountered error while reading array index' in details
 
 

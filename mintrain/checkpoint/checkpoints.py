@@ -14,6 +14,7 @@ import errno
 import gc
 import importlib.metadata
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,6 +33,8 @@ from mintrain.runtime.storage import first_line, free_bytes, is_remote, os_reaso
 from mintrain.train_state import TrainState, flat_logical_axes, path_str
 
 ocp = lazy_import('orbax.checkpoint')  # Loaded by the first save or restore.
+# The full story of a failed read: to the run's log (`actions.RunLog`), never the console.
+_details = logging.getLogger('mintrain.details')
 
 
 
@@ -394,11 +397,12 @@ class Checkpoints:
           raise CheckpointError(f'{e} Set checkpoint.fallback_to_previous=True to restore step '
                                 f'{older[-1]} instead.') from e
         warn(f'warning: {e} Falling back to step {older[-1]}.')
+        _details.info('Checkpoint step %d could not be read:', newest, exc_info=e)
         damaged.append(newest)
         newest = older.pop()
     if damaged:
-      # Orbax's failed read coroutines report their errors (as unraisable) when they are collected: now,
-      # while the run's log takes them (`actions.RunLog`), not whenever the collector runs, or at exit.
+      # Orbax's other failed reads report their errors (as unraisable) when they are collected: now,
+      # while the run's log takes them, not whenever the collector runs, or at exit.
       gc.collect()
       if not self.read_only:
         self._move_aside(damaged, warn)
