@@ -14,10 +14,11 @@ Parts (`--part`, repeatable; default all, in this order):
   kernels  `grouped.gated_mlp` through `ragged_dot` (the GPU's grouped matmul) and through the CPU's tiles,
            values and gradients against a per-row reference (float32 at full precision: the GPU's default
            float32 matmul is TF32); then each kernel timed forward and backward in bfloat16 against a dense
-           gated MLP of the same FLOPs.
+           gated MLP of the same FLOPs, with (on a GPU) `mosaic_gpu`, JAX's Mosaic GPU grouped matmuls,
+           whose values and gradients are checked there against the tiles' in bfloat16.
   moe      the 1B's width with 4 layers: the dense step against 8 experts top-2 (each half as wide) and 64
-           experts top-4 (a quarter), the same active parameters, through ragged_dot, tiles and the slots of
-           the capacity path (every expert a whole sequence's slots: E / k the work).
+           experts top-4 (a quarter), the same active parameters, through ragged_dot, tiles, mosaic_gpu and
+           the slots of the capacity path (every expert a whole sequence's slots: E / k the work).
 
 Model FLOPs are `report.train_flops_per_step` (matmuls, causal attention halved), as the training loop's
 MFU; steps are timed as benchmarks/step.py times them (compiled ahead, each until `block_until_ready`).
@@ -70,6 +71,8 @@ MOE_VARIANTS = {
     '8e top-2 tiles': (*E8, 'model.grouped_matmul=tiles'),  # The platform's automatic tiles.
     '8e top-2 slots (E/k the work)': (*E8, 'model.grouped_matmul=off'),
     '64e top-4 tiles': (*E64, 'model.grouped_matmul=tiles'),
+    '8e top-2 mosaic_gpu': (*E8, 'model.grouped_matmul=mosaic_gpu'),
+    '64e top-4 mosaic_gpu': (*E64, 'model.grouped_matmul=mosaic_gpu'),
 }
 PARTS = ('mfu', 'kernels', 'moe')
 # Toy sizes for --smoke, on top of every model variant.
@@ -204,6 +207,8 @@ GROUPED = {
     'tiles of 256 rows': ('tiles', 256),
     'tiles, automatic': ('tiles', 0),
 }
+# Kernels for a GPU's bfloat16 only: timed, and checked against the automatic tiles (`speed`).
+GPU_GROUPED = {'mosaic_gpu': ('mosaic_gpu', 0)}
 
 
 def kernels(device: jax.Device, *, smoke: bool) -> None:
@@ -235,7 +240,7 @@ def kernels(device: jax.Device, *, smoke: bool) -> None:
         failed.append(name)
   print('float32 at full precision, against a per-row reference; relative error ||got - want|| / ||want||\n')
   print(harness.table(['kernel', 'values', 'd x', 'd w_gate', 'd w_up', 'd w_down', 'within 1e-5'], rows_out))
-  speed(device, smoke=smoke)
+  failed += speed(device, smoke=smoke)
   if failed:
     raise AssertionError(f'off the reference on this device: {", ".join(failed)}')
 
@@ -249,9 +254,12 @@ def relative_error(got: jax.Array, want: jax.Array) -> float:
   return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def speed(device: jax.Device, *, smoke: bool) -> None:
+def speed(device: jax.Device, *, smoke: bool) -> list[str]:
   """Forward and backward of each kernel in bfloat16 at the 1B's width (16k tokens, k choices each, random
-  routing), against a dense gated MLP of the same FLOPs (the tokens x k rows through one expert's shape)."""
+  routing), against a dense gated MLP of the same FLOPs (the tokens x k rows through one expert's shape).
+  Returns what failed its check."""
+  kernels = {**GROUPED, **(GPU_GROUPED if device.platform == 'gpu' else {})}
+  failed = []
   shapes = [(256, 8, 2, 64, 32)] if smoke else [(16384, 8, 2, 2048, 4096), (16384, 64, 4, 2048, 2048)]
   header = ['problem', 'dense ms', 'dense TFLOP/s']
   rows_out = []
@@ -267,20 +275,39 @@ def speed(device: jax.Device, *, smoke: bool) -> None:
     dense_s = time_grad(per_row_dense, x_RD, *dense)
     line = [f'{tokens} x {k} rows, {groups} groups, {d} x {f}', f'{dense_s * 1e3:.2f}',
             f'{flop / dense_s / 1e12:.1f}']
-    for name, (kernel, tile) in GROUPED.items():
+    tiles = None  # The automatic tiles' values and gradients: what GPU_GROUPED's kernels are checked against.
+    for name, (kernel, tile) in kernels.items():
       try:
-        tile_rows = grouped.tile_rows(tokens * k, groups, tile, device.platform)
-        s = time_grad(grouped_mlp(group_R, kernel, tile_rows), x_RD, *w)
+        mlp = grouped_mlp(group_R, kernel, grouped.tile_rows(tokens * k, groups, tile, device.platform))
+        s = time_grad(mlp, x_RD, *w)
         line += [f'{s * 1e3:.2f}', f'{s / dense_s:.2f}']
+        if name == 'tiles, automatic':
+          tiles = values_and_grads(mlp, x_RD, *w)
+        elif name in GPU_GROUPED:
+          error = max(relative_error(g, t) for g, t in zip(values_and_grads(mlp, x_RD, *w), tiles))
+          line.append(f'{error:.1e}')
+          if error > 2e-2:
+            failed.append(f'{name} at {line[0]}: relative error {error:.1e} against the tiles')
       except Exception as e:  # Out of memory: XLA's masked ragged_dot holds (rows, groups, width).
         print(f'{name} at {line[0]}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}', flush=True)
-        line += ['failed', '-']
+        line += ['failed', '-'] + (['-'] if name in GPU_GROUPED else [])
     rows_out.append(line)
-  for name in GROUPED:
-    header += [f'{name} ms', 'x dense']
+  for name in kernels:
+    header += [f'{name} ms', 'x dense'] + (['vs tiles'] if name in GPU_GROUPED else [])
   print('\nbfloat16, forward and backward (median ms); x dense: over the dense gated MLP with the same rows '
-        '(its TFLOP/s: the routed rows\' matmuls over its time)\n')
+        '(its TFLOP/s: the routed rows\' matmuls over its time); vs tiles: the largest relative error of the '
+        'values and gradients against the automatic tiles\'\n')
   print(harness.table(header, rows_out), flush=True)
+  return failed
+
+
+def values_and_grads(fn: Callable, x: jax.Array, *w: jax.Array) -> list[jax.Array]:
+  """fn's values and the gradients of their sum over x and w."""
+  def total(*a):
+    y = fn(*a)
+    return jnp.sum(y.astype(jnp.float32)), y
+  grads, y = jax.jit(jax.grad(total, argnums=tuple(range(1 + len(w))), has_aux=True))(x, *w)
+  return [y, *grads]
 
 
 def per_row_dense(x_RD, w_gate_1DF, w_up_1DF, w_down_1FD):

@@ -16,6 +16,7 @@ from mintrain.data import tokenizer
 from mintrain.data.batches import make_batches
 from mintrain.errors import ConfigError
 from mintrain.mesh import make_mesh
+from mintrain.models.transformer import config as transformer_config
 from mintrain.models.transformer import grouped, moe
 from mintrain.objectives.lm import loss as loss_fn
 from mintrain.optimizer import schedule
@@ -290,8 +291,21 @@ def per_row_mlp(x_RD, group_R, *w):
   return grouped.per_row_mlp(x_RD, group_R, *w, jax.nn.silu)
 
 
-@pytest.mark.parametrize('kernel,tile', [('ragged_dot', 0), ('tiles', 0), ('tiles', 8), ('tiles', 3)])
-def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kernel, tile):
+@pytest.fixture
+def mosaic_stand_in(monkeypatch):
+  """The CPU taken for a Hopper GPU, with `grouped_matmul=mosaic_gpu`'s kernels (JAX's Mosaic GPU grouped
+  matmuls, which run on GPUs only) replaced by XLA's ragged products, which compute what they do: this
+  checks mintrain's VJP and wiring around them, not the kernels (benchmarks/gpu.py checks those on a GPU)."""
+  monkeypatch.setattr(grouped, 'MOSAIC_GPU', grouped.XLA)
+  monkeypatch.setattr(transformer_config, 'MOSAIC_GPU_DTYPES', {'gpu': ('bfloat16',),
+                                                                'cpu': ('float32', 'bfloat16')})
+
+
+@pytest.mark.parametrize('kernel,tile', [('ragged_dot', 0), ('tiles', 0), ('tiles', 8), ('tiles', 3),
+                                         ('mosaic_gpu', 0)])
+def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kernel, tile, request):
+  if kernel == 'mosaic_gpu':
+    request.getfixturevalue('mosaic_stand_in')
   keys = jax.random.split(jax.random.PRNGKey(0), 5)
   rows, groups, d, f = 100, 5, 8, 12
   x_RD = jax.random.normal(keys[0], (rows, d))
@@ -407,15 +421,54 @@ def test_a_gpu_runs_tiles_of_up_to_an_experts_even_share_and_only_a_tpu_runs_rag
   assert chosen == {'cpu': 'tiles', 'gpu': 'tiles', 'tpu': 'ragged_dot'}
 
 
+def test_mosaic_gpu_runs_on_gpus_in_bfloat16_only_and_is_never_chosen_by_auto():
+  model = load_config('moe_ep4_dp2', 'model.grouped_matmul=mosaic_gpu').model
+  with pytest.raises(ConfigError, match='Hopper GPUs.*this run is on cpu'):
+    model.for_platform('cpu')
+  with pytest.raises(ConfigError, match='bfloat16 only, not model.compute_dtype=float32'):
+    model.for_platform('gpu')
+  bf16 = load_config('moe_ep4_dp2', 'model.grouped_matmul=mosaic_gpu', 'model.compute_dtype=bfloat16').model
+  assert bf16.for_platform('gpu').grouped_matmul == 'mosaic_gpu'
+  auto = load_config('moe_ep4_dp2').model
+  assert 'mosaic_gpu' not in {auto.for_platform(p).grouped_matmul for p in ('cpu', 'gpu', 'tpu')}
+
+
+def test_mosaic_gpu_lowers_for_cuda_to_its_kernels_and_checks_the_widths_they_take():
+  """Lowered for CUDA here (no GPU): the forward is two Mosaic GPU kernels, as is each product of the
+  backward pass with the weights transposed. (The weight gradients' transposed kernel asks the GPU for its
+  core count while it is traced, so it is lowered on a GPU only: benchmarks/gpu.py.)"""
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  rows, groups, d, f = 300, 4, 128, 256
+  x_RD = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
+  group_R = jax.random.randint(keys[1], (rows,), 0, groups + 1)
+  shapes = [(groups, d, f)] * 2 + [(groups, f, d)]
+  w = [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys[2:], shapes)]
+
+  def kernels(fn, *args) -> int:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',)).as_text().count('@mosaic_gpu')
+
+  def forward(x_RD, *w):
+    return grouped.gated_mlp(x_RD, group_R, *w, jax.nn.silu, kernel='mosaic_gpu')
+  assert kernels(forward, x_RD, *w) == 2
+  sizes_G = jnp.array([100, 100, 50, 25], jnp.int32)
+  assert kernels(lambda dy, w: grouped.MOSAIC_GPU.dot(dy, w, sizes_G, True), x_RD, w[2]) == 1
+  with pytest.raises(ConfigError, match='multiples of 128; got \\[64\\]'):
+    kernels(forward, x_RD, w[0][..., :64], w[1][..., :64], w[2][:, :64])
+
+
 def dropless(kernel):
   return ('model.capacity_factor=0', f'model.grouped_matmul={kernel}')
 
 
-# ragged_dot's model step in the slow set (the default suite's time); its kernel is tested below.
-@pytest.mark.parametrize('kernel', ['tiles', pytest.param('ragged_dot', marks=pytest.mark.slow)])
-def test_dropless_grouped_experts_give_the_slot_paths_loss_statistics_and_gradients(kernel):
+# ragged_dot's and mosaic_gpu's model steps in the slow set (the default suite's time); their kernels are
+# tested above.
+@pytest.mark.parametrize('kernel', ['tiles', pytest.param('ragged_dot', marks=pytest.mark.slow),
+                                    pytest.param('mosaic_gpu', marks=pytest.mark.slow)])
+def test_dropless_grouped_experts_give_the_slot_paths_loss_statistics_and_gradients(kernel, request):
   """The same model and batch (with padding) through L slots per expert on one device, and through the
   grouped matmul on one device and with the experts split 4 ways (their choices sent by all-to-all)."""
+  if kernel == 'mosaic_gpu':
+    request.getfixturevalue('mosaic_stand_in')
   batch = padded_batch(noise=3)
   count, metrics, grads = loss_statistics_and_grads('single', batch, *dropless('off'))
   assert metrics['moe_dropped_fraction'] == 0

@@ -131,7 +131,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.capacity_factor = 0.0  # Slots per expert: factor * seq_len * k / E (the rest dropped); 0: dropless.
   # Dropless (capacity_factor 0): each choice meets its expert alone, by a grouped matmul: 'ragged_dot'
   # (jax.lax.ragged_dot: TPU; XLA makes it a dense product masked per expert on CPU and GPU), 'tiles' (each
-  # expert's sorted rows in tiles of moe_tile rows, a loop over the tiles in use: CPU, GPU), 'auto' (by
+  # expert's sorted rows in tiles of moe_tile rows, a loop over the tiles in use: CPU, GPU), 'mosaic_gpu'
+  # (JAX's Mosaic GPU grouped matmuls, Hopper GPUs in bfloat16; not measured in a run yet), 'auto' (by
   # platform) or 'off' (every expert all seq_len slots: E / k times the active work).
   c.model.grouped_matmul = 'auto'
   c.model.moe_tile = 0  # Rows of a tile; 0: a power of two by the even share (CPU: <= 256, GPU: <= 1024).

@@ -31,9 +31,10 @@ ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, 
 # How RoPE's frequencies stretch to longer contexts, as transformers' `rope_type`s (`attention`).
 ROPE_SCALINGS = ('none', 'llama3', 'linear', 'dynamic', 'yarn')
 ROUTER_SCORES = ('softmax', 'sigmoid')
-GROUPED_MATMUL_OPTIONS = ('auto', 'ragged_dot', 'tiles', 'off')
+GROUPED_MATMUL_OPTIONS = ('auto', 'ragged_dot', 'tiles', 'mosaic_gpu', 'off')
 EXPERT_EXCHANGE_OPTIONS = ('auto', 'ragged', 'padded')
 RAGGED_EXCHANGE_PLATFORMS = ('gpu', 'tpu')  # Where XLA implements ragged-all-to-all (XLA:CPU does not).
+MOSAIC_GPU_DTYPES = {'gpu': ('bfloat16',)}  # Where grouped_matmul=mosaic_gpu runs, in which compute dtypes.
 
 
 def _even(value: int) -> str | None:
@@ -106,8 +107,9 @@ class TransformerConfig(Costs, ModelConfig):
   shared_expert_dim: int = option(at_least=0)  # Width of an expert every token takes; 0: none.
   shared_expert_gate: bool = option()  # Qwen2-MoE: the shared expert scaled by a sigmoid gate (DeepSeek not).
   capacity_factor: float = option(at_least=0)  # Slots per expert: factor * L * k / E; 0: dropless.
-  # Dropless experts' matmul: 'ragged_dot' (TPU), 'tiles' (tiles of moe_tile rows; CPU, GPU), 'auto'
-  # (by platform) or 'off' (every expert gets all L slots: E / k times the work).
+  # Dropless experts' matmul: 'ragged_dot' (TPU), 'tiles' (tiles of moe_tile rows; CPU, GPU),
+  # 'mosaic_gpu' (JAX's Mosaic GPU grouped matmuls: Hopper GPUs, bfloat16), 'auto' (by platform) or 'off'
+  # (every expert gets all L slots: E / k times the work).
   grouped_matmul: str = option(choices=GROUPED_MATMUL_OPTIONS)
   moe_tile: int = option(at_least=0)  # Rows of a 'tiles' tile; 0: by the rows and experts.
   # Dropless with experts split: choices a device sends each peer, times the even share; 0: all (exact).
@@ -267,6 +269,14 @@ class TransformerConfig(Costs, ModelConfig):
     grouped_matmul = self.grouped_matmul
     if grouped_matmul == 'auto':
       grouped_matmul = 'ragged_dot' if platform == 'tpu' else 'tiles'
+    if grouped_matmul == 'mosaic_gpu' and self.num_experts:
+      if platform not in MOSAIC_GPU_DTYPES:
+        raise ConfigError(f"model.grouped_matmul=mosaic_gpu runs JAX's Mosaic GPU kernels (Hopper GPUs); "
+                          f'this run is on {platform}: use model.grouped_matmul=auto.')
+      if self.compute_dtype not in MOSAIC_GPU_DTYPES[platform]:
+        raise ConfigError(f'model.grouped_matmul=mosaic_gpu multiplies in bfloat16 only, not '
+                          f'model.compute_dtype={self.compute_dtype}: set model.compute_dtype=bfloat16, or '
+                          'model.grouped_matmul=tiles.')
     ragged = platform in RAGGED_EXCHANGE_PLATFORMS
     if self.expert_exchange == 'ragged' and not ragged:
       raise ConfigError(f'model.expert_exchange=ragged needs jax.lax.ragged_all_to_all, which XLA does not '

@@ -15,6 +15,9 @@ kernels compute the same values:
   elementwise op, so the work is the routed rows plus at most T - 1 rows of padding per group. XLA's
   cost analysis counts a loop's body once, so it cannot count this kernel's FLOPs. On a GPU each tile is
   a loop iteration of several kernel launches, so its automatic tiles are larger (`tile_rows`).
+A third, `mosaic_gpu`, runs the sorted rows through JAX's Mosaic GPU grouped matmuls for Hopper GPUs
+(`ragged_dot_mgpu`, and `transposed_ragged_dot_mgpu` for the weight gradients) in a VJP of its own
+(`sorted_gated_mlp`), since those kernels have no autodiff rules.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mintrain.errors import ConfigError
 from mintrain.models.layers import matmul, summed_as, varying_axes
+from mintrain.runtime.lazy import lazy_import
+
+ragged_dot_mgpu = lazy_import('jax.experimental.pallas.ops.gpu.ragged_dot_mgpu')
+transposed_ragged_dot_mgpu = lazy_import('jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu')
 
 
 def tile_rows(rows: int, groups: int, tile: int, platform: str = 'cpu') -> int:
@@ -64,7 +72,7 @@ def plan(group_R: jax.Array, groups: int, kernel: str, tile: int = 0) -> Plan:
   rows = group_R.shape[0]
   order_R = jnp.argsort(group_R, stable=True)
   sizes_G = jnp.bincount(group_R, length=groups + 1)[:groups].astype(jnp.int32)
-  if kernel == 'ragged_dot':
+  if kernel in ('ragged_dot', 'mosaic_gpu'):
     return Plan(order_R, sizes_G)
   t = tile_rows(rows, groups, tile)
   tiles = -(-rows // t) + groups - 1
@@ -193,6 +201,97 @@ def _tiled_gated_mlp_bwd(activation, residuals, dy_NTD):
 tiled_gated_mlp.defvjp(_tiled_gated_mlp_fwd, _tiled_gated_mlp_bwd)
 
 
+class GroupedDots(NamedTuple):
+  """The two grouped products of an MLP over rows sorted by group, and of its VJP. `dot(x_RK, w_GKN,
+  sizes_G, transposed)`: each row times its group's matrix (`transposed`: w given as (G, N, K)), zeros
+  for the rows past the groups; `dot_t(x_RM, y_RN, sizes_G)`: each group's x^T y over its rows, (G, M, N)."""
+  dot: Callable[..., jax.Array]
+  dot_t: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _xla_dot(x_RK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array, transposed: bool = False) -> jax.Array:
+  return jax.lax.ragged_dot(x_RK, jnp.swapaxes(w_GKN, 1, 2) if transposed else w_GKN, sizes_G)
+
+
+def _xla_dot_t(x_RM: jax.Array, y_RN: jax.Array, sizes_G: jax.Array) -> jax.Array:
+  numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(x_RM, y_RN, sizes_G, ragged_dot_dimension_numbers=numbers)
+
+
+# XLA's ragged products: what the Mosaic GPU kernels compute, and where they cannot run (the CPU's tests
+# of `sorted_gated_mlp`) their stand-in.
+XLA = GroupedDots(_xla_dot, _xla_dot_t)
+
+# The Mosaic GPU kernels' blocks: the sizes measured on an H200 (BENCHMARKS.md). A product's K (and the
+# weight gradients' M and N: D, F, 2F) must be a multiple of 128.
+MOSAIC_BLOCK = 128
+MOSAIC_TILING = dict(block_m=MOSAIC_BLOCK, block_n=MOSAIC_BLOCK, block_k=64, max_concurrent_steps=4,
+                     grid_block_n=4)
+
+
+def _padded_rows(x_RK: jax.Array) -> jax.Array:
+  """Rows padded with zeros to whole blocks (the kernels read rows a block at a time)."""
+  return jnp.pad(x_RK, ((0, -x_RK.shape[0] % MOSAIC_BLOCK), (0, 0)))
+
+
+def _check_mosaic(*sizes: int) -> None:
+  if bad := [n for n in sizes if n % MOSAIC_BLOCK]:
+    raise ConfigError(f"model.grouped_matmul=mosaic_gpu needs the experts' widths per device (embed_dim, "
+                      f'expert_mlp_dim over the model axis) in multiples of {MOSAIC_BLOCK}; got {bad}. '
+                      "Use model.grouped_matmul=tiles.")
+
+
+def _mosaic_dot(x_RK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array, transposed: bool = False) -> jax.Array:
+  rows = x_RK.shape[0]
+  _check_mosaic(*w_GKN.shape[1:])
+  y_RN = ragged_dot_mgpu.ragged_dot(_padded_rows(x_RK), w_GKN.astype(x_RK.dtype), group_sizes=sizes_G,
+                                    transpose_rhs=transposed, **MOSAIC_TILING)[:rows]
+  # The kernel leaves the rows past the groups unwritten.
+  return jnp.where((jnp.arange(rows) < jnp.sum(sizes_G))[:, None], y_RN, 0)
+
+
+def _mosaic_dot_t(x_RM: jax.Array, y_RN: jax.Array, sizes_G: jax.Array) -> jax.Array:
+  _check_mosaic(x_RM.shape[1], y_RN.shape[1])
+  return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+      _padded_rows(x_RM), _padded_rows(y_RN.astype(x_RM.dtype)), group_sizes=sizes_G, **MOSAIC_TILING)
+
+
+MOSAIC_GPU = GroupedDots(_mosaic_dot, _mosaic_dot_t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def sorted_gated_mlp(x_RD: jax.Array, w_gate_up_GDF: jax.Array, w_down_GFD: jax.Array, sizes_G: jax.Array,
+                     activation: Callable[[jax.Array], jax.Array], dots: GroupedDots) -> jax.Array:
+  """Rows sorted by group (`sizes_G` rows each, then rows of none, which give zeros) through their
+  groups' gated MLPs (gate and up side by side, (G, D, 2F)) by the grouped products `dots`, with a VJP
+  of five of them: the kernels behind `dots` need not have autodiff rules."""
+  return dots.dot(_gate_up(dots.dot(x_RD, w_gate_up_GDF, sizes_G), activation), w_down_GFD, sizes_G)
+
+
+def _sorted_gated_mlp_fwd(x_RD, w_gate_up_GDF, w_down_GFD, sizes_G, activation, dots):
+  gate_up_RF = dots.dot(x_RD, w_gate_up_GDF, sizes_G)
+  y_RD = dots.dot(_gate_up(gate_up_RF, activation), w_down_GFD, sizes_G)
+  return y_RD, (x_RD, w_gate_up_GDF, w_down_GFD, sizes_G, gate_up_RF)
+
+
+def _sorted_gated_mlp_bwd(activation, dots, residuals, dy_RD):
+  x_RD, w_gate_up_GDF, w_down_GFD, sizes_G, gate_up_RF = residuals
+  gate_RF, up_RF = jnp.split(gate_up_RF, 2, axis=-1)
+  act_RF, act_vjp = jax.vjp(activation, gate_RF)
+  dw_down_GFD = dots.dot_t(act_RF * up_RF, dy_RD, sizes_G)
+  dh_RF = dots.dot(dy_RD, w_down_GFD, sizes_G, True)
+  dgate_up_RF = jnp.concatenate([act_vjp(dh_RF * up_RF)[0], dh_RF * act_RF], axis=-1)
+  dx_RD = dots.dot(dgate_up_RF, w_gate_up_GDF, sizes_G, True)
+  dw_gate_up_GDF = dots.dot_t(x_RD, dgate_up_RF, sizes_G)
+  return (summed_as(dx_RD.astype(x_RD.dtype), x_RD),
+          summed_as(dw_gate_up_GDF.astype(w_gate_up_GDF.dtype), w_gate_up_GDF),
+          summed_as(dw_down_GFD.astype(w_down_GFD.dtype), w_down_GFD), None)
+
+
+sorted_gated_mlp.defvjp(_sorted_gated_mlp_fwd, _sorted_gated_mlp_bwd)
+
+
 def gated_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_GDF: jax.Array, w_up_GDF: jax.Array,
               w_down_GFD: jax.Array, activation: Callable[[jax.Array], jax.Array], *, kernel: str,
               tile: int = 0) -> jax.Array:
@@ -202,8 +301,11 @@ def gated_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_GDF: jax.Array, w_up_G
   # Gate and up side by side: one product twice as wide per row, or per tile.
   w_gate_up_GDF = jnp.concatenate([w_gate_GDF, w_up_GDF], axis=-1)
   if p.tile_end_G is None:  # Sorted by group, the rows of none last (and their outputs zeros).
-    h_RF = _gate_up(jax.lax.ragged_dot(x_RD[p.order_R], w_gate_up_GDF, p.sizes_G), activation)
-    y_RD = jax.lax.ragged_dot(h_RF, w_down_GFD, p.sizes_G)
+    if kernel == 'mosaic_gpu':
+      y_RD = sorted_gated_mlp(x_RD[p.order_R], w_gate_up_GDF, w_down_GFD, p.sizes_G, activation, MOSAIC_GPU)
+    else:
+      h_RF = _gate_up(jax.lax.ragged_dot(x_RD[p.order_R], w_gate_up_GDF, p.sizes_G), activation)
+      y_RD = jax.lax.ragged_dot(h_RF, w_down_GFD, p.sizes_G)
     return jnp.zeros_like(y_RD).at[p.order_R].set(y_RD, unique_indices=True)
   x_NTD = jnp.take(x_RD, p.source_P, axis=0, mode='fill', fill_value=0)
   x_NTD = x_NTD.reshape(-1, tile_rows(rows, groups, tile), x_RD.shape[-1])
