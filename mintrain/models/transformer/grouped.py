@@ -223,7 +223,8 @@ def _xla_dot_t(x_RM: jax.Array, y_RN: jax.Array, sizes_G: jax.Array) -> jax.Arra
 # of `sorted_gated_mlp`) their stand-in.
 XLA = GroupedDots(_xla_dot, _xla_dot_t)
 
-# The Mosaic GPU kernels' blocks: the sizes measured on an H200 (BENCHMARKS.md). A product's K (and the
+# The Mosaic GPU kernels' blocks: 128 x 128 outputs, 4 stages and grid_block_n 4 as the H200 probe ran
+# them (BENCHMARKS.md); its block_k was not recorded, 64 is 128 bytes of bfloat16. A product's K (and the
 # weight gradients' M and N: D, F, 2F) must be a multiple of 128.
 MOSAIC_BLOCK = 128
 MOSAIC_TILING = dict(block_m=MOSAIC_BLOCK, block_n=MOSAIC_BLOCK, block_k=64, max_concurrent_steps=4,
@@ -247,7 +248,7 @@ def _mosaic_dot(x_RK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array, transpose
   _check_mosaic(*w_GKN.shape[1:])
   y_RN = ragged_dot_mgpu.ragged_dot(_padded_rows(x_RK), w_GKN.astype(x_RK.dtype), group_sizes=sizes_G,
                                     transpose_rhs=transposed, **MOSAIC_TILING)[:rows]
-  # The kernel leaves the rows past the groups unwritten.
+  # Zeros past the groups, as XLA's ragged_dot gives: the kernel need not write those rows.
   return jnp.where((jnp.arange(rows) < jnp.sum(sizes_G))[:, None], y_RN, 0)
 
 
