@@ -267,12 +267,17 @@ def sorted_gated_mlp(x_RD: jax.Array, w_gate_up_GDF: jax.Array, w_down_GFD: jax.
   """Rows sorted by group (`sizes_G` rows each, then rows of none, which give zeros) through their
   groups' gated MLPs (gate and up side by side, (G, D, 2F)) by the grouped products `dots`, with a VJP
   of five of them: the kernels behind `dots` need not have autodiff rules."""
-  return dots.dot(_gate_up(dots.dot(x_RD, w_gate_up_GDF, sizes_G), activation), w_down_GFD, sizes_G)
+  return _sorted_forward(x_RD, w_gate_up_GDF, w_down_GFD, sizes_G, activation, dots)[0]
+
+
+def _sorted_forward(x_RD, w_gate_up_GDF, w_down_GFD, sizes_G, activation, dots):
+  """(y_RD, its gate/up products) of sorted rows through their groups' gated MLPs by `dots`."""
+  gate_up_RF = dots.dot(x_RD, w_gate_up_GDF, sizes_G)
+  return dots.dot(_gate_up(gate_up_RF, activation), w_down_GFD, sizes_G), gate_up_RF
 
 
 def _sorted_gated_mlp_fwd(x_RD, w_gate_up_GDF, w_down_GFD, sizes_G, activation, dots):
-  gate_up_RF = dots.dot(x_RD, w_gate_up_GDF, sizes_G)
-  y_RD = dots.dot(_gate_up(gate_up_RF, activation), w_down_GFD, sizes_G)
+  y_RD, gate_up_RF = _sorted_forward(x_RD, w_gate_up_GDF, w_down_GFD, sizes_G, activation, dots)
   return y_RD, (x_RD, w_gate_up_GDF, w_down_GFD, sizes_G, gate_up_RF)
 
 
@@ -302,11 +307,11 @@ def gated_mlp(x_RD: jax.Array, group_R: jax.Array, w_gate_GDF: jax.Array, w_up_G
   # Gate and up side by side: one product twice as wide per row, or per tile.
   w_gate_up_GDF = jnp.concatenate([w_gate_GDF, w_up_GDF], axis=-1)
   if p.tile_end_G is None:  # Sorted by group, the rows of none last (and their outputs zeros).
+    args = (x_RD[p.order_R], w_gate_up_GDF, w_down_GFD, p.sizes_G, activation)
     if kernel == 'mosaic_gpu':
-      y_RD = sorted_gated_mlp(x_RD[p.order_R], w_gate_up_GDF, w_down_GFD, p.sizes_G, activation, MOSAIC_GPU)
-    else:
-      h_RF = _gate_up(jax.lax.ragged_dot(x_RD[p.order_R], w_gate_up_GDF, p.sizes_G), activation)
-      y_RD = jax.lax.ragged_dot(h_RF, w_down_GFD, p.sizes_G)
+      y_RD = sorted_gated_mlp(*args, MOSAIC_GPU)
+    else:  # XLA's ragged_dot, which autodiff differentiates.
+      y_RD = _sorted_forward(*args, XLA)[0]
     return jnp.zeros_like(y_RD).at[p.order_R].set(y_RD, unique_indices=True)
   x_NTD = jnp.take(x_RD, p.source_P, axis=0, mode='fill', fill_value=0)
   x_NTD = x_NTD.reshape(-1, tile_rows(rows, groups, tile), x_RD.shape[-1])
