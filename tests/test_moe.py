@@ -3,12 +3,14 @@ dispatch, routing statistics in the metrics, FLOPs, and the config's checks."""
 
 import functools
 import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import build, load_config, mesh_devices, quiet
+from helpers import REPO, build, load_config, mesh_devices, quiet, script_env
 
 from mintrain import loop as train_loop
 from mintrain import report, train_state
@@ -454,6 +456,31 @@ def test_mosaic_gpu_lowers_for_cuda_to_its_kernels_and_checks_the_widths_they_ta
   assert kernels(lambda dy, w: grouped.MOSAIC_GPU.dot(dy, w, sizes_G, True), x_RD, w[2]) == 1
   with pytest.raises(ConfigError, match='multiples of 128; got \\[64\\]'):
     kernels(forward, x_RD, w[0][..., :64], w[1][..., :64], w[2][:, :64])
+
+
+SIGNALS_KEPT = """
+import os, signal, sys, time
+from mintrain.models.transformer import grouped
+[getattr(m, '__file__', None) for m in list(sys.modules.values())]  # As inspect.getmodule, in torch's import.
+assert 'jax._src.test_util' not in sys.modules, 'a scan of the modules loaded the Mosaic kernels'
+stopped = []
+signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
+grouped.mosaic_kernels()  # JAX's test utilities come with them, and absl's failure signal handler.
+assert 'jax._src.test_util' in sys.modules
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print('stopped' if stopped else 'not stopped')
+"""
+
+
+def test_the_mosaic_kernels_load_only_when_traced_and_leave_the_run_s_sigterm_handler_in_place():
+  """A preempted run saves and exits 0 (tests/test_faults.py); the Mosaic kernels' import once put
+  absl's failure signal handler in front of the run's, and runs that imported torch (Hugging Face data)
+  loaded them without using them and died with SIGABRT after saving."""
+  out = subprocess.run([sys.executable, '-c', SIGNALS_KEPT], cwd=REPO, env=script_env(), capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == 'stopped', out.stdout + out.stderr
+  assert 'SIGTERM received' not in out.stderr, out.stderr
 
 
 def dropless(kernel):

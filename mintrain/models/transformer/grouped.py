@@ -23,6 +23,8 @@ A third, `mosaic_gpu`, runs the sorted rows through JAX's Mosaic GPU grouped mat
 from __future__ import annotations
 
 import functools
+import signal
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -31,10 +33,6 @@ import jax.numpy as jnp
 
 from mintrain.errors import ConfigError
 from mintrain.models.layers import matmul, summed_as, varying_axes
-from mintrain.runtime.lazy import lazy_import
-
-ragged_dot_mgpu = lazy_import('jax.experimental.pallas.ops.gpu.ragged_dot_mgpu')
-transposed_ragged_dot_mgpu = lazy_import('jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu')
 
 
 def tile_rows(rows: int, groups: int, tile: int, platform: str = 'cpu') -> int:
@@ -231,6 +229,19 @@ MOSAIC_TILING = dict(block_m=MOSAIC_BLOCK, block_n=MOSAIC_BLOCK, block_k=64, max
                      grid_block_n=4)
 
 
+@functools.cache
+def mosaic_kernels() -> tuple:
+  """JAX's `ragged_dot_mgpu` and `transposed_ragged_dot_mgpu` modules, imported when first traced: they
+  import JAX's test utilities, which install absl's failure signal handler over SIGTERM (a preempted run
+  then died with SIGABRT after saving). The run's own SIGTERM handler is put back. Not a lazy module in
+  `sys.modules`: any scan of the modules (torch's import does one) would load it."""
+  term = signal.getsignal(signal.SIGTERM)
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+  if term is not None and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, term)
+  return ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+
 def _padded_rows(x_RK: jax.Array) -> jax.Array:
   """Rows padded with zeros to whole blocks (the kernels read rows a block at a time)."""
   return jnp.pad(x_RK, ((0, -x_RK.shape[0] % MOSAIC_BLOCK), (0, 0)))
@@ -246,15 +257,15 @@ def _check_mosaic(*sizes: int) -> None:
 def _mosaic_dot(x_RK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array, transposed: bool = False) -> jax.Array:
   rows = x_RK.shape[0]
   _check_mosaic(*w_GKN.shape[1:])
-  y_RN = ragged_dot_mgpu.ragged_dot(_padded_rows(x_RK), w_GKN.astype(x_RK.dtype), group_sizes=sizes_G,
-                                    transpose_rhs=transposed, **MOSAIC_TILING)[:rows]
+  y_RN = mosaic_kernels()[0].ragged_dot(_padded_rows(x_RK), w_GKN.astype(x_RK.dtype), group_sizes=sizes_G,
+                                        transpose_rhs=transposed, **MOSAIC_TILING)[:rows]
   # Zeros past the groups, as XLA's ragged_dot gives: the kernel need not write those rows.
   return jnp.where((jnp.arange(rows) < jnp.sum(sizes_G))[:, None], y_RN, 0)
 
 
 def _mosaic_dot_t(x_RM: jax.Array, y_RN: jax.Array, sizes_G: jax.Array) -> jax.Array:
   _check_mosaic(x_RM.shape[1], y_RN.shape[1])
-  return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+  return mosaic_kernels()[1].transposed_ragged_dot(
       _padded_rows(x_RM), _padded_rows(y_RN.astype(x_RM.dtype)), group_sizes=sizes_G, **MOSAIC_TILING)
 
 
