@@ -4,7 +4,10 @@ Compiled programs go to a persistent compilation cache for this session, shared 
 tests start (they inherit the environment), so the many runs of the same small models compile once.
 The tests check equalities, not speed: XLA:CPU's backend optimisation is off, which halves the compile
 time of their tiny models (11.5 s -> 6.0 s for one run's three programs), and its matmuls run on one
-thread each, which saves the pools' spinning (11% of the CPU time of a run).
+thread each, which saves the pools' spinning (11% of the CPU time of a run). For the same reason the
+reference libraries (torch) run OpenMP on one thread, and the objects alive after collection (modules,
+JAX's caches) are frozen out of Python's cyclic collector, which otherwise walks them again at every full
+collection: together 12-14% of the CPU time of tests/test_hf.py.
 """
 
 import atexit
@@ -23,6 +26,7 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 TEST_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false'
 os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+os.environ.setdefault('OMP_NUM_THREADS', '1')  # Inherited by the scripts the tests start.
 
 import jax  # noqa: E402
 
@@ -32,6 +36,7 @@ from mintrain.runtime import host_allocator  # noqa: E402
 
 host_allocator.keep_freed_memory()  # As the scripts do on the CPU backend (mesh.simulate_cpu_devices).
 
+import gc  # noqa: E402
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -91,3 +96,9 @@ def sentencepiece_model(tmp_path_factory) -> pathlib.Path:
       byte_fallback=True, character_coverage=1.0, split_digits=True, allow_whitespace_only_pieces=True,
       minloglevel=2)
   return path
+
+
+def pytest_collection_finish(session) -> None:
+  """What collection imported lives to the end: out of the collector's way."""
+  gc.collect()
+  gc.freeze()
