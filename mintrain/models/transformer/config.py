@@ -304,7 +304,8 @@ class TransformerConfig(Costs, ModelConfig):
     tensor = max(placement.ways('heads'), placement.ways('mlp'))
     if placement.pipeline.stages > 1 and tensor > 1 and self.remat != 'full':
       notes.append(f'the pipeline keeps its activations for the backward pass whole over the {tensor}-way '
-                   'tensor split (the memory plan counts them so); model.remat=full keeps only layer inputs.')
+                   'tensor split, gathered at every step (the memory plan counts them so); model.remat=full '
+                   'keeps only layer inputs.')
     return notes
 
   def _check_pipeline(self, schedule: Schedule, length_ways: int) -> None:
