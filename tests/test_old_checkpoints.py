@@ -9,9 +9,10 @@ from helpers import SCRIPT_DEFAULTS, run_script
 
 # tests/data/run_before_layout/checkpoints/4: written by ded0bca's scripts/train.py with these options and
 # train.steps=4; the same code resumed it to step 6 with the losses below (under the XLA flags of
-# `conftest.script_env`, as here: other flags round differently), on an AMD EPYC VM. Other processors'
-# XLA:CPU kernels round the same step differently by an ulp or two (an Intel Sapphire Rapids-class VM:
-# step 5 5.934064865 for 5.934063911, step 6 equal), so the losses are compared to one part in a million;
+# `conftest.script_env`, as here: other flags round differently); the AMD EPYC VMs of later sessions gave
+# them exactly. Other processors' XLA:CPU kernels round the same step differently by an ulp or two (an
+# Intel Sapphire Rapids-class VM: step 5 5.934064865 for 5.934063911, step 6 equal), so the losses are
+# compared to one part in a million;
 # a checkpoint read wrongly (a weight, an Adam moment, the data position) moves them by orders more.
 # Bit-exact resume on one machine is tested in tests/test_checkpoint.py.
 SAVED = pathlib.Path(__file__).parent / 'data' / 'run_before_layout'
