@@ -178,6 +178,26 @@ def test_a_killed_process_stops_the_job_and_the_next_start_resumes(tmp_path):
   assert f'Resuming from step {steps[-1]} ' in out
 
 
+# Each process closes its output first, then dies: process 1 (whose output ends first) by SIGKILL, process
+# 0 by SIGABRT after it, as a survivor's collective aborts on a dead peer. The launcher sees both outputs
+# end before either exit.
+DYING = '''import os, signal, sys, time
+first = os.environ['JAX_PROCESS_ID'] == '1'
+time.sleep(0 if first else 0.3)
+os.close(1), os.close(2)
+time.sleep(0.6 if first else 0.9)
+os.kill(os.getpid(), signal.SIGKILL if first else signal.SIGABRT)
+'''
+
+
+def test_the_launcher_names_the_process_that_died_first_when_every_output_ends_before_an_exit():
+  proc = subprocess.run([sys.executable, 'scripts/launch_local.py', '--num_processes', '2', '--',
+                         sys.executable, '-c', DYING], cwd=REPO, env=script_env(), capture_output=True,
+                        text=True, timeout=TIMEOUT)
+  assert '[launcher] process 1 exited with code -9; stopping the others' in proc.stderr, proc.stderr
+  assert proc.returncode == 128 + signal.SIGKILL
+
+
 @pytest.mark.slow  # ~14 s waiting out the join timeout: the default suite's time.
 def test_a_process_that_never_joins_is_named_within_the_join_timeout(tmp_path):
   """Process 0 of 2 alone, and process 1 of 2 alone: each gives up after --init_timeout with one line."""

@@ -71,6 +71,17 @@ def main() -> int:
   for pid, p in enumerate(procs):
     selector.register(p.stdout, selectors.EVENT_READ, pid)
   open_streams, failed = len(procs), None
+  ended = []  # Process ids in the order their output ended: a dying process's ends as it exits.
+
+  def notice_failure() -> None:
+    nonlocal failed
+    if failed is None:
+      failed = first_failure(procs, ended)
+      if failed is not None:
+        print(f'[launcher] process {failed} exited with code {procs[failed].returncode}; stopping the others',
+              file=sys.stderr, flush=True)
+        stop(procs, args.grace_seconds)
+
   while open_streams:
     for key, _ in selector.select(timeout=0.5):
       line = key.fileobj.readline()
@@ -79,25 +90,29 @@ def main() -> int:
       else:
         selector.unregister(key.fileobj)
         open_streams -= 1
+        ended.append(key.data)
     if kill_at is not None and time.monotonic() > kill_at:
       kill_at = float('inf')
       print('[launcher] grace period over: SIGKILL', file=sys.stderr, flush=True)
       for p in procs:
         if p.poll() is None:
           os.killpg(p.pid, signal.SIGKILL)
-    if failed is None:
-      # One killed by a signal first: the others' failures may follow from its death.
-      dead = [pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)]
-      failed = min(dead, key=lambda pid: procs[pid].returncode > 0, default=None)
-      if failed is not None:
-        print(f'[launcher] process {failed} exited with code {procs[failed].returncode}; stopping the others',
-              file=sys.stderr, flush=True)
-        stop(procs, args.grace_seconds)
+    notice_failure()
   for p in procs:
     p.wait()
+  notice_failure()  # The last outputs can end before their processes' exits are seen.
   codes = [procs[failed].returncode] if failed is not None else [p.returncode for p in procs]
   code = max(codes, key=abs)
   return code if code >= 0 else 128 - code  # Killed by signal N: 128 + N, as a shell reports it.
+
+
+def first_failure(procs: list[subprocess.Popen], ended: list[int]) -> int | None:
+  """The process whose failure stops the job, of those that have exited: one killed by a signal before
+  one that exited with an error (the others' failures may follow from its death), then the one whose
+  output ended first (`ended`; the others after, by id)."""
+  order = ended + [pid for pid in range(len(procs)) if pid not in ended]
+  dead = [pid for pid in order if procs[pid].poll() not in (None, 0)]
+  return min(dead, key=lambda pid: procs[pid].returncode > 0, default=None)
 
 
 def stop(procs: list[subprocess.Popen], grace: float) -> None:
