@@ -69,6 +69,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
       return (metric_sum, count_sum + count, grad_sum), None
 
     accum = jax.tree.leaves(batch)[0].shape[0]
+    if accum == 1:
+      # The mean's own gradients, with no pass over them to weight and scale. A batch without a counted
+      # target has a zero loss and gradients of it; a family's auxiliary loss (a router's balance) applies.
+      key = jax.random.fold_in(step_key, 0) if use_dropout else None
+      (_, (_, model_metrics)), grads = grad_fn(params, graphdef, jax.tree.map(lambda x: x[0], batch), key,
+                                               state.frozen, state.reference)
+      return apply(state, params, opt_state, grads, model_metrics)
     zeros = jax.tree.map(jnp.zeros_like, params)
     first = jax.tree.map(lambda x: x[0], batch)
     metric_zeros = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype),
@@ -79,6 +86,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     total = jnp.where(count > 0, count, 1.0)  # A step without a counted target: zero loss and gradients.
     model_metrics = jax.tree.map(lambda m: m / total, metric_sum)
     grads = jax.tree.map(lambda g: g / total, grad_sum)
+    return apply(state, params, opt_state, grads, model_metrics)
+
+  def apply(state, params, opt_state, grads, model_metrics):
     deltas, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, deltas)
     balance = model_metrics.pop('balance', None)

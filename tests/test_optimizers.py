@@ -112,3 +112,18 @@ def test_muon_takes_the_hidden_matrices_with_their_input_and_output_axes():
   assert by_name['wo_HKD'] == ((1, 2), (3,))
   assert by_name['wi_gate_EDF'] == ((2,), (3,))  # (layers, expert, embed, mlp).
   assert by_name['wo_EFD'] == ((2,), (3,))
+
+
+@pytest.mark.parametrize('scale', [0.25, 4.0])
+def test_clipping_gives_optaxs_gradients_and_state(scale):
+  grads = {'w': np.linspace(-3.0, 5.0, 12, dtype=np.float32).reshape(3, 4), 'b': np.float32([3.0, -4.0])}
+  max_norm = scale * float(optax.tree.norm(grads))
+  ours, theirs = opt_lib.clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
+  # The same (empty) state: checkpoints written with either restore with the other.
+  assert jax.tree.structure(ours.init(grads)) == jax.tree.structure(theirs.init(grads))
+  got, want = ours.update(grads, ours.init(grads))[0], theirs.update(grads, theirs.init(grads))[0]
+  for name in grads:
+    if scale > 1:  # Under the bound: the gradients themselves, bit for bit.
+      np.testing.assert_array_equal(got[name], grads[name])
+    np.testing.assert_allclose(got[name], want[name], rtol=2e-7)
+  assert float(optax.tree.norm(got)) == pytest.approx(min(max_norm, float(optax.tree.norm(grads))), rel=1e-6)
