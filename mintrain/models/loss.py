@@ -54,14 +54,17 @@ def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, weight
   log_z_BC = max_BC + jnp.log(jnp.sum(jnp.exp(logits_BCV - max_BC[..., None]), axis=-1))
   if not grads:
     return jnp.sum((log_z_BC - _target_logits(x_BCD, w_DV, targets_BC)) * weights_BC), None, None
-  target_BC, target_vjp = jax.vjp(lambda x, w: _target_logits(x, w, targets_BC), x_BCD, w_DV)
-  # d(log_z)/d(logits) is the softmax; the targets' own -1 goes back through the gather.
-  scale_BC = weights_BC * scale
-  dlogits_BCV = (jnp.exp(logits_BCV - log_z_BC[..., None]) * scale_BC[..., None]).astype(x_BCD.dtype)
-  dx_target_BCD, dw_target_DV = target_vjp(-scale_BC)
+  # d(log_z)/d(logits) is the softmax, less 1 at the target: both matmuls below carry the targets' term,
+  # formed in the same pass (a gather's gradient would be a scatter into a zeroed table, and its sum).
+  vocab_BCV = jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, 2,
+                                       out_sharding=jax.typeof(logits_BCV).sharding)
+  softmax_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
+  dlogits_BCV = ((softmax_BCV - (vocab_BCV == targets_BC[..., None])) * (weights_BC * scale)[..., None])
+  dlogits_BCV = dlogits_BCV.astype(x_BCD.dtype)
   dx_BCD = matmul('BCV,DV->BCD', dlogits_BCV, w_DV, jax.typeof(x_BCD).sharding, x_BCD.dtype)
   dw_DV = matmul('BCD,BCV->DV', x_BCD, dlogits_BCV, jax.typeof(w_DV).sharding, w_DV.dtype)
-  return jnp.sum((log_z_BC - target_BC) * weights_BC), dx_BCD + dx_target_BCD, dw_DV + dw_target_DV
+  target_BC = _target_logits(x_BCD, w_DV, targets_BC)
+  return jnp.sum((log_z_BC - target_BC) * weights_BC), dx_BCD, dw_DV
 
 
 def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, weights_BL: jax.Array,
