@@ -69,15 +69,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
       return (metric_sum, count_sum + count, grad_sum), None
 
     accum = jax.tree.leaves(batch)[0].shape[0]
+    first = jax.tree.map(lambda x: x[0], batch)
     if accum == 1:
       # The mean's own gradients, with no pass over them to weight and scale. A batch without a counted
       # target has a zero loss and gradients of it; a family's auxiliary loss (a router's balance) applies.
       key = jax.random.fold_in(step_key, 0) if use_dropout else None
-      (_, (_, model_metrics)), grads = grad_fn(params, graphdef, jax.tree.map(lambda x: x[0], batch), key,
-                                               state.frozen, state.reference)
+      (_, (_, model_metrics)), grads = grad_fn(params, graphdef, first, key, state.frozen, state.reference)
       return apply(state, params, opt_state, grads, model_metrics)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    first = jax.tree.map(lambda x: x[0], batch)
     metric_zeros = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype),
                                 jax.eval_shape(loss_fn, params, graphdef, first, None, state.frozen,
                                                state.reference)[1][1])

@@ -52,8 +52,9 @@ def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, weight
                              ('batch', 'length', 'vocab'))
   max_BC = jnp.max(logits_BCV, axis=-1)
   log_z_BC = max_BC + jnp.log(jnp.sum(jnp.exp(logits_BCV - max_BC[..., None]), axis=-1))
+  loss = jnp.sum((log_z_BC - _target_logits(x_BCD, w_DV, targets_BC)) * weights_BC)
   if not grads:
-    return jnp.sum((log_z_BC - _target_logits(x_BCD, w_DV, targets_BC)) * weights_BC), None, None
+    return loss, None, None
   # d(log_z)/d(logits) is the softmax, less 1 at the target: both matmuls below carry the targets' term,
   # formed in the same pass (a gather's gradient would be a scatter into a zeroed table, and its sum).
   vocab_BCV = jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, 2,
@@ -63,8 +64,7 @@ def _loss_chunk(x_BCD: jax.Array, w_DV: jax.Array, targets_BC: jax.Array, weight
   dlogits_BCV = dlogits_BCV.astype(x_BCD.dtype)
   dx_BCD = matmul('BCV,DV->BCD', dlogits_BCV, w_DV, jax.typeof(x_BCD).sharding, x_BCD.dtype)
   dw_DV = matmul('BCD,BCV->DV', x_BCD, dlogits_BCV, jax.typeof(w_DV).sharding, w_DV.dtype)
-  target_BC = _target_logits(x_BCD, w_DV, targets_BC)
-  return jnp.sum((log_z_BC - target_BC) * weights_BC), dx_BCD, dw_DV
+  return loss, dx_BCD, dw_DV
 
 
 def _chunked(x_BLD: jax.Array, w_DV: jax.Array, targets_BL: jax.Array, weights_BL: jax.Array,
