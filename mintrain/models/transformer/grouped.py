@@ -168,26 +168,33 @@ def _tiled_gated_mlp_bwd(activation, residuals, dy_NTD):
   like = (x_NTD, w_gate_up_GDF, w_down_GFD, dy_NTD)
 
   def start(w_gate_up_DF, w_down_FD):  # A group's weight gradients, summed in float32 over its tiles.
-    return _zeros(w_gate_up_DF.shape, jnp.float32, *like), _zeros(w_down_FD.shape, jnp.float32, *like)
+    return _zeros(w_gate_up_DF.shape, jnp.float32, *like), _zeros(w_down_FD.shape[::-1], jnp.float32, *like)
+
+  # A tile's weight gradients contract its rows, the first axis of both operands. XLA:CPU left such
+  # products in this loop to Eigen, slower than its XNNPACK fusions and allocating at every call; with
+  # the first operand contracting its last axis they are fusions (BENCHMARKS.md). So the loop reads x and
+  # dy transposed, made once before it, and sums the down matrix's gradient transposed.
+  x_NDT, dy_NDT = (jnp.swapaxes(a, 1, 2) for a in (x_NTD, dy_NTD))
 
   def step(i, carry, group, w_gate_up_DF, w_down_FD):
     dx_NTD, dw_gate_up_GDF, dw_down_GFD = carry
-    dw_gate_up_DF, dw_down_FD = group
-    x_TD, dy_TD = x_NTD[i], dy_NTD[i]
+    dw_gate_up_DF, dw_down_DF = group
+    dy_TD = dy_NTD[i]
     gate_TF, up_TF = jnp.split(gate_up_NTF[i], 2, axis=-1)
     act_TF, act_vjp = jax.vjp(activation, gate_TF)
-    dw_down_FD = dw_down_FD + matmul('TF,TD->FD', act_TF * up_TF, dy_TD, dtype=jnp.float32)
+    dw_down_DF = dw_down_DF + matmul('DT,TF->DF', dy_NDT[i], act_TF * up_TF, dtype=jnp.float32)
     dh_TF = matmul('TD,FD->TF', dy_TD, w_down_FD)
     dgate_up_TF = jnp.concatenate([act_vjp(dh_TF * up_TF)[0], dh_TF * act_TF], axis=-1)
     dx_TD = matmul('TF,DF->TD', dgate_up_TF, w_gate_up_DF, dtype=dx_NTD.dtype)
     dx_NTD = jax.lax.dynamic_update_index_in_dim(dx_NTD, dx_TD, i, 0)
-    dw_gate_up_DF = dw_gate_up_DF + matmul('TD,TF->DF', x_TD, dgate_up_TF, dtype=jnp.float32)
-    return (dx_NTD, dw_gate_up_GDF, dw_down_GFD), (dw_gate_up_DF, dw_down_FD)
+    dw_gate_up_DF = dw_gate_up_DF + matmul('DT,TF->DF', x_NDT[i], dgate_up_TF, dtype=jnp.float32)
+    return (dx_NTD, dw_gate_up_GDF, dw_down_GFD), (dw_gate_up_DF, dw_down_DF)
 
   def end(carry, group, g):  # The group's gradients stored in place, once.
     dx_NTD, *dw_G = carry
+    dw_gate_up_DF, dw_down_DF = group
     return (dx_NTD, *(jax.lax.dynamic_update_index_in_dim(w, w_g.astype(w.dtype), g, 0)
-                      for w, w_g in zip(dw_G, group)))
+                      for w, w_g in zip(dw_G, (dw_gate_up_DF, dw_down_DF.T))))
 
   grads = tuple(_zeros(a.shape, a.dtype, *like) for a in (x_NTD, w_gate_up_GDF, w_down_GFD))
   dx_NTD, dw_gate_up_GDF, dw_down_GFD = _each_tile(tile_end_G, (w_gate_up_GDF, w_down_GFD),
