@@ -7,7 +7,8 @@ time of their tiny models (11.5 s -> 6.0 s for one run's three programs), and it
 thread each, which saves the pools' spinning (11% of the CPU time of a run). For the same reason the
 reference libraries (torch) run OpenMP on one thread, and the objects alive after collection (modules,
 JAX's caches) are frozen out of Python's cyclic collector, which otherwise walks them again at every full
-collection: together 12-14% of the CPU time of tests/test_hf.py.
+collection: together 12-14% of the CPU time of tests/test_hf.py. The collector's youngest generation then
+runs every 100,000 allocations, not 700.
 """
 
 import atexit
@@ -99,6 +100,8 @@ def sentencepiece_model(tmp_path_factory) -> pathlib.Path:
 
 
 def pytest_collection_finish(session) -> None:
-  """What collection imported lives to the end: out of the collector's way."""
+  """What collection imported lives to the end: out of the collector's way. The youngest generation is
+  then collected every 100,000 container allocations, not 700: tracing makes millions (BENCHMARKS.md)."""
   gc.collect()
   gc.freeze()
+  gc.set_threshold(100_000, 50, 10)
