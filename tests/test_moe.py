@@ -293,6 +293,17 @@ def per_row_mlp(x_RD, group_R, *w):
   return grouped.per_row_mlp(x_RD, group_R, *w, jax.nn.silu)
 
 
+def random_expert_inputs(seed: int, rows: int, groups: int, d: int, f: int, scale: float):
+  """Rows x_RD, their groups group_R (id `groups`: in no group) and each group's gate, up and down
+  matrices, drawn at `scale`."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+  x_RD = jax.random.normal(keys[0], (rows, d))
+  group_R = jax.random.randint(keys[1], (rows,), 0, groups + 1)
+  w = (jax.random.normal(keys[2], (groups, d, f)) * scale, jax.random.normal(keys[3], (groups, d, f)) * scale,
+       jax.random.normal(keys[4], (groups, f, d)) * scale)
+  return x_RD, group_R, w
+
+
 @pytest.fixture
 def mosaic_stand_in(monkeypatch):
   """The CPU taken for a Hopper GPU, with `grouped_matmul=mosaic_gpu`'s kernels (JAX's Mosaic GPU grouped
@@ -308,22 +319,19 @@ def mosaic_stand_in(monkeypatch):
 def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kernel, tile, request):
   if kernel == 'mosaic_gpu':
     request.getfixturevalue('mosaic_stand_in')
-  keys = jax.random.split(jax.random.PRNGKey(0), 5)
-  rows, groups, d, f = 100, 5, 8, 12
-  x_RD = jax.random.normal(keys[0], (rows, d))
-  group_R = jax.random.randint(keys[1], (rows,), 0, groups + 1)  # Some rows (id 5) in no group.
-  w = (jax.random.normal(keys[2], (groups, d, f)) / 3, jax.random.normal(keys[3], (groups, d, f)) / 3,
-       jax.random.normal(keys[4], (groups, f, d)) / 3)
+  groups = 5
+  x_RD, group_R, w = random_expert_inputs(0, rows=100, groups=groups, d=8, f=12, scale=1 / 3)
 
-  def grouped_mlp(x_RD, *w):
-    return grouped.gated_mlp(x_RD, group_R, *w, jax.nn.silu, kernel=kernel, tile=tile)
+  def values_and_grads(mlp):  # One program each: eager, every primitive compiles on its own.
+    def f(*args):
+      return mlp(*args), jax.grad(lambda *a: jnp.sum(jnp.sin(mlp(*a))), argnums=(0, 1, 2, 3))(*args)
+    return jax.jit(f)(x_RD, *w)
 
-  got, want = grouped_mlp(x_RD, *w), per_row_mlp(x_RD, group_R, *w)
+  got, grads = values_and_grads(
+      lambda x_RD, *w: grouped.gated_mlp(x_RD, group_R, *w, jax.nn.silu, kernel=kernel, tile=tile))
+  want, wanted = values_and_grads(lambda x_RD, *w: per_row_mlp(x_RD, group_R, *w))
   assert np.all(np.asarray(got)[np.asarray(group_R) == groups] == 0)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  grads = jax.grad(lambda *a: jnp.sum(jnp.sin(grouped_mlp(*a))), argnums=(0, 1, 2, 3))(x_RD, *w)
-  wanted = jax.grad(lambda *a: jnp.sum(jnp.sin(per_row_mlp(a[0], group_R, *a[1:]))),
-                    argnums=(0, 1, 2, 3))(x_RD, *w)
   for g, want in zip(grads, wanted):
     # Weight gradients sum over a group's rows in another order than the reference: an entry that cancels
     # to 0.016 keeps float32's rounding of its O(1) terms (1.2e-6 seen with ragged_dot on one CPU).
@@ -333,12 +341,7 @@ def test_grouped_matmul_gives_each_row_its_groups_mlp_values_and_gradients(kerne
 def test_every_product_of_the_tiles_kernel_and_its_gradient_compiles_into_a_fusion():
   """XLA:CPU runs a product left outside a fusion with Eigen, slower than its XNNPACK fusions and
   allocating at every call; the tiles' weight gradients are written so that none is left there."""
-  keys = jax.random.split(jax.random.PRNGKey(0), 5)
-  rows, groups, d, f = 100, 5, 8, 12
-  x_RD = jax.random.normal(keys[0], (rows, d))
-  group_R = jax.random.randint(keys[1], (rows,), 0, groups + 1)
-  w = (jax.random.normal(keys[2], (groups, d, f)), jax.random.normal(keys[3], (groups, d, f)),
-       jax.random.normal(keys[4], (groups, f, d)))
+  x_RD, group_R, w = random_expert_inputs(0, rows=100, groups=5, d=8, f=12, scale=1.0)
 
   def loss(x_RD, *w):
     return jnp.sum(grouped.gated_mlp(x_RD, group_R, *w, jax.nn.silu, kernel='tiles', tile=8))
@@ -352,12 +355,7 @@ def test_every_product_of_the_tiles_kernel_and_its_gradient_compiles_into_a_fusi
 @pytest.mark.slow  # ~12 s each: the default suite's time; the float32 kernel test stays there.
 @pytest.mark.parametrize('kernel', ['ragged_dot', 'tiles'])
 def test_grouped_matmul_in_bfloat16_keeps_the_dtype_and_the_float32_values_to_its_precision(kernel):
-  keys = jax.random.split(jax.random.PRNGKey(1), 5)
-  rows, groups, d, f = 64, 4, 16, 8
-  x_RD = jax.random.normal(keys[0], (rows, d))
-  group_R = jax.random.randint(keys[1], (rows,), 0, groups + 1)
-  w = (jax.random.normal(keys[2], (groups, d, f)) / 4, jax.random.normal(keys[3], (groups, d, f)) / 4,
-       jax.random.normal(keys[4], (groups, f, d)) / 4)
+  x_RD, group_R, w = random_expert_inputs(1, rows=64, groups=4, d=16, f=8, scale=1 / 4)
 
   def loss(mlp, x_RD, *w):
     return jnp.sum(jnp.sin(mlp(x_RD, *w)).astype(jnp.float32))
