@@ -3,7 +3,8 @@
 Compiled programs go to a persistent compilation cache for this session, shared with the scripts the
 tests start (they inherit the environment), so the many runs of the same small models compile once.
 The tests check equalities, not speed: XLA:CPU's backend optimisation is off, which halves the compile
-time of their tiny models (11.5 s -> 6.0 s for one run's three programs), and its matmuls run on one
+time of their tiny models (11.5 s -> 6.0 s for one run's three programs), its element-wise code comes
+from the older emitters, not the MLIR fusion emitters (2-3x less again), and its matmuls run on one
 thread each, which saves the pools' spinning (11% of the CPU time of a run). For the same reason the
 reference libraries (torch) run OpenMP on one thread, and the objects alive after collection (modules,
 JAX's caches) are frozen out of Python's cyclic collector, which otherwise walks them again at every full
@@ -25,7 +26,8 @@ os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ['MINTRAIN_TEST_JAX_CACHE']
 os.environ['MINTRAIN_CACHE_DIR'] = os.environ['MINTRAIN_TEST_JAX_CACHE']
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
-TEST_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false'
+TEST_XLA_FLAGS = ('--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false '
+                  '--xla_cpu_use_fusion_emitters=false')
 os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 os.environ.setdefault('OMP_NUM_THREADS', '1')  # Inherited by the scripts the tests start.
 
