@@ -73,14 +73,15 @@ def test_eval_metrics_match_a_hand_computation_on_a_tiny_corpus(tmp_path, packin
     metrics = actions.evaluate(setup, state.params, batches, batches.get_state(),
                                   statistics.bytes_per_token(config.data, tokenizer.BYTES))
     model = nnx.merge(setup.graphdef, state.params)
+    forward = jax.jit(lambda inputs, segment_ids, positions: model(  # One program, not one a primitive.
+        inputs, segment_ids_BL=segment_ids, positions_BL=positions))
     local = pipeline.make_iterator(config.data, tokenizer.BYTES, split='eval', seq_len=16,
                                    global_batch_size=8, micro_batch_size=8, rows=np.arange(8), seed=0,
                                    separators=BYTES)
     nats, weights, documents = [], [], []
     for _ in range(2):
       batch = next(local)
-      logits = np.asarray(model(jax.numpy.asarray(batch['inputs']), segment_ids_BL=batch['segment_ids'],
-                                positions_BL=batch['positions']), np.float64)
+      logits = np.asarray(forward(batch['inputs'], batch['segment_ids'], batch['positions']), np.float64)
       log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
       picked = np.take_along_axis(logits, batch['targets'][..., None], -1)[..., 0]
       nats.append(log_z - picked)

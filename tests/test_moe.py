@@ -380,7 +380,8 @@ def test_grouped_matmul_in_bfloat16_keeps_the_dtype_and_the_float32_values_to_it
 
 
 def test_tiles_pad_each_group_to_whole_tiles_and_the_automatic_tile_bounds_the_buffers():
-  buffers = grouped.plan(jnp.zeros(100, jnp.int32), 5, 'tiles', tile=8).source_P
+  plan_tiles = jax.jit(grouped.plan, static_argnums=(1, 2, 3))  # Eager, each primitive compiles alone.
+  buffers = plan_tiles(jnp.zeros(100, jnp.int32), 5, 'tiles', 8).source_P
   assert buffers.shape == ((13 + 4) * 8,)  # ceil(100 / 8) tiles, and one partial per group.
   for rows, groups in ((1024, 8), (2048, 64), (16384, 16), (64, 4)):
     tile = grouped.tile_rows(rows, groups, 0)
@@ -388,7 +389,7 @@ def test_tiles_pad_each_group_to_whole_tiles_and_the_automatic_tile_bounds_the_b
     assert (groups - 1) * tile <= max(rows / 2, (groups - 1) * 8)  # At most half, or tiles of 8 rows.
   # The tile layout holds every row once, in its group's tiles.
   group_R = jnp.array([2, 0, 2, 2, 1, 3, 0, 2, 2], jnp.int32)  # 3: no group.
-  plan = grouped.plan(group_R, 3, 'tiles', tile=2)
+  plan = plan_tiles(group_R, 3, 'tiles', 2)
   source = np.asarray(plan.source_P).reshape(-1, 2)
   assert sorted(source[source < 9].tolist()) == [0, 1, 2, 3, 4, 6, 7, 8]  # The grouped rows, each once.
   assert np.asarray(group_R)[source[0, 0]] == 0 and np.asarray(plan.padded_R)[source[0, 0]] == 0
