@@ -32,6 +32,9 @@ last devices finished before a collective.
   python benchmarks/moe.py --interleave --variant '64e top-4 grouped, EP8, bound 2' --baseline /tmp/before
       # each variant also with the MoE layer of another checkout, timed in turns in the same process: a
       # change to the layer measured under the same load (runs in turns minutes apart spread by 0.1x)
+  python benchmarks/moe.py --interleave --variant '64e top-4 grouped, EP8, bound 2' --tile 64 --tile 128
+      # each grouped variant also with tiles of that many rows (`model.moe_tile`; the table's own rows:
+      # the automatic size), in turns in the same process
 """
 
 from __future__ import annotations
@@ -85,20 +88,24 @@ def main() -> int:
   parser.add_argument('--baseline', type=pathlib.Path, default=None, metavar='CHECKOUT',
                       help="also run each variant with this checkout's MoE layer (its "
                            'mintrain/models/transformer/moe.py and grouped.py)')
+  parser.add_argument('--tile', type=int, action='append', default=[], metavar='ROWS',
+                      help='each grouped variant also with tiles of ROWS rows (model.moe_tile); repeatable')
   args = parser.parse_args()
   devices = harness.start_devices()
   path, base = harness.bench_tiny()
   steps, warmup = (1, 1) if args.smoke else (args.steps, args.warmup)
   names = [name for name in VARIANTS if not args.variant or name == 'dense' or name in args.variant]
+  names += [f'{name}, tile {rows}' for rows in args.tile for name in names if 'grouped' in name]
   theirs = None
   if args.baseline:
     names += [f'{name} (baseline)' for name in names[1:]]
     theirs = baseline_layer(args.baseline)
 
   def compiled(name: str) -> tuple:
-    variant = name.removesuffix(' (baseline)')
-    config = harness.load(path, (*base, *VARIANTS[variant], *(SMOKE if args.smoke else ())))
-    with layer_in_place(theirs) if variant != name else contextlib.nullcontext():
+    variant, _, tile = name.removesuffix(' (baseline)').partition(', tile ')
+    tiles = (f'model.moe_tile={tile}',) if tile else ()
+    config = harness.load(path, (*base, *VARIANTS[variant], *tiles, *(SMOKE if args.smoke else ())))
+    with layer_in_place(theirs) if name.endswith(' (baseline)') else contextlib.nullcontext():
       return config, harness.prepare(config, devices)
 
   measured = {}  # name -> (config, (compiled step, run, batches), its StepTimes)

@@ -153,6 +153,20 @@ def test_moe_benchmark_times_a_variant_with_another_checkouts_layer_too(tmp_path
   assert all(float(c['step ms']) > 0 for c in cells)
 
 
+def test_moe_benchmark_times_a_grouped_variant_with_the_tile_sizes_asked_for():
+  stdout, header, body = smoke('moe.py', '--variant', '8e top-2 grouped', '--variant', '8e top-2 slots, EP4',
+                               '--tile', '8')
+  assert [row[0] for row in body] == ['dense', '8e top-2 grouped', '8e top-2 slots, EP4',
+                                      '8e top-2 grouped, tile 8']  # Slots have no tiles.
+  cells = [dict(zip(header, row)) for row in body]
+  assert cells[1]['GFLOP per step (active)'] == cells[3]['GFLOP per step (active)']
+  assert all(float(c['step ms']) > 0 for c in cells)
+  # The size reaches the run's config: one it refuses stops the benchmark.
+  proc = run_script('benchmarks/moe.py', '--smoke', '--variant', '8e top-2 grouped', '--tile', '-1',
+                    timeout=900)
+  assert proc.returncode != 0 and 'model.moe_tile=-1 must be an integer >= 0' in proc.stderr
+
+
 def test_data_pipeline_benchmark_smoke_reads_each_source_faster_than_nothing():
   proc = run_script('benchmarks/data_pipeline.py', '--smoke')
   assert proc.returncode == 0, proc.stderr
