@@ -132,13 +132,14 @@ class AxisRules:
     """Layout of an activation. Given its `shape` (or its leading dimensions), a dimension of size 1
     stays whole where the current mesh would split it (one decode token over `context`); any other size
     must divide, which `check_divisible` and the type check of `reshard` enforce. Inside a `shard_map`
-    (the pipeline's), the axes it splits by hand are left out: the body sees its own share already."""
+    (the pipeline's), the axes it splits by hand are left out: the body sees its own share already; so
+    are axes made automatic there (`jax.sharding.auto_axes`), which the partitioner lays out itself."""
     spec = resolve(logical_axes, self.rules, what=what)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
       return spec
-    if mesh.manual_axes:
-      spec = without_axes(spec, mesh.manual_axes)
+    if mesh.manual_axes or mesh.auto_axes:
+      spec = without_axes(spec, (*mesh.manual_axes, *mesh.auto_axes))
     if shape is None:
       return spec
 

@@ -85,6 +85,7 @@ def test_training_gives_the_losses_of_one_device(mesh):
     (('mesh.data=1', 'mesh.context=2'), r'does not combine with a split `length`'),
     (('model.num_experts=4',), r'does not run mixture-of-experts'),
     (('model.dropout_rate=0.1',), r'would draw other dropout masks than one batch does'),
+    (('model.mlp_overlap=True',), r'does not run the overlapped MLP \(model.mlp_overlap\) inside its stages'),
 ])
 def test_unsupported_pipelines_are_config_errors_before_compiling(overrides, message):
   config = load_config('dp4_tp2', *PIPELINED, *MESHES['stage2_data2_model2'], *overrides)
@@ -92,14 +93,17 @@ def test_unsupported_pipelines_are_config_errors_before_compiling(overrides, mes
     build(config)
 
 
-def test_a_pipeline_says_what_remat_saves():
-  # Its activations leave the schedule whole over `model` unless each layer keeps only its input.
-  def notes(mesh: str, remat: str) -> list[str]:
-    return build(load_config('dp4_tp2', *PIPELINED, *MESHES[mesh], f'model.remat={remat}')).notes
+def test_the_memory_plan_counts_a_stages_activations_split_over_model_with_or_without_remat():
+  # Tensor parallelism inside a stage splits the activations the schedule keeps, as it does without a
+  # pipeline: model 2 halves the heads' and MLP's share of them.
+  def activations(mesh: str, remat: str) -> int:
+    return build(load_config('dp4_tp2', *PIPELINED, *mesh, f'model.remat={remat}')).plan.activations
 
-  assert any('whole over the 2-way tensor split' in n and 'model.remat=full' in n
-             for n in notes('stage2_data2_model2', 'none'))
-  assert not [n for n in notes('stage2_data2_model2', 'full') + notes('stage4_data2', 'none')
+  model2 = MESHES['stage2_data2_model2']
+  model1 = ('mesh.stage=2', 'mesh.data=2', 'mesh.fsdp=1', 'mesh.model=1')  # The same rows per device.
+  assert activations(model2, 'none') < 0.75 * activations(model1, 'none')
+  assert activations(model2, 'full') <= activations(model1, 'full')
+  assert not [n for n in build(load_config('dp4_tp2', *PIPELINED, *model2, 'model.remat=none')).notes
               if 'tensor split' in n]
 
 
@@ -129,17 +133,20 @@ def test_checkpoints_restore_between_pipelined_and_unpipelined_meshes_bit_for_bi
 
 @pytest.mark.slow
 @pytest.mark.parametrize('mesh, stacks', [
-    (MESHES['stage2_data2_model2'], {'6'}),
+    # Tensor parallelism inside a stage gathers nothing: the activations the schedule keeps for the
+    # backward pass stay split over `model`, and its weights enter the schedule as they are stored.
+    (MESHES['stage2_data2_model2'], None),
     # Over fsdp alone, a stage's stack of weights gathered before the schedule would show; each layer
-    # gathers its own inside it. (Over `model`, autodiff's stacked residuals are gathered: see the note in
-    # `pipeline.run`.)
+    # gathers its own inside it.
     (('mesh.stage=2', 'mesh.data=1', 'mesh.fsdp=4', 'mesh.model=1'), {'6', '3'}),
 ])
-def test_the_compiled_step_passes_activations_between_stages_and_gathers_no_stack_of_layers(mesh, stacks):
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_the_compiled_step_passes_activations_between_stages_and_gathers_no_stack_of_layers(mesh, stacks,
+                                                                                           remat):
   # Six layers, three a stage: no activation has a leading dimension of 6 or 3, so a gathered stack of all
   # layers, or of a stage's, would show as one.
   config = load_config('dp4_tp2', *PIPELINED, 'model.num_layers=6', 'data.source=synthetic',
-                       *mesh, 'pipeline.microbatches=2')
+                       *mesh, 'pipeline.microbatches=2', f'model.remat={remat}')
   run = build(config)
   with jax.set_mesh(run.mesh):
     state = run.init()
@@ -147,8 +154,11 @@ def test_the_compiled_step_passes_activations_between_stages_and_gathers_no_stac
     hlo = run.train_step.lower(state, batch).compile().as_text()
   assert 'collective-permute' in hlo
   gathered = re.findall(r'= \w+\[(\d+)[,\]][^\n]*? all-gather(?:-start)?\(', hlo)
-  assert gathered, 'expected the tensor-parallel all-gathers of activations'
-  assert not stacks & set(gathered), 'an all-gather of a stack of layers'
+  if stacks is None:
+    assert not gathered, f'all-gathers of {len(gathered)} arrays'
+  else:
+    assert gathered, "expected the fsdp all-gathers of each layer's weights"
+    assert not stacks & set(gathered), 'an all-gather of a stack of layers'
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Pipeline parallelism over the mesh axis `stage`: the stacked layers, whose `layers` axis the rules map to
-`stage`, run as a schedule of microbatches inside `jax.shard_map` over `stage` alone (the other axes stay
-explicit inside, so tensor and data parallelism work within a stage as without a pipeline), each stage
-handing its output to the next with `ppermute`.
+`stage`, run as a schedule of microbatches inside `jax.shard_map` over `stage` and the rows' axes, each stage
+handing its output to the next with `ppermute`. The other axes (`model`) are left to the partitioner inside
+(`jax.sharding.auto_axes`), so tensor parallelism works within a stage as without a pipeline.
 
 GPipe when `repeats` is 1: stage s holds the s-th contiguous block of layers. With `repeats` R > 1, the
 circular schedule (MaxText's): the layers form R * S blocks, stage s runs blocks s, s + S, s + 2S, ..., and a
@@ -68,12 +68,6 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
   Each row computes what it would without the pipeline: the layers see the same rows, weights and layer
   indices (so the same dropout keys, though a microbatch draws masks of its own shape); only how many rows
   one matmul holds changes.
-
-  Known cost: the residuals autodiff saves of the schedule leave its shard_map whole over `model` (JAX
-  lowers a partially manual shard_map's outputs replicated over the explicit axes its out_specs do not
-  name, even where their types say split: taking the VJP inside the shard_map and returning its residuals
-  did not change that), so without `model.remat=full` a device keeps its activations whole over tensor
-  parallelism; the memory plan counts them so. JAX 0.12 keeps them split (BENCHMARKS.md).
   """
   stages, m, repeats = schedule.stages, schedule.microbatches, schedule.repeats
   rows = x_BLD.shape[0]
@@ -132,6 +126,14 @@ def run(schedule: Schedule, run_block: RunBlock, params_N: Sequence[jax.Array], 
   staged = jax.shard_map(stage_body, in_specs=(params_specs, rows_spec, P(),
                                                [_by_hand(a, by_hand) for a in args_M]),
                          out_specs=rows_spec, axis_names=set(by_hand))
+  # JAX 0.10 lowers a partially manual shard_map's outputs replicated over the explicit axes its out_specs
+  # do not name, the residuals autodiff saves of the schedule among them: over an explicit `model`, every
+  # device would keep (and gather at every step) its activations whole over tensor parallelism. Over auto
+  # axes the partitioner keeps them split; inside, the rules' layouts leave those axes out
+  # (`AxisRules.activation_spec`).
+  mesh = jax.sharding.get_abstract_mesh()
+  if auto := tuple(a for a in mesh.axis_names if a not in by_hand and mesh.shape[a] > 1):
+    staged = jax.sharding.auto_axes(staged, axes=auto, out_sharding=jax.typeof(x_MbLD).sharding.spec)
   return _whole(staged(params_N, x_MbLD, key, args_M), rows)
 
 

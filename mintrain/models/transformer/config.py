@@ -301,11 +301,6 @@ class TransformerConfig(Costs, ModelConfig):
       notes.append(f'model.num_kv_heads={self.kv_heads} key/value heads do not split '
                    f'{placement.ways("kv_heads")} ways (the rules for `kv_heads`); they are replicated on '
                    'every device of that split.')
-    tensor = max(placement.ways('heads'), placement.ways('mlp'))
-    if placement.pipeline.stages > 1 and tensor > 1 and self.remat != 'full':
-      notes.append(f'the pipeline keeps its activations for the backward pass whole over the {tensor}-way '
-                   'tensor split, gathered at every step (the memory plan counts them so); model.remat=full '
-                   'keeps only layer inputs.')
     return notes
 
   def _check_pipeline(self, schedule: Schedule, length_ways: int) -> None:
@@ -328,6 +323,9 @@ class TransformerConfig(Costs, ModelConfig):
     if length_ways > 1:
       raise ConfigError(f'mesh.stage={stages} does not combine with a split `length` (mesh.context) yet; '
                         'set mesh.context=1 or mesh.stage=1.')
+    if self.mlp_overlap:
+      raise ConfigError(f'mesh.stage={stages} does not run the overlapped MLP (model.mlp_overlap) inside its '
+                        'stages yet; set model.mlp_overlap=False or mesh.stage=1.')
     if repeats > 1 and schedule.microbatches < stages:
       raise ConfigError(f'pipeline.repeats={repeats} sends each microbatch round the {stages} stages again; '
                         f'it needs pipeline.microbatches >= mesh.stage={stages}.')

@@ -89,10 +89,7 @@ class Costs:
     """
     c = np.dtype(self.compute_dtype).itemsize
     pipelined = schedule.stages > 1
-    saved_ways = ways
-    if pipelined and self.remat != 'full':  # Its residuals are whole over `model` (pipeline.run).
-      saved_ways = lambda axis: 1 if axis in ('heads', 'mlp') else ways(axis)  # noqa: E731
-    layer, once = self._layer_bytes(rows // schedule.microbatches if pipelined else rows, seq_len, saved_ways)
+    layer, once = self._layer_bytes(rows // schedule.microbatches if pipelined else rows, seq_len, ways)
     if pipelined:
       block = self.num_layers // (schedule.stages * schedule.repeats)
       layers = (schedule.iterations + 1) * block * layer + once
