@@ -224,3 +224,56 @@ def rows(named: dict[str, Breakdown]) -> tuple[list[str], list[list[str]]]:
     rate += [f'{b.matmul_gflop / ms * 1e3:.1f}' if ms else '-', f'{b.matmul_gflop:.3g} GFLOP']
   table.append(rate)
   return header, table
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+  """One `dot` of an optimised HLO module, its operands in their physical (row-major) order."""
+  lhs: tuple[int, ...]
+  rhs: tuple[int, ...]
+  dimension_numbers: tuple  # As `jax.lax.dot_general` takes them, on `lhs` and `rhs` as laid out here.
+  gflop: float
+
+
+def _physical(shape: str) -> tuple[tuple[int, ...], dict[int, int]]:
+  """(the dims of `shape` in memory order, major first; logical dim -> position there)."""
+  dims = _dims(shape)
+  layout = re.search(r'\]\{([0-9,]*)', shape)
+  minor_to_major = [int(d) for d in layout.group(1).split(',')] if layout else list(range(len(dims)))[::-1]
+  order = minor_to_major[::-1]
+  return tuple(dims[d] for d in order), {d: i for i, d in enumerate(order)}
+
+
+def dots(hlo: str) -> list[Dot]:
+  """Every `dot` of an optimised HLO module (fused ones included), once per appearance; a dot inside a loop
+  runs more than once, so a module with one is refused (scanned layers: use unrolled ones)."""
+  found, shapes, calls, computation = {}, {}, collections.defaultdict(set), None
+  loops = set()
+  for line in hlo.splitlines():
+    if match := COMPUTATION.match(line):
+      computation, shapes = match.group(1), {}
+    elif match := INSTRUCTION.match(line):
+      name, result, opcode, rest = match.groups()
+      shapes[name] = result
+      calls[computation] |= set(re.findall(r'(?:calls|to_apply|body|condition)=%([\w.-]+)', rest))
+      if opcode == 'while':
+        loops |= set(re.findall(r'(?:body|condition)=%([\w.-]+)', rest))
+      if opcode != 'dot':
+        continue
+      lhs_name, rhs_name = re.findall(r'%([\w.-]+)', rest.split(')')[0])[:2]
+      (lhs, lhs_at), (rhs, rhs_at) = _physical(shapes[lhs_name]), _physical(shapes[rhs_name])
+      given = {key: tuple(int(d) for d in value.split(',') if d)
+               for key, value in re.findall(r'(\w+_dims)=\{([0-9,]*)\}', rest)}
+      lhs_c, rhs_c, lhs_b, rhs_b = (given.get(f'{side}_{kind}_dims', ()) for kind in ('contracting', 'batch')
+                                    for side in ('lhs', 'rhs'))
+      numbers = ((tuple(lhs_at[d] for d in lhs_c), tuple(rhs_at[d] for d in rhs_c)),
+                 (tuple(lhs_at[d] for d in lhs_b), tuple(rhs_at[d] for d in rhs_b)))
+      found.setdefault(computation, []).append(Dot(lhs, rhs, numbers, _dot_gflop(rest, result, shapes)))
+  inside, todo = set(), list(loops)
+  while todo:
+    if (name := todo.pop()) not in inside:
+      inside.add(name)
+      todo.extend(calls[name])
+  if inside & set(found):
+    raise ValueError('a dot of the module runs in a loop, more than once a step: use unrolled layers')
+  return [d for computation in found.values() for d in computation]

@@ -6,6 +6,7 @@ set (`pytest -m slow`, run by .ci/run) holds them.
 
 import os
 import pathlib
+import re
 import shutil
 
 import pytest
@@ -55,6 +56,18 @@ def test_step_benchmark_smoke_reports_model_flops_against_a_same_run_matmul_cali
   cells = dict(zip(header, body[0]))
   assert all(float(cells[c].replace(',', '').rstrip('%')) > 0 for c in header[1:] if c != 'spread')
   assert 'ratio = median over steps of model / matmul rate' in stdout
+
+
+def test_dots_benchmark_smoke_times_the_steps_matmuls_alone_against_the_step():
+  stdout, header, body = smoke('dots.py')
+  assert header == ['program', 'ms', 'spread', 'of the step', 'ratio']
+  assert [row[0] for row in body] == ['the train step', 'its dots alone']
+  found = re.search(r'(\d+) dots per device, ([\d.]+) GFLOP \(the analytic count: ([\d.]+)\)', stdout)
+  assert found and int(found.group(1)) > 0, stdout
+  # Every dot of the compiled step was rebuilt from the HLO: their FLOPs are the model's.
+  assert float(found.group(2)) == pytest.approx(float(found.group(3)), rel=0.1)
+  step, alone = (numbers(row[1:]) for row in body)
+  assert step[0] > 0 and alone[0] > 0 and alone[-1] > 0
 
 
 def test_step_benchmark_times_two_checkouts_steps_in_turns_in_one_process(tmp_path):

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""The ratio a step's matmuls allow: the step against programs of only its dots, timed in turns.
+
+Every `dot` of the config's compiled train step (unrolled layers), at its own shapes and layouts, is
+computed again on the same devices, each device its own (random operands), by one program per kind of dot
+(`dots_programs`). The step and those programs are timed in turns in one process, each turn followed by
+the matmul calibration of `step.py`. `of the step` is the share of the step its matmuls would take at
+their own pace; the dots' ratio is the one the step would reach if everything else (norms, softmax,
+activations, the optimizer, collectives) took no time. XLA runs a program's independent dots side by side,
+which the step's chain of layers cannot, so the bound is generous.
+
+  python benchmarks/dots.py                      # bench_tiny
+  python benchmarks/dots.py --override model.num_layers=16
+  python benchmarks/dots.py --smoke              # tiny model, one turn: it still runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import op_profile
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def dots_programs(found: list[op_profile.Dot], devices: list[jax.Device], dtype) -> list[tuple]:
+  """[(a jitted program, its arguments)]: one program for each kind of dot of `found` (the same shapes and
+  dimension numbers), computing all of that kind's on each of `devices`; run one after the other, they do
+  what the step's dots do, and a deep model's products need not all fit in memory at once.
+
+  The n dots of a kind read n windows of one buffer per operand, a row apart: distinct values, so that XLA
+  cannot merge equal dots, without n copies of the operands (each window's copy costs a pass over it, far
+  less than its matmul)."""
+  mesh = jax.sharding.Mesh(np.array(devices), ('d',))
+  split = NamedSharding(mesh, P('d'))
+  kinds = collections.Counter((d.lhs, d.rhs, d.dimension_numbers) for d in found)
+  programs = []
+  for i, ((lhs, rhs, numbers), n) in enumerate(sorted(kinds.items())):
+    def body(lhs_buffer, rhs_buffer, lhs=lhs, rhs=rhs, numbers=numbers, n=n):
+      return [jax.lax.dot_general(jax.lax.slice_in_dim(lhs_buffer[0], j, j + lhs[0]),
+                                  jax.lax.slice_in_dim(rhs_buffer[0], j, j + rhs[0]), numbers,
+                                  preferred_element_type=jnp.float32)[None] for j in range(n)]
+    keys = jax.random.split(jax.random.key(i), 2)
+    buffers = [jax.device_put(jax.random.normal(key, (len(devices), shape[0] + n - 1, *shape[1:]), dtype),
+                              split) for key, shape in zip(keys, (lhs, rhs))]
+    programs.append((jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('d'), out_specs=P('d'))), buffers))
+  return programs
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  harness.config_arguments(parser)
+  harness.timing_arguments(parser, 8, 'tiny model, one turn')
+  args = parser.parse_args()
+  devices = harness.start_devices()
+  t = harness.timing(args)
+  config = harness.load(t.path, t.base)
+  compiled, built, batches = harness.prepare(config, devices)
+  found = op_profile.dots(compiled.compiled.as_text())
+  mesh_devices = list(built.mesh.devices.flat)
+  programs = dots_programs(found, mesh_devices, jnp.dtype(config.model.compute_dtype))
+  state = compiled.state
+
+  def step() -> float:
+    nonlocal state
+    start = time.perf_counter()
+    state, metrics = compiled.compiled(state, batches[0])
+    jax.block_until_ready((state, metrics))
+    return time.perf_counter() - start
+
+  def dots() -> float:
+    start = time.perf_counter()
+    for program, operands in programs:
+      jax.block_until_ready(program(*operands))
+    return time.perf_counter() - start
+
+  for _ in range(t.warmup):
+    step(), dots()
+  turns = [(step(), dots(), harness.matmul_tflops(t, config, devices)) for _ in range(t.steps)]
+  model = harness.model_tflop(config, built)
+  dot_tflop = sum(d.gflop for d in found) * len(mesh_devices) / 1e3
+  dot_tflop /= 1 if mesh_devices[0].platform == 'cpu' else len(mesh_devices)
+  print(f'config {harness.describe_config(t.path, t.base)}')
+  print(f'mesh {harness.describe_mesh(built.mesh)}: {len(found)} dots per device, '
+        f'{dot_tflop * 1e3:.2f} GFLOP (the analytic count: {model * 1e3:.2f}); median of {t.steps} turns '
+        f'after {t.warmup} warm-up; ratio = FLOP/s over the matmul calibration after each turn\n')
+  steps, programs, calibrations = zip(*turns)
+  median = statistics.median
+  print(harness.table(['program', 'ms', 'spread', 'of the step', 'ratio'], [
+      ['the train step', f'{median(steps) * 1e3:,.1f}', harness.spread(steps), '1.00',
+       f'{median(model / s / c for s, c in zip(steps, calibrations)):.1%}'],
+      ['its dots alone', f'{median(programs) * 1e3:,.1f}', harness.spread(programs),
+       f'{median(d / s for s, d in zip(steps, programs)):.2f}',
+       f'{median(dot_tflop / d / c for d, c in zip(programs, calibrations)):.1%}']]))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
