@@ -130,9 +130,9 @@ def test_any_mesh_shape_gets_the_simulated_devices_it_needs():
 @pytest.mark.slow  # ~17 s: the default suite's time; the per-parameter report test stays there.
 def test_show_sharding_prints_the_notes_a_training_run_would():
   proc = run_script('scripts/show_sharding.py', '--config', 'mintrain/configs/pp2_dp2_tp2.py',
-                    '--config.model.remat=none')
+                    '--config.model.num_kv_heads=1')
   assert proc.returncode == 0, proc.stderr
-  assert 'note: the pipeline keeps its activations for the backward pass whole over the 2-way' in proc.stdout
+  assert 'note: model.num_kv_heads=1 key/value heads do not split 2 ways' in proc.stdout
   proc = run_script('scripts/show_sharding.py', '--config', 'mintrain/configs/pp2_dp2_tp2.py')
   assert proc.returncode == 0, proc.stderr
   assert 'pipeline: 2 stages' in proc.stdout and 'note:' not in proc.stdout
