@@ -51,10 +51,9 @@ def _dot_gflop(rest: str, result: str, shapes: dict[str, str]) -> float:
   return 2 * math.prod(_dims(result)) * contracted / 1e9
 
 
-def program(hlo: str) -> tuple[str, dict[str, Op]]:
-  """(the module's name, HLO op name -> Op) for every op of an optimised HLO module."""
-  module = re.match(r'HloModule ([\w.-]+)', hlo).group(1)
-  computations = collections.defaultdict(list)  # name -> [(op name, opcode, result shape, rest)]
+def computations(hlo: str) -> dict[str, list[tuple[str, str, str, str]]]:
+  """Computation name -> its instructions as (op name, result shape, opcode, the rest of the line)."""
+  found = collections.defaultdict(list)
   current = None
   for line in hlo.splitlines():
     if match := COMPUTATION.match(line):
@@ -62,13 +61,20 @@ def program(hlo: str) -> tuple[str, dict[str, Op]]:
     elif line.startswith('}'):
       current = None
     elif current and (match := INSTRUCTION.match(line)):
-      computations[current].append(match.groups())
+      found[current].append(match.groups())
+  return found
+
+
+def program(hlo: str) -> tuple[str, dict[str, Op]]:
+  """(the module's name, HLO op name -> Op) for every op of an optimised HLO module."""
+  module = re.match(r'HloModule ([\w.-]+)', hlo).group(1)
+  parsed = computations(hlo)
 
   def contents(name: str, seen: frozenset = frozenset()) -> tuple[set[str], float]:
     """The opcodes of a fused computation (nested fusions opened) and its dots' GFLOP."""
     opcodes, gflop = set(), 0.0
-    shapes = {op: result for op, result, _, _ in computations[name]}
-    for _, result, opcode, rest in computations[name]:
+    shapes = {op: result for op, result, _, _ in parsed[name]}
+    for _, result, opcode, rest in parsed[name]:
       called = re.search(r'calls=%([\w.-]+)', rest)
       if opcode == 'fusion' and called and called.group(1) not in seen:
         inner, inner_gflop = contents(called.group(1), seen | {name})
@@ -80,7 +86,7 @@ def program(hlo: str) -> tuple[str, dict[str, Op]]:
     return opcodes, gflop
 
   ops = {}
-  for computation in computations.values():
+  for computation in parsed.values():
     shapes = {op: result for op, result, _, _ in computation}
     for name, result, opcode, rest in computation:
       called = re.search(r'calls=%([\w.-]+)', rest)
@@ -247,14 +253,10 @@ def _physical(shape: str) -> tuple[tuple[int, ...], dict[int, int]]:
 def dots(hlo: str) -> list[Dot]:
   """Every `dot` of an optimised HLO module (fused ones included), once per appearance; a dot inside a loop
   runs more than once, so a module with one is refused (scanned layers: use unrolled ones)."""
-  found, shapes, calls, computation = {}, {}, collections.defaultdict(set), None
-  loops = set()
-  for line in hlo.splitlines():
-    if match := COMPUTATION.match(line):
-      computation, shapes = match.group(1), {}
-    elif match := INSTRUCTION.match(line):
-      name, result, opcode, rest = match.groups()
-      shapes[name] = result
+  found, calls, loops = {}, collections.defaultdict(set), set()
+  for computation, instructions in computations(hlo).items():
+    shapes = {name: result for name, result, _, _ in instructions}
+    for _, result, opcode, rest in instructions:
       calls[computation] |= set(re.findall(r'(?:calls|to_apply|body|condition)=%([\w.-]+)', rest))
       if opcode == 'while':
         loops |= set(re.findall(r'(?:body|condition)=%([\w.-]+)', rest))
