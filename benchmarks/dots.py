@@ -86,8 +86,7 @@ def main() -> int:
     step(), dots()
   turns = [(step(), dots(), harness.matmul_tflops(t, config, devices)) for _ in range(t.steps)]
   model = harness.model_tflop(config, built)
-  dot_tflop = sum(d.gflop for d in found) * len(mesh_devices) / 1e3
-  dot_tflop /= 1 if mesh_devices[0].platform == 'cpu' else len(mesh_devices)
+  dot_tflop = harness.per_device(sum(d.gflop for d in found) * built.mesh.size / 1e3, built.mesh)
   print(f'config {harness.describe_config(t.path, t.base)}')
   print(f'mesh {harness.describe_mesh(built.mesh)}: {len(found)} dots per device, '
         f'{dot_tflop * 1e3:.2f} GFLOP (the analytic count: {model * 1e3:.2f}); median of {t.steps} turns '

@@ -118,11 +118,15 @@ def matmul_tflops(t: Timing, config: Config, devices: Sequence[jax.Device]) -> f
                                         seconds=t.calibration_s, device=devices[0])
 
 
+def per_device(tflop: float, mesh: Mesh) -> float:
+  """A step's TFLOP over all of `mesh` per device; on the CPU per host (its simulated devices share it)."""
+  return tflop / (1 if mesh.devices.flat[0].platform == 'cpu' else mesh.size)
+
+
 def model_tflop(config: Config, built: Run) -> float:
-  """Model TFLOP per step per device; on the CPU per host (its simulated devices share it)."""
+  """Model TFLOP per step per device; on the CPU per host."""
   from mintrain import report
-  per = 1 if built.mesh.devices.flat[0].platform == 'cpu' else built.mesh.size
-  return report.train_flops_per_step(config) / per / 1e12
+  return per_device(report.train_flops_per_step(config) / 1e12, built.mesh)
 
 
 _CHECKOUTS: list[str] = []  # The sys.path entries `checkout` added.
