@@ -11,6 +11,7 @@ which the step's chain of layers cannot, so the bound is generous.
 
   python benchmarks/dots.py                      # bench_tiny
   python benchmarks/dots.py --override model.num_layers=16
+  python benchmarks/dots.py --kinds              # and each kind of dot's time and ratio, slowest first
   python benchmarks/dots.py --smoke              # tiny model, one turn: it still runs
 """
 
@@ -32,9 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 
 def dots_programs(found: list[op_profile.Dot], devices: list[jax.Device], dtype) -> list[tuple]:
-  """[(a jitted program, its arguments)]: one program for each kind of dot of `found` (the same shapes and
-  dimension numbers), computing all of that kind's on each of `devices`; run one after the other, they do
-  what the step's dots do, and a deep model's products need not all fit in memory at once.
+  """[(a jitted program, its arguments, its kind: (lhs, rhs, dimension numbers), how many)]: one program for
+  each kind of dot of `found` (the same shapes and dimension numbers), computing all of that kind's on each
+  of `devices`; run one after the other, they do what the step's dots do, and a deep model's products need
+  not all fit in memory at once.
 
   The n dots of a kind read n windows of one buffer per operand, a row apart: distinct values, so that XLA
   cannot merge equal dots, without n copies of the operands (each window's copy costs a pass over it, far
@@ -51,14 +53,36 @@ def dots_programs(found: list[op_profile.Dot], devices: list[jax.Device], dtype)
     keys = jax.random.split(jax.random.key(i), 2)
     buffers = [jax.device_put(jax.random.normal(key, (len(devices), shape[0] + n - 1, *shape[1:]), dtype),
                               split) for key, shape in zip(keys, (lhs, rhs))]
-    programs.append((jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('d'), out_specs=P('d'))), buffers))
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('d'), out_specs=P('d')))
+    programs.append((program, buffers, (lhs, rhs, numbers), n))
   return programs
+
+
+def kinds_table(programs: list[tuple], found: list[op_profile.Dot], mesh: jax.sharding.Mesh, turns: int,
+                calibration: float) -> list[list[str]]:
+  """Each kind's median time over `turns` calls, its share of all the kinds' and its ratio to
+  `calibration` (TFLOP/s), slowest kind first: which of the step's products run below the matmul rate."""
+  gflop = {(d.lhs, d.rhs, d.dimension_numbers): d.gflop for d in found}
+  timed = []
+  for program, operands, kind, n in programs:
+    seconds = []
+    for _ in range(turns + 1):  # The first call compiles.
+      start = time.perf_counter()
+      jax.block_until_ready(program(*operands))
+      seconds.append(time.perf_counter() - start)
+    tflop = harness.per_device(gflop[kind] * n * mesh.size / 1e3, mesh)
+    timed.append((statistics.median(seconds[1:]), kind, n, tflop))
+  total = sum(s for s, *_ in timed)
+  return [[f'{s * 1e3:,.1f}', f'{s / total:.1%}', f'{n}', f'{lhs}', f'{rhs}', f'{numbers}',
+           f'{tflop / s / calibration:.1%}']
+          for s, (lhs, rhs, numbers), n, tflop in sorted(timed, reverse=True)]
 
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   harness.config_arguments(parser)
   harness.timing_arguments(parser, 8, 'tiny model, one turn')
+  parser.add_argument('--kinds', action='store_true', help="each kind of dot's time and ratio as well")
   args = parser.parse_args()
   devices = harness.start_devices()
   t = harness.timing(args)
@@ -78,7 +102,7 @@ def main() -> int:
 
   def dots() -> float:
     start = time.perf_counter()
-    for program, operands in programs:
+    for program, operands, *_ in programs:
       jax.block_until_ready(program(*operands))
     return time.perf_counter() - start
 
@@ -91,14 +115,19 @@ def main() -> int:
   print(f'mesh {harness.describe_mesh(built.mesh)}: {len(found)} dots per device, '
         f'{dot_tflop * 1e3:.2f} GFLOP (the analytic count: {model * 1e3:.2f}); median of {t.steps} turns '
         f'after {t.warmup} warm-up; ratio = FLOP/s over the matmul calibration after each turn\n')
-  steps, programs, calibrations = zip(*turns)
+  steps, alone, calibrations = zip(*turns)
   median = statistics.median
   print(harness.table(['program', 'ms', 'spread', 'of the step', 'ratio'], [
       ['the train step', f'{median(steps) * 1e3:,.1f}', harness.spread(steps), '1.00',
        f'{median(model / s / c for s, c in zip(steps, calibrations)):.1%}'],
-      ['its dots alone', f'{median(programs) * 1e3:,.1f}', harness.spread(programs),
-       f'{median(d / s for s, d in zip(steps, programs)):.2f}',
-       f'{median(dot_tflop / d / c for d, c in zip(programs, calibrations)):.1%}']]))
+      ['its dots alone', f'{median(alone) * 1e3:,.1f}', harness.spread(alone),
+       f'{median(d / s for s, d in zip(steps, alone)):.2f}',
+       f'{median(dot_tflop / d / c for d, c in zip(alone, calibrations)):.1%}']]))
+  if args.kinds:
+    print('\nEach kind of dot alone (one program each, the median of as many calls as turns), against the '
+          'median calibration:\n')
+    print(harness.table(['ms', 'share', 'dots', 'lhs', 'rhs', 'dimension numbers', 'ratio'],
+                        kinds_table(programs, found, built.mesh, t.steps, median(calibrations))))
   return 0
 
 

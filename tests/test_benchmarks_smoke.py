@@ -59,8 +59,10 @@ def test_step_benchmark_smoke_reports_model_flops_against_a_same_run_matmul_cali
 
 
 def test_dots_benchmark_smoke_times_the_steps_matmuls_alone_against_the_step():
-  stdout, header, body = smoke('dots.py')
+  stdout, header, body = smoke('dots.py', '--kinds')
   assert header == ['program', 'ms', 'spread', 'of the step', 'ratio']
+  kinds_header = ['ms', 'share', 'dots', 'lhs', 'rhs', 'dimension numbers', 'ratio']
+  body, kinds = body[:body.index(kinds_header)], body[body.index(kinds_header) + 1:]
   assert [row[0] for row in body] == ['the train step', 'its dots alone']
   found = re.search(r'(\d+) dots per device, ([\d.]+) GFLOP \(the analytic count: ([\d.]+)\)', stdout)
   assert found and int(found.group(1)) > 0, stdout
@@ -68,6 +70,12 @@ def test_dots_benchmark_smoke_times_the_steps_matmuls_alone_against_the_step():
   assert float(found.group(2)) == pytest.approx(float(found.group(3)), rel=0.1)
   step, alone = (numbers(row[1:]) for row in body)
   assert step[0] > 0 and alone[0] > 0 and alone[-1] > 0
+  # Each kind of dot once, the slowest first, their counts all the step's dots.
+  assert sum(int(row[2]) for row in kinds) == int(found.group(1))
+  assert len({tuple(row[3:6]) for row in kinds}) == len(kinds)
+  times = [float(row[0].replace(',', '')) for row in kinds]
+  assert times == sorted(times, reverse=True) and sum(float(row[1].rstrip('%')) for row in kinds) == \
+      pytest.approx(100, abs=0.1 * len(kinds))
 
 
 def test_step_benchmark_times_two_checkouts_steps_in_turns_in_one_process(tmp_path):
