@@ -22,6 +22,8 @@ import collections
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import harness
 import jax
@@ -32,11 +34,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def dots_programs(found: list[op_profile.Dot], devices: list[jax.Device], dtype) -> list[tuple]:
-  """[(a jitted program, its arguments, its kind: (lhs, rhs, dimension numbers), how many)]: one program for
-  each kind of dot of `found` (the same shapes and dimension numbers), computing all of that kind's on each
-  of `devices`; run one after the other, they do what the step's dots do, and a deep model's products need
-  not all fit in memory at once.
+class Program(NamedTuple):
+  """A jitted program computing `count` dots of one kind (shapes and dimension numbers) on each device."""
+  run: Callable
+  operands: list[jax.Array]
+  kind: tuple  # (lhs shape, rhs shape, dimension numbers), as `op_profile.Dot` gives them.
+  count: int
+
+
+def dots_programs(found: list[op_profile.Dot], devices: list[jax.Device], dtype) -> list[Program]:
+  """One program for each kind of dot of `found`, computing all of that kind's on each of `devices`; run
+  one after the other, they do what the step's dots do, and a deep model's products need not all fit in
+  memory at once.
 
   The n dots of a kind read n windows of one buffer per operand, a row apart: distinct values, so that XLA
   cannot merge equal dots, without n copies of the operands (each window's copy costs a pass over it, far
@@ -54,24 +63,25 @@ def dots_programs(found: list[op_profile.Dot], devices: list[jax.Device], dtype)
     buffers = [jax.device_put(jax.random.normal(key, (len(devices), shape[0] + n - 1, *shape[1:]), dtype),
                               split) for key, shape in zip(keys, (lhs, rhs))]
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('d'), out_specs=P('d')))
-    programs.append((program, buffers, (lhs, rhs, numbers), n))
+    programs.append(Program(program, buffers, (lhs, rhs, numbers), n))
   return programs
 
 
-def kinds_table(programs: list[tuple], found: list[op_profile.Dot], mesh: jax.sharding.Mesh, turns: int,
+def kinds_table(programs: list[Program], found: list[op_profile.Dot], mesh: jax.sharding.Mesh, turns: int,
                 calibration: float) -> list[list[str]]:
-  """Each kind's median time over `turns` calls, its share of all the kinds' and its ratio to
-  `calibration` (TFLOP/s), slowest kind first: which of the step's products run below the matmul rate."""
+  """Each kind's median time over `turns` calls (compiled already), its share of all the kinds' and its
+  ratio to `calibration` (TFLOP/s), slowest kind first: which of the step's products run below the matmul
+  rate."""
   gflop = {(d.lhs, d.rhs, d.dimension_numbers): d.gflop for d in found}
   timed = []
-  for program, operands, kind, n in programs:
+  for program in programs:
     seconds = []
-    for _ in range(turns + 1):  # The first call compiles.
+    for _ in range(turns):
       start = time.perf_counter()
-      jax.block_until_ready(program(*operands))
+      jax.block_until_ready(program.run(*program.operands))
       seconds.append(time.perf_counter() - start)
-    tflop = harness.per_device(gflop[kind] * n * mesh.size / 1e3, mesh)
-    timed.append((statistics.median(seconds[1:]), kind, n, tflop))
+    tflop = harness.per_device(gflop[program.kind] * program.count * mesh.size / 1e3, mesh)
+    timed.append((statistics.median(seconds), program.kind, program.count, tflop))
   total = sum(s for s, *_ in timed)
   return [[f'{s * 1e3:,.1f}', f'{s / total:.1%}', f'{n}', f'{lhs}', f'{rhs}', f'{numbers}',
            f'{tflop / s / calibration:.1%}']
@@ -102,8 +112,8 @@ def main() -> int:
 
   def dots() -> float:
     start = time.perf_counter()
-    for program, operands, *_ in programs:
-      jax.block_until_ready(program(*operands))
+    for program in programs:
+      jax.block_until_ready(program.run(*program.operands))
     return time.perf_counter() - start
 
   for _ in range(t.warmup):
