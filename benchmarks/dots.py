@@ -40,6 +40,7 @@ class Program(NamedTuple):
   operands: list[jax.Array]
   kind: tuple  # (lhs shape, rhs shape, dimension numbers), as `op_profile.Dot` gives them.
   count: int
+  gflop: float  # Of its `count` dots on one device.
 
 
 def dots_programs(found: list[op_profile.Dot], devices: list[jax.Device], dtype) -> list[Program]:
@@ -53,6 +54,7 @@ def dots_programs(found: list[op_profile.Dot], devices: list[jax.Device], dtype)
   mesh = jax.sharding.Mesh(np.array(devices), ('d',))
   split = NamedSharding(mesh, P('d'))
   kinds = collections.Counter((d.lhs, d.rhs, d.dimension_numbers) for d in found)
+  gflop = {(d.lhs, d.rhs, d.dimension_numbers): d.gflop for d in found}
   programs = []
   for i, ((lhs, rhs, numbers), n) in enumerate(sorted(kinds.items())):
     def body(lhs_buffer, rhs_buffer, lhs=lhs, rhs=rhs, numbers=numbers, n=n):
@@ -63,16 +65,15 @@ def dots_programs(found: list[op_profile.Dot], devices: list[jax.Device], dtype)
     buffers = [jax.device_put(jax.random.normal(key, (len(devices), shape[0] + n - 1, *shape[1:]), dtype),
                               split) for key, shape in zip(keys, (lhs, rhs))]
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('d'), out_specs=P('d')))
-    programs.append(Program(program, buffers, (lhs, rhs, numbers), n))
+    programs.append(Program(program, buffers, (lhs, rhs, numbers), n, gflop[lhs, rhs, numbers] * n))
   return programs
 
 
-def kinds_table(programs: list[Program], found: list[op_profile.Dot], mesh: jax.sharding.Mesh, turns: int,
+def kinds_table(programs: list[Program], mesh: jax.sharding.Mesh, turns: int,
                 calibration: float) -> list[list[str]]:
   """Each kind's median time over `turns` calls (compiled already), its share of all the kinds' and its
   ratio to `calibration` (TFLOP/s), slowest kind first: which of the step's products run below the matmul
   rate."""
-  gflop = {(d.lhs, d.rhs, d.dimension_numbers): d.gflop for d in found}
   timed = []
   for program in programs:
     seconds = []
@@ -80,7 +81,7 @@ def kinds_table(programs: list[Program], found: list[op_profile.Dot], mesh: jax.
       start = time.perf_counter()
       jax.block_until_ready(program.run(*program.operands))
       seconds.append(time.perf_counter() - start)
-    tflop = harness.per_device(gflop[program.kind] * program.count * mesh.size / 1e3, mesh)
+    tflop = harness.per_device(program.gflop * mesh.size / 1e3, mesh)
     timed.append((statistics.median(seconds), program.kind, program.count, tflop))
   total = sum(s for s, *_ in timed)
   return [[f'{s * 1e3:,.1f}', f'{s / total:.1%}', f'{n}', f'{lhs}', f'{rhs}', f'{numbers}',
@@ -137,7 +138,7 @@ def main() -> int:
     print('\nEach kind of dot alone (one program each, the median of as many calls as turns), against the '
           'median calibration:\n')
     print(harness.table(['ms', 'share', 'dots', 'lhs', 'rhs', 'dimension numbers', 'ratio'],
-                        kinds_table(programs, found, built.mesh, t.steps, median(calibrations))))
+                        kinds_table(programs, built.mesh, t.steps, median(calibrations))))
   return 0
 
 
