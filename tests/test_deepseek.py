@@ -143,7 +143,9 @@ def test_export_leaves_out_the_prediction_layers_and_transformers_gives_the_same
 
   from mintrain import hf
   from mintrain.mesh import make_mesh
-  config = load_config('deepseek_v3_ep4_dp2', 'model.mtp_layers=1', 'model.vocab_size=256', *MESHES['single'])
+  # Latent attention's queries in blocks of 5 (`model.attention_block`) too.
+  config = load_config('deepseek_v3_ep4_dp2', 'model.mtp_layers=1', 'model.vocab_size=256',
+                       'model.attention_block=5', *MESHES['single'])
   setup = build(config)
   with jax.set_mesh(make_mesh(config.mesh.sizes, mesh_devices(config))):
     model = nnx.merge(setup.graphdef, setup.init().params)
@@ -160,6 +162,8 @@ def test_scanned_layers_give_the_same_losses_and_balancing_biases():
   every_block_moe = ('model.dense_layers=()', 'model.num_layers=2')
   scanned = run('deepseek_v3_ep4_dp2', 'single', *every_block_moe, 'model.scan_layers=True')
   unscanned = run('deepseek_v3_ep4_dp2', 'single', *every_block_moe)
-  assert scanned.losses == unscanned.losses
+  # Two programs: on some processors XLA:CPU's differ in the last bits by the third step (5.8525991 against
+  # 5.8525987 on an AMD EPYC), too little to move a choice, so the biases, from the loads, stay equal.
+  np.testing.assert_allclose(scanned.losses, unscanned.losses, rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(scanned.state.params['blocks']['mlp']['router_bias_E'][...]),
                                 np.stack(biases(unscanned)))
