@@ -250,7 +250,8 @@ def test_the_report_shows_the_length_split_over_context():
 
 
 def test_the_memory_plan_keeps_a_share_of_the_tokens_per_context_device():
-  one = build(small('single', 'train.seq_len=256')).plan.activations
+  # Split over `context`, each query scores every key, as one device's scores them in one block.
+  one = build(small('single', 'train.seq_len=256', 'model.attention_block=256')).plan.activations
   four = build(small('cp8', 'mesh.context=4', 'mesh.data=2', 'train.seq_len=256')).plan.activations
   # Data 2 halves the rows and context 4 quarters their tokens; each device also keeps the keys and values
   # it gathered: 2 x float32 x 8 heads x 16 x 4 rows x 256 tokens (one layer).

@@ -50,6 +50,10 @@ def test_a_local_layer_counts_the_keys_in_its_window():
       3 * (64 - windowed) * 8)
   assert report.train_flops_per_step(config, causal_half=False) == report.train_flops_per_step(
       load_config('single', *TINY), causal_half=False)  # The einsum computes every score.
+  # In blocks of one query, the einsum scores only the causal keys within the window: 1, 2, 2, 2 of them.
+  blocks = load_config('single', *TINY, 'model.sliding_window=2', 'model.attention_block=1')
+  assert report.train_flops_per_step(blocks, causal_half=False) == report.train_flops_per_step(config) - (
+      3 * 4 * 2 * 4 * (1.5 - 7 / 4) * 8)
   global_too = load_config('single', *TINY, 'model.sliding_window=2', 'model.global_every=1')
   assert report.train_flops_per_step(global_too) == report.train_flops_per_step(load_config('single', *TINY))
 
@@ -91,10 +95,13 @@ def xla_train_step_flops(config) -> float:
     return step.lower(setup.abstract_state, batch).compile().cost_analysis()['flops']
 
 
-@pytest.mark.parametrize('overrides', [(), ('model.sliding_window=16', 'model.global_every=2')],
-                         ids=['global', 'local_and_global'])
+@pytest.mark.parametrize('overrides', [
+    (), ('model.sliding_window=16', 'model.global_every=2'),
+    ('model.attention_block=16', 'model.sliding_window=16', 'model.global_every=2')],
+    ids=['global', 'local_and_global', 'blocks'])
 def test_analytic_count_is_within_10_percent_of_xla(overrides):
-  """XLA computes the whole score matrix, so the comparison counts it too (`causal_half=False`).
+  """XLA computes the scores of every key the einsum scores, here the whole matrix unless the queries are
+  in blocks, so the comparison counts them too (`causal_half=False`).
 
   What XLA counts beyond the analytic matmuls: elementwise work (RMSNorm, RoPE,
   SiLU, softmax, the causal mask, cross-entropy), the AdamW update (~15 FLOPs per

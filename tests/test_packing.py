@@ -189,17 +189,19 @@ def only_document(batch, row, segment):
   return ((rows == row) & (batch['segment_ids'] == segment)).astype(np.float32)
 
 
-@pytest.mark.parametrize('attention,loss_chunks,context', [
-    ('einsum', 0, 'ring'), pytest.param('dot_product', 2, 'all_gather', marks=pytest.mark.slow),
-    pytest.param('einsum', 2, 'all_gather', marks=pytest.mark.slow),
-    pytest.param('dot_product', 0, 'ring', marks=pytest.mark.slow)])
+@pytest.mark.parametrize('attention,loss_chunks,context,block', [
+    ('einsum', 0, 'ring', 6), pytest.param('dot_product', 2, 'all_gather', 0, marks=pytest.mark.slow),
+    pytest.param('einsum', 2, 'all_gather', 0, marks=pytest.mark.slow),
+    pytest.param('dot_product', 0, 'ring', 0, marks=pytest.mark.slow)])
 def test_each_document_of_a_packed_row_has_the_loss_it_has_alone(host_params, packed, alone_losses, attention,
-                                                                 loss_chunks, context):
-  """Also with the length split over `context` (keys gathered, or passed round the ring in zigzag order)."""
+                                                                 loss_chunks, context, block):
+  """Also with the length split over `context` (keys gathered, or passed round the ring in zigzag order)
+  and, where it is not, with the einsum's queries in blocks (`model.attention_block`; 0: one block here)."""
   batch, documents, _ = packed
   for name in ('single', 'dp4_tp2', 'cp2_dp2_tp2'):
     setup, params = model_on(host_params, name, f'model.attention={attention}',
-                             f'model.loss_chunks={loss_chunks}', f'model.context_attention={context}')
+                             f'model.loss_chunks={loss_chunks}', f'model.context_attention={context}',
+                             f'model.attention_block={block}')
     rules = AxisRules.from_config(setup.config.partitioning)
     with jax.set_mesh(make_mesh(setup.config.mesh.sizes, mesh_devices(setup.config))):
       layout = rules.activation_spec(('batch', 'length'))
@@ -253,7 +255,7 @@ def padded(host_params, short_docs):
 
 @pytest.mark.parametrize('name,overrides', [
     ('single', ('model.loss_chunks=0',)),
-    ('single', ('model.loss_chunks=2',)),
+    ('single', ('model.loss_chunks=2', 'model.attention_block=8')),  # Padding past a block's last query.
     ('dp4_tp2', ('model.loss_chunks=4', 'model.attention=dot_product')),
     ('cp2_dp2_tp2', ('model.loss_chunks=2', 'model.context_attention=ring')),  # Padding in zigzag order.
     pytest.param('single', ('model.scan_layers=True', 'model.remat=full'), marks=pytest.mark.slow)])

@@ -81,12 +81,15 @@ def test_the_windows_are_read_as_local_and_global_layers(reference):
     assert options['rope_scaling'] == 'linear' and options['qk_norm'] and options['post_norms']
 
 
-@pytest.mark.parametrize('mesh_name', ['single', 'dp4_tp2', pytest.param('tp8', marks=pytest.mark.slow),
-                                       pytest.param('fsdp8', marks=pytest.mark.slow)])
-def test_a_windowed_checkpoint_gives_the_logits_of_transformers_past_its_window(reference, mesh_name):
+@pytest.mark.parametrize('mesh_name,block', [('single', 0), ('dp4_tp2', 4),
+                                             pytest.param('tp8', 0, marks=pytest.mark.slow),
+                                             pytest.param('fsdp8', 7, marks=pytest.mark.slow)])
+def test_a_windowed_checkpoint_gives_the_logits_of_transformers_past_its_window(reference, mesh_name, block):
+  """Also with the queries in blocks (`model.attention_block`) shorter and longer than the window."""
   _, directory, _, expected = reference
   with on_mesh(mesh_name):
-    logits = mintrain_logits(hf.from_pretrained(directory), TOKENS)
+    model = hf.from_pretrained(directory, base=base(f'model.attention_block={block}'))
+    logits = mintrain_logits(model, TOKENS)
   assert np.abs(logits - expected).max() <= 1e-4
 
 

@@ -108,6 +108,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.remat = 'none'  # Recompute each block's activations in backward: 'none', 'full', 'save_matmuls'.
   c.model.scan_layers = False  # Stack layer params on a leading `layers` axis and run the blocks in a scan.
   c.model.attention = 'einsum'  # 'einsum' (reference) or 'dot_product' (jax.nn.dot_product_attention).
+  # The einsum's causal self-attention in blocks of this many queries, each scoring only the keys up to its
+  # last (and within a local layer's window), not the whole (L, L) matrix; 0: max(64, seq_len / 8).
+  c.model.attention_block = 0
   # With `length` split (mesh.context): 'all_gather' gathers keys and values before attention; 'ring'
   # passes them round a ring of devices, overlapped with blockwise attention, the sequence in zigzag order.
   c.model.context_attention = 'all_gather'

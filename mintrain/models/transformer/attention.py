@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from mintrain.models.family import Placement
 from mintrain.models.layers import fold, gather, gather_split, linear, matmul, param, plus
 from mintrain.models.transformer.config import TransformerConfig
 from mintrain.models.transformer.context_attention import ring_attention, scores, visible
+from mintrain.models.transformer.query_blocks import Blocks, query_blocks
 from mintrain.partitioning import AxisRules
 
 BLD = ('batch', 'length', 'embed')
@@ -132,6 +134,21 @@ def same_segment(segment_ids_BL: jax.Array, k_segment_ids_BM: jax.Array) -> jax.
   return (segment_ids_BL[:, :, None] == k_segment_ids_BM[:, None, :])[:, None]
 
 
+def softmax_attention(q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHU: jax.Array, visible_LM: jax.Array,
+                      scale: float, softcap: float, out_spec: P, blocks: Blocks | None = None) -> jax.Array:
+  """(B, L, H, U): each query's softmax over the keys it may see (`visible_LM`, (..., L, M)) of the
+  values, in float32 scores (soft-capped when `softcap` > 0), block by block of `blocks` (None: one block
+  of all queries and keys; blocks: `query_blocks`)."""
+  outs = []
+  for s, e, k in blocks or [(0, q_BLHK.shape[1], 0)]:
+    e_keys = e if blocks else k_BMHK.shape[1]
+    scores_BHLM = scores(q_BLHK[:, s:e], k_BMHK[:, k:e_keys], scale, softcap)
+    scores_BHLM = jnp.where(visible_LM[..., s:e, k:e_keys], scores_BHLM, jnp.finfo(jnp.float32).min)
+    probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(q_BLHK.dtype)
+    outs.append(matmul('BHLM,BMHU->BLHU', probs_BHLM, v_BMHU[:, k:e_keys], out_spec))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
 def kv_layout(kv_axis: str | None) -> tuple[str | None, ...]:
   """Logical axes of keys and values (BLGK), also those of the KV cache."""
   return ('batch', 'length', kv_axis, 'kv')
@@ -192,7 +209,7 @@ class Attention(nnx.Module):
                                               local_window_size=(self.window - 1, 0) if self.window else None)
       return self._project(out_BLHK, out_key)
     visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM, self.window)
-    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None], out_key)
+    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None], out_key, self._causal_blocks(q_BLHK))
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -301,18 +318,25 @@ class Attention(nnx.Module):
     x_BMGRK = jnp.broadcast_to(x_BMGK[:, :, :, None, :], (b, m, g, r, k))
     return self.rules.reshard(x_BMGRK.reshape(b, m, g * r, k), layout)
 
-  def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array,
-              visible_LM: jax.Array, key: jax.Array | None = None) -> jax.Array:
+  def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHK: jax.Array, visible_LM: jax.Array,
+              key: jax.Array | None = None, blocks: Blocks | None = None) -> jax.Array:
     """Softmax attention of each query over the keys it may see (`visible_LM`, (L, M) or per row
-    (B or 1, 1, L, M)), then the output projection."""
-    cfg, dtype = self.cfg, q_BLHK.dtype
+    (B or 1, 1, L, M)), by `blocks` of queries (default: one), then the output projection."""
     k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
-    scores_BHLM = scores(q_BLHK, k_BMHK, cfg.score_scale, cfg.attn_softcap)
-    scores_BHLM = jnp.where(visible_LM, scores_BHLM, jnp.finfo(jnp.float32).min)
-    probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(dtype)
     # Stated, as a decode step's keys may be split: then this contraction sums over `context`.
     out_spec = self.rules.activation_spec(BLHK, q_BLHK.shape)
-    return self._project(matmul('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK, out_spec), key)
+    cfg = self.cfg
+    out_BLHK = softmax_attention(q_BLHK, k_BMHK, v_BMHK, visible_LM, cfg.score_scale, cfg.attn_softcap,
+                                 out_spec, blocks)
+    return self._project(out_BLHK, key)
+
+  def _causal_blocks(self, q_BLHK: jax.Array) -> Blocks | None:
+    """The blocks of a training pass's queries (`query_blocks`), stored in position order; none when the
+    mesh splits their length (each device's queries may see any key)."""
+    if self.placement.ways('length') > 1:
+      return None
+    length = q_BLHK.shape[1]
+    return query_blocks(length, self.cfg.attention_block_rows(length), self.window)
 
   def _project(self, out_BLHK: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """The output projection of the heads' outputs back to the residual stream."""

@@ -95,6 +95,7 @@ class TransformerConfig(Costs, ModelConfig):
   remat: str = option(choices=REMAT_OPTIONS)
   scan_layers: bool = option()
   attention: str = option(choices=ATTENTION_OPTIONS)
+  attention_block: int = option(at_least=0)  # Query rows per causal block of the einsum; 0: by the length.
   context_attention: str = option(choices=CONTEXT_ATTENTION_OPTIONS)
   mlp_overlap: bool = option()
   loss_chunks: int = option(at_least=-1)  # -1: auto; 0: logits, then loss; N: fused over N chunks.
@@ -149,6 +150,11 @@ class TransformerConfig(Costs, ModelConfig):
   @property
   def score_scale(self) -> float:
     return (self.query_scale or self.head_dim) ** -0.5
+
+  def attention_block_rows(self, seq_len: int) -> int:
+    """Query rows per block of the einsum path's causal self-attention: `attention_block`, or (0) an
+    eighth of the sequence and at least 64 rows, the fastest measured on the CPU (BENCHMARKS.md)."""
+    return min(self.attention_block or max(64, seq_len // 8), seq_len)
 
   def window(self, layer: int) -> int:
     """Layer `layer`'s attention window: sliding_window on a local layer, 0 (none) on a global one."""

@@ -8,6 +8,7 @@ import numpy as np
 from mintrain.models.family import Ways
 from mintrain.models.pipeline import UNPIPELINED, Schedule
 from mintrain.models.transformer import moe
+from mintrain.models.transformer.query_blocks import keys_scored
 
 
 class Costs:
@@ -38,14 +39,21 @@ class Costs:
 
   def _keys_per_query(self, layer: int, seq_len: int, causal_half: bool) -> float:
     """Keys a query of layer `layer` attends to, on average over the sequence: half of them causally, and
-    on a local layer the window's (W (L - W/2) / L for a window W < L); without `causal_half`, every key,
-    as the einsum's whole score matrix computes them."""
+    on a local layer the window's (W (L - W/2) / L for a window W < L); without `causal_half`, the keys
+    it scores (`_keys_scored`)."""
     window = self.window(layer)
     if not causal_half:
-      return seq_len
+      return self._keys_scored(layer, seq_len)
     if not window or window >= seq_len:
       return seq_len / 2
     return window * (seq_len - window / 2) / seq_len
+
+  def _keys_scored(self, layer: int, seq_len: int, split: bool = False) -> float:
+    """Keys a query of layer `layer` scores, on average: the einsum's blocks' (`query_blocks`) unless the
+    length is `split` over `context`; `dot_product` scores every key."""
+    if self.attention != 'einsum' or split:
+      return seq_len
+    return keys_scored(seq_len, self.attention_block_rows(seq_len), self.window(layer))
 
   @property
   def _qk_dim(self) -> int:
@@ -105,18 +113,20 @@ class Costs:
     """(what one layer keeps for `rows` sequences, on average over the layers; what is live once beside).
 
     Each norm's normalised and scaled input, the residual sum and the layer's output; q, k, v and the
-    heads' output; the attention scores (float32) and probabilities; gate, up, SiLU's three and their
-    product. With remat, a layer keeps only its input ('full') or its input and its matmul outputs
-    ('save_matmuls'), and one layer's full activations are live again while its backward pass recomputes
-    them. With `length` split (`mesh.context`) a device keeps its share of the tokens, each still scoring
-    every key, and the keys and values it gathered.
+    heads' output; the attention scores (float32) and probabilities of the keys scored; gate, up, SiLU's
+    three and their product. With remat, a layer keeps only its input ('full') or its input and its
+    matmul outputs ('save_matmuls'), and one layer's full activations are live again while its backward
+    pass recomputes them. With `length` split (`mesh.context`) a device keeps its share of the tokens,
+    each still scoring every key, and the keys and values it gathered.
     """
     c, d = np.dtype(self.compute_dtype).itemsize, self.embed_dim
     heads, mlp = self.num_heads / ways('heads'), self.mlp_dim / ways('mlp')
     tokens = rows * seq_len / ways('length')  # This device's queries.
+    split = ways('length') > 1
+    scored = sum(self._keys_scored(i, seq_len, split) for i in range(self.num_layers)) / self.num_layers
     # Norms (2 each), residual sum and output; q/k/v/out; gate/up/SiLU's/product; scores and probabilities.
     per_token_layer = (c * (6 * d + 2 * heads * (self._qk_dim + self.value_dim) + 6 * mlp)
-                       + heads * seq_len * (4 + c))
+                       + heads * scored * (4 + c))
     if self.mla:  # The latents: queries', keys' and values' (normed and not), and the rotary key.
       per_token_layer += c * (2 * self.q_lora_rank + 2 * self.kv_lora_rank + 2 * self.head_dim)
     if self.qk_norm:  # The normed queries and keys, inputs of RoPE (at most as many key heads as queries).

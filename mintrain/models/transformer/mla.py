@@ -16,10 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mintrain.models.family import Placement
-from mintrain.models.layers import gather, linear, matmul, param
-from mintrain.models.transformer.attention import BLHK, Attention, rope, rope_frequencies
+from mintrain.models.layers import gather, linear, param
+from mintrain.models.transformer.attention import BLHK, Attention, rope, rope_frequencies, softmax_attention
 from mintrain.models.transformer.config import TransformerConfig
 from mintrain.models.transformer.context_attention import visible
+from mintrain.models.transformer.query_blocks import Blocks
 from mintrain.partitioning import AxisRules
 
 LATENT = ('batch', 'length', None, 'kv')  # The cache's latent (BS1R) and rotary key (BS1P).
@@ -54,7 +55,7 @@ class LatentAttention(Attention):
     self.wkv_b_RHK = param(rngs, init, (r, h, cfg.qk_nope_head_dim + u), ('latent', 'heads', 'kv'), dtype,
                            rules)
     self.wo_HKD = param(rngs, out_init, (h, u, d), ('heads', 'kv', 'embed'), dtype, rules)
-    self.cfg, self.placement, self.rules = cfg, placement, rules
+    self.cfg, self.placement, self.rules, self.window = cfg, placement, rules, 0
     self.kv_layout = LATENT
     self.scale = cfg.mla_softmax_scale
 
@@ -67,7 +68,7 @@ class LatentAttention(Attention):
     k_positions_BM = self._gather_length(q_BLHK, positions_BL)
     k_segment_ids_BM = None if segment_ids_BL is None else self._gather_length(q_BLHK, segment_ids_BL)
     visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM)
-    return self._attend(q_BLHK, k_BMHK, v_BMHU, visible_BLM[:, None])
+    return self._attend(q_BLHK, k_BMHK, v_BMHU, visible_BLM[:, None], blocks=self._causal_blocks(q_BLHK))
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -121,12 +122,11 @@ class LatentAttention(Attention):
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + LATENT_NORM_EPS)
     return (x32 * gather(scale, self.rules, jnp.float32)).astype(x.dtype)
 
-  def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHU: jax.Array,
-              visible_LM: jax.Array) -> jax.Array:
-    """Softmax attention at MLA's scale over the keys each query may see, then the output projection."""
+  def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHU: jax.Array, visible_LM: jax.Array,
+              blocks: Blocks | None = None) -> jax.Array:
+    """Softmax attention at MLA's scale over the keys each query may see, by `blocks` of queries (default:
+    one), then the output projection."""
     k_BMHK, v_BMHU = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHU)
-    scores_BHLM = matmul('BLHK,BMHK->BHLM', q_BLHK, k_BMHK, dtype=jnp.float32) * self.scale
-    scores_BHLM = jnp.where(visible_LM, scores_BHLM, jnp.finfo(jnp.float32).min)
-    probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(q_BLHK.dtype)
     out_spec = self.rules.activation_spec(BLHK, q_BLHK.shape)
-    return self._project(matmul('BHLM,BMHU->BLHU', probs_BHLM, v_BMHU, out_spec))
+    out_BLHU = softmax_attention(q_BLHK, k_BMHK, v_BMHU, visible_LM, self.scale, 0.0, out_spec, blocks)
+    return self._project(out_BLHU)
