@@ -34,9 +34,9 @@ def tokens_per_step(config: Config) -> int:
 def train_flops_per_step(config: Config, *, causal_half: bool = True) -> float:
   """Model FLOPs of one optimizer step over the whole global batch; divide by devices for per device.
 
-  `causal_half=False` counts the full attention score matrix, which is what
-  XLA computes (and what `cost_analysis()` reports). The objective's `flops_factor` counts what a row
-  holds beyond one sequence trained (DPO's pair and its reference's forward passes).
+  `causal_half=False` counts the attention scores the model computes (the whole matrix, or its blocks of
+  queries'), as XLA does (and `cost_analysis()` reports). The objective's `flops_factor` counts what a
+  row holds beyond one sequence trained (DPO's pair and its reference's forward passes).
   """
   per_row = config.model.train_flops_per_row(config.train.seq_len, causal_half)
   return per_row * config.objective.flops_factor(config) * config.train.global_batch_size
