@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from mintrain.models.family import Placement
 from mintrain.models.layers import fold, gather, gather_split, linear, matmul, param, plus
 from mintrain.models.transformer.config import TransformerConfig
-from mintrain.models.transformer.context_attention import ring_attention, scores, visible
+from mintrain.models.transformer.context_attention import NEG, ring_attention, scores, visible
 from mintrain.models.transformer.query_blocks import Blocks, query_blocks
 from mintrain.partitioning import AxisRules
 
@@ -143,7 +143,7 @@ def softmax_attention(q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHU: jax.Array, v
   for s, e, k in blocks or [(0, q_BLHK.shape[1], 0)]:
     e_keys = e if blocks else k_BMHK.shape[1]
     scores_BHLM = scores(q_BLHK[:, s:e], k_BMHK[:, k:e_keys], scale, softcap)
-    scores_BHLM = jnp.where(visible_LM[..., s:e, k:e_keys], scores_BHLM, jnp.finfo(jnp.float32).min)
+    scores_BHLM = jnp.where(visible_LM[..., s:e, k:e_keys], scores_BHLM, NEG)
     probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(q_BLHK.dtype)
     outs.append(matmul('BHLM,BMHU->BLHU', probs_BHLM, v_BMHU[:, k:e_keys], out_spec))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
