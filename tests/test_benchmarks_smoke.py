@@ -310,3 +310,11 @@ def test_gpu_benchmark_smoke_times_each_part_and_checks_the_grouped_matmuls_valu
   assert (tmp_path / 'step.hlo.txt').is_file() and (tmp_path / 'step.xplane.pb').is_file()
   parts = next(rows for header, rows in found if header[0] == 'part')
   assert float(next(r for r in parts if r['part'] == 'all ops')['step ms']) > 0
+
+
+def test_sampling_benchmark_smoke_times_a_generate_call_and_its_temporaries():
+  _, header, body = smoke('sampling.py')
+  assert header == ['checkout', 'prompt', 'new', 'ms', 'spread', 'new tokens/s', 'temp MiB', 'x first']
+  assert [row[:3] for row in body] == [['.', '8', '4']]
+  ms, _, tokens_per_s, temp, first = (float(c.split('-')[0]) for c in body[0][3:])
+  assert ms > 0 and tokens_per_s > 0 and temp > 0 and first == 1.0

@@ -190,8 +190,10 @@ def test_greedy_generation_with_the_kv_cache_equals_transformers_generate(refere
   with torch.no_grad():
     expected = reference_model.generate(torch.from_numpy(prompt.astype(np.int64)), max_new_tokens=32,
                                         do_sample=False).numpy()[:, 6:]
+  # The prompt's 6 queries in blocks of 4 and 2 (`model.attention_block`), each over the slots it may see.
+  blocks = config_lib.load(configs.DIR / 'base.py', ['model.attention_block=4'])
   with jax.set_mesh(make_mesh(load_config('single').mesh.sizes, mesh_devices(load_config('single')))):
-    generated = np.asarray(sampling.generate(hf.from_pretrained(directory), prompt, 32))
+    generated = np.asarray(sampling.generate(hf.from_pretrained(directory, base=blocks), prompt, 32))
   np.testing.assert_array_equal(generated, expected)
 
 

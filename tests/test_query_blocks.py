@@ -33,14 +33,31 @@ def test_every_key_a_token_sees_lies_within_its_blocks_keys(length, rows, window
   assert (segments_BL == 0).any() and (segments_BL.max(axis=1) > 1).any()  # Padding, and packed documents.
   visible_BLM = visible(positions_BL, positions_BL, segments_BL, segments_BL, window)
   blocks = query_blocks(length, rows, window)
-  assert np.concatenate([np.arange(s, e) for s, e, _ in blocks]).tolist() == list(range(length))
+  assert np.concatenate([np.arange(s, e) for s, e, _, _ in blocks]).tolist() == list(range(length))
+  assert all(m == e for _, e, _, m in blocks)  # Keys end with the queries.
   outside = np.ones((length, length), bool)
-  for s, e, k in blocks:
-    outside[s:e, k:e] = False
+  for s, e, k, m in blocks:
+    outside[s:e, k:m] = False
   counted_BL1 = (segments_BL > 0)[:, :, None]
   assert not (visible_BLM & outside & counted_BL1).any()
   if rows < length:  # The check can fail: padding sees padding stored after its block.
     assert (visible_BLM & outside & ~counted_BL1).any()
+
+
+@pytest.mark.parametrize('start,length,rows,window',
+                         [(0, 9, 4, 0), (5, 9, 4, 0), (7, 3, 1, 0), (11, 6, 4, 5)])
+def test_new_tokens_blocks_cover_the_cache_slots_they_see_and_none_they_cannot(start, length, rows, window):
+  """A prefill at `start` over a cache holding positions 0..: each new token sees the slots up to its own
+  position (within the window), all inside its block's keys, which stop at the block's last position."""
+  slots = start + length + 7  # The cache is longer than what is written so far.
+  positions_L = start + np.arange(length)
+  visible_LS = visible(positions_L, np.arange(slots), window=window)
+  covered = np.zeros((length, slots), bool)
+  for s, e, k, m in query_blocks(length, rows, window, start):
+    assert m == start + e <= start + length
+    covered[s:e, k:m] = True
+  assert covered.any(axis=1).all() and not (visible_LS & ~covered).any()
+  assert not covered[:, start + length:].any()  # No unwritten slot is scored.
 
 
 @pytest.mark.parametrize('length,window', [(32, 0), (32, 6), (7, 3)])

@@ -62,6 +62,8 @@ def test_greedy_sampling_is_deterministic(host_params):
 
 @pytest.mark.parametrize('name,overrides', [
     pytest.param('single', (), id='single'), pytest.param('dp4_tp2', (), id='dp4_tp2'),
+    # The prompt's 5 queries in blocks of 2, the continuation's 3 too, each over the slots it may see.
+    pytest.param('single', ('model.attention_block=2',), id='single-blocks'),
     pytest.param('tp8', (), id='tp8', marks=pytest.mark.slow),  # The default suite's time (7 min).
     pytest.param('dp4_tp2', ('model.scan_layers=True',), id='dp4_tp2-scanned', marks=pytest.mark.slow)])
 def test_decode_in_chunks_gives_the_training_forward_logits(host_params, name, overrides):

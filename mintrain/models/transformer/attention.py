@@ -140,12 +140,11 @@ def softmax_attention(q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHU: jax.Array, v
   values, in float32 scores (soft-capped when `softcap` > 0), block by block of `blocks` (None: one block
   of all queries and keys; blocks: `query_blocks`)."""
   outs = []
-  for s, e, k in blocks or [(0, q_BLHK.shape[1], 0)]:
-    e_keys = e if blocks else k_BMHK.shape[1]
-    scores_BHLM = scores(q_BLHK[:, s:e], k_BMHK[:, k:e_keys], scale, softcap)
-    scores_BHLM = jnp.where(visible_LM[..., s:e, k:e_keys], scores_BHLM, NEG)
+  for s, e, k, m in blocks or [(0, q_BLHK.shape[1], 0, k_BMHK.shape[1])]:
+    scores_BHLM = scores(q_BLHK[:, s:e], k_BMHK[:, k:m], scale, softcap)
+    scores_BHLM = jnp.where(visible_LM[..., s:e, k:m], scores_BHLM, NEG)
     probs_BHLM = jax.nn.softmax(scores_BHLM, axis=-1).astype(q_BLHK.dtype)
-    outs.append(matmul('BHLM,BMHU->BLHU', probs_BHLM, v_BMHU[:, k:e_keys], out_spec))
+    outs.append(matmul('BHLM,BMHU->BLHU', probs_BHLM, v_BMHU[:, k:m], out_spec))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
@@ -180,6 +179,7 @@ class Attention(nnx.Module):
       self.k_norm_K = param(rngs, norm_init, (k,), ('kv',), dtype, rules)
     self.cfg, self.placement, self.rules, self.window = cfg, placement, rules, window
     self.kv_layout = kv_layout(kv_axes[1])
+    self.score_scale, self.softcap = cfg.score_scale, cfg.attn_softcap
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array,
                segment_ids_BL: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
@@ -224,7 +224,8 @@ class Attention(nnx.Module):
                               for cache, new in zip(kv, (k_BLGK, v_BLGK)))
     # Causal over absolute positions; the unwritten (zero) slots beyond are never visible.
     visible_LS = visible(positions_L, jnp.arange(keys_BSGK.shape[1]))
-    out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS)
+    out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS,
+                           blocks=self._prefill_blocks(q_BLHK, start))
     return out_BLD, (keys_BSGK, values_BSGK)
 
   def _decode_local(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
@@ -325,8 +326,7 @@ class Attention(nnx.Module):
     k_BMHK, v_BMHK = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHK)
     # Stated, as a decode step's keys may be split: then this contraction sums over `context`.
     out_spec = self.rules.activation_spec(BLHK, q_BLHK.shape)
-    cfg = self.cfg
-    out_BLHK = softmax_attention(q_BLHK, k_BMHK, v_BMHK, visible_LM, cfg.score_scale, cfg.attn_softcap,
+    out_BLHK = softmax_attention(q_BLHK, k_BMHK, v_BMHK, visible_LM, self.score_scale, self.softcap,
                                  out_spec, blocks)
     return self._project(out_BLHK, key)
 
@@ -337,6 +337,15 @@ class Attention(nnx.Module):
       return None
     length = q_BLHK.shape[1]
     return query_blocks(length, self.cfg.attention_block_rows(length), self.window)
+
+  def _prefill_blocks(self, q_BLHK: jax.Array, start: jax.Array | int) -> Blocks | None:
+    """The blocks of new tokens at a known `start` (the prefill, or a prompt's last tokens one at a time)
+    over a cache that holds positions 0..: none scores the slots past start + L, which it cannot see. None
+    for a start known only when the step runs (the sampling loop's) or a split length."""
+    if not isinstance(start, int) or self.placement.ways('length') > 1:
+      return None
+    length = q_BLHK.shape[1]
+    return query_blocks(length, self.cfg.attention_block_rows(length), start=start)
 
   def _project(self, out_BLHK: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """The output projection of the heads' outputs back to the residual stream."""

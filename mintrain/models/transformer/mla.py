@@ -17,10 +17,9 @@ from flax import nnx
 
 from mintrain.models.family import Placement
 from mintrain.models.layers import gather, linear, param
-from mintrain.models.transformer.attention import BLHK, Attention, rope, rope_frequencies, softmax_attention
+from mintrain.models.transformer.attention import BLHK, Attention, rope, rope_frequencies
 from mintrain.models.transformer.config import TransformerConfig
 from mintrain.models.transformer.context_attention import visible
-from mintrain.models.transformer.query_blocks import Blocks
 from mintrain.partitioning import AxisRules
 
 LATENT = ('batch', 'length', None, 'kv')  # The cache's latent (BS1R) and rotary key (BS1P).
@@ -57,7 +56,7 @@ class LatentAttention(Attention):
     self.wo_HKD = param(rngs, out_init, (h, u, d), ('heads', 'kv', 'embed'), dtype, rules)
     self.cfg, self.placement, self.rules, self.window = cfg, placement, rules, 0
     self.kv_layout = LATENT
-    self.scale = cfg.mla_softmax_scale
+    self.score_scale, self.softcap = cfg.mla_softmax_scale, 0.0
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array,
                segment_ids_BL: jax.Array | None = None, key: jax.Array | None = None) -> jax.Array:
@@ -77,9 +76,11 @@ class LatentAttention(Attention):
     q_BLHK, latent_BL1R, k_rot_BL1P = self._latent(x_BLD, positions_L[None, :])
     latent_BS1R, k_rot_BS1P = (self.rules.reshard(self._write(cache, new, start), LATENT)
                                for cache, new in zip(kv, (latent_BL1R, k_rot_BL1P)))
-    k_BSHK, v_BSHU = self._expand(latent_BS1R, k_rot_BS1P)
-    visible_LS = visible(positions_L, jnp.arange(latent_BS1R.shape[1]))
-    return self._attend(q_BLHK, k_BSHK, v_BSHU, visible_LS), (latent_BS1R, k_rot_BS1P)
+    blocks = self._prefill_blocks(q_BLHK, start)
+    seen = blocks[-1][-1] if blocks else latent_BS1R.shape[1]  # Only the slots before it are expanded.
+    k_BSHK, v_BSHU = self._expand(latent_BS1R[:, :seen], k_rot_BS1P[:, :seen])
+    visible_LS = visible(positions_L, jnp.arange(seen))
+    return self._attend(q_BLHK, k_BSHK, v_BSHU, visible_LS, blocks=blocks), (latent_BS1R, k_rot_BS1P)
 
   def _latent(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries (BLHK, rotated), the normed latent (BL1R) and the rotated shared key (BL1P)."""
@@ -121,12 +122,3 @@ class LatentAttention(Attention):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + LATENT_NORM_EPS)
     return (x32 * gather(scale, self.rules, jnp.float32)).astype(x.dtype)
-
-  def _attend(self, q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHU: jax.Array, visible_LM: jax.Array,
-              blocks: Blocks | None = None) -> jax.Array:
-    """Softmax attention at MLA's scale over the keys each query may see, by `blocks` of queries (default:
-    one), then the output projection."""
-    k_BMHK, v_BMHU = self._gather_length(q_BLHK, k_BMHK), self._gather_length(q_BLHK, v_BMHU)
-    out_spec = self.rules.activation_spec(BLHK, q_BLHK.shape)
-    out_BLHU = softmax_attention(q_BLHK, k_BMHK, v_BMHU, visible_LM, self.scale, 0.0, out_spec, blocks)
-    return self._project(out_BLHU)

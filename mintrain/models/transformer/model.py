@@ -191,9 +191,10 @@ class Transformer(nnx.Module):
     return total / len(self.mtp)
 
   @on_params_mesh
-  def decode(self, tokens_BL: jax.Array, cache: KVCache,
-             start: jax.Array | int) -> tuple[jax.Array, KVCache]:
-    """(logits_BLV, cache) for L new tokens at positions start..start+L-1, no dropout.
+  def decode(self, tokens_BL: jax.Array, cache: KVCache, start: jax.Array | int, *,
+             last: bool = False) -> tuple[jax.Array, KVCache]:
+    """(logits_BLV, cache) for L new tokens at positions start..start+L-1, no dropout; with `last`, the
+    last token's alone (B, 1, V), what sampling reads after a prefill, whose (B, L, V) would outweigh it.
 
     Each token attends to the cached positions before it and to the new tokens up to
     itself, exactly as in `__call__` on the whole sequence. Prefill passes the prompt
@@ -204,6 +205,9 @@ class Transformer(nnx.Module):
     for block, kv in zip(self._layers(), cache, strict=True):
       x_BLD, kv = block.decode(x_BLD, kv, start)
       new_cache.append(kv)
+    if last:  # A masked sum: the length may be split (`mesh.context`), where a slice has no layout.
+      last_L = jnp.arange(x_BLD.shape[1]) == x_BLD.shape[1] - 1
+      x_BLD = jnp.sum(jnp.where(last_L[None, :, None], x_BLD, 0), axis=1, keepdims=True)
     return self._logits(x_BLD, table_VD), new_cache
 
   @on_params_mesh

@@ -125,8 +125,8 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
   # multiple follow one at a time, as decode steps.
   split = prompt_len - prompt_len % model.length_ways
   if split:
-    logits_BPV, cache = model.decode(prompt_BP[:, :split], cache, 0)
-    last_BV = _at(logits_BPV, split - 1)
+    logits_B1V, cache = model.decode(prompt_BP[:, :split], cache, 0, last=True)
+    last_BV = logits_B1V[:, 0]
   for position in range(split, prompt_len):
     logits_B1V, cache = model.decode(prompt_BP[:, position:position + 1], cache, position)
     last_BV = logits_B1V[:, 0]
@@ -218,8 +218,8 @@ def _complete(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, l
 
   start = 0
   if prefill:
-    logits_BPV, cache = model.decode(prompt_BP[:, :prefill], cache, 0)
-    tokens_BS, start = place(tokens_BS, _at(logits_BPV, prefill - 1), prefill - 1), prefill
+    logits_B1V, cache = model.decode(prompt_BP[:, :prefill], cache, 0, last=True)
+    tokens_BS, start = place(tokens_BS, logits_B1V[:, 0], prefill - 1), prefill
 
   def step(carry: tuple[jax.Array, KVCache], position: jax.Array) -> tuple[tuple[jax.Array, KVCache], None]:
     tokens_BS, cache = carry
