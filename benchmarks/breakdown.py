@@ -37,6 +37,8 @@ HELPERS = ('gather', 'AxisRules.reshard', 'matmul')  # Their time goes to the la
 # `models.layers.linear` is a custom VJP; JAX traces its rules once per shape and reuses them, so
 # their stacks name whichever layer came first. Its matmuls form one row instead.
 LINEAR = ('linear', '_linear', '_linear_fwd', '_linear_bwd')
+LINEAR_ROW, OTHER = 'linear (weight matmuls, all layers)', 'other (compiler-made, no source)'
+EINSUM = re.compile(r'\((\w+(?:,\w+)+->\w*)\)')  # In an op's name: jvp(BLD,DF->BLF), its innermost last.
 INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.-]+) = .*? ([a-z][a-z-]*)\(.*?metadata=\{([^}]*)\}')
 
 
@@ -74,17 +76,19 @@ def part_of(opcode: str, stack: list[tuple[str, str]]) -> str:
   if any('/optax/' in file for file, _ in stack):
     return 'optimizer (optax)'
   if any('/mintrain/' in file and function in LINEAR for file, function in stack):
-    return 'linear (weight matmuls, all layers)'
+    return LINEAR_ROW
   for file, function in stack:
     if '/mintrain/' in file and function not in HELPERS:
       return function.replace('<locals>.', '').split('.<lambda>')[0]
-  return 'other (compiler-made, no source)'
+  return OTHER
 
 
 def instructions(hlo: str) -> dict[str, tuple[str, str, bool]]:
-  """HLO op name -> (opcode, row, is backward)."""
+  """HLO op name -> (opcode, row, is backward). An op whose stack holds no mintrain function but a helper
+  (a custom VJP's forward rule is traced where its caller's frames are gone) goes by its einsum: to
+  `linear` when the linear layers' backward ops name the same einsum, else to a row of that einsum."""
   frames = source_tables(hlo)
-  out = {}
+  found = []
   for line in hlo.splitlines():
     match = INSTRUCTION.match(line)
     if not match:
@@ -93,7 +97,15 @@ def instructions(hlo: str) -> dict[str, tuple[str, str, bool]]:
     frame = re.search(r'stack_frame_id=(\d+)', metadata)
     op_name = re.search(r'op_name="([^"]*)"', metadata)
     stack = frames.get(int(frame.group(1)), []) if frame else []
-    out[name] = (opcode, part_of(opcode, stack), bool(op_name and 'transpose(' in op_name.group(1)))
+    found.append((name, opcode, part_of(opcode, stack), op_name.group(1) if op_name else '', stack))
+  linear = {einsum for _, _, part, op_name, _ in found if part == LINEAR_ROW
+            for einsum in EINSUM.findall(op_name)}
+  out = {}
+  for name, opcode, part, op_name, stack in found:
+    einsum = EINSUM.findall(op_name)
+    if part == OTHER and einsum and any('/mintrain/' in file for file, _ in stack):
+      part = LINEAR_ROW if einsum[-1] in linear else f'{stack[0][1]} {einsum[-1]}'
+    out[name] = (opcode, part, 'transpose(' in op_name)
   return out
 
 

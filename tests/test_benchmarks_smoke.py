@@ -129,6 +129,23 @@ def test_breakdown_benchmark_smoke_attributes_op_time_to_model_code():
   assert abs(sum(float(row[4].rstrip('%')) for row in body) - 100) < 1
 
 
+def test_breakdown_puts_the_weight_matmuls_forward_products_in_the_linear_row(monkeypatch):
+  """Their custom VJP's forward rule is traced without its caller's frames: the op goes by its einsum."""
+  import jax
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / 'benchmarks'))
+  import breakdown
+  import harness
+
+  path, overrides = harness.bench_tiny()
+  compiled, _, _ = harness.prepare(harness.load(path, (*overrides, *harness.SMOKE)), jax.devices())
+  ops = breakdown.instructions(compiled.compiled.as_text()).values()
+  dots = [(part, backward) for opcode, part, backward in ops if opcode == 'dot']
+  # One layer: the fused query-key-value, output, gate-up and down projections, forward and backward (2).
+  assert sum(part == breakdown.LINEAR_ROW and not backward for part, backward in dots) == 4, dots
+  assert sum(part == breakdown.LINEAR_ROW and backward for part, backward in dots) == 8, dots
+  assert not any(part == breakdown.OTHER for part, _ in dots), dots
+
+
 def test_context_benchmark_smoke_reports_memory_per_device_and_step_time_of_both_paths():
   stdout, header, body = smoke('context.py')
   assert header == ['run', 'mesh', 'compile_s', 'step_ms', 'xla_temp_MiB', 'xla_argument_MiB', 'act_plan_MiB']
