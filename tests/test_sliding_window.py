@@ -139,14 +139,15 @@ def test_import_export_import_is_bitwise(reference, tmp_path):
 ])
 def test_greedy_generation_past_the_window_is_that_of_transformers(tmp_path, family, mesh_name, prompt_len):
   """32 new tokens after a prompt longer (8) or shorter (3) than the window (5): the rolling buffers wrap
-  several times, in the prefill and while decoding."""
+  several times, in the prefill and while decoding. The prefill's queries run in blocks of 3, each over
+  the keys its window reaches."""
   model, directory = random_model(family, tmp_path), tmp_path
   prompt = TOKENS[:4, :prompt_len]
   with torch.no_grad():
     expected = model.generate(torch.from_numpy(prompt.astype(np.int64)), max_new_tokens=32, do_sample=False,
                               min_new_tokens=32, pad_token_id=0)[:, prompt_len:].numpy()
   with on_mesh(mesh_name):
-    ours = hf.from_pretrained(directory)
+    ours = hf.from_pretrained(directory, base=base('model.attention_block=3'))
     cached = np.asarray(sampling.generate(ours, prompt, 32))
   np.testing.assert_array_equal(cached, expected)
 

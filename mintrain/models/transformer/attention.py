@@ -239,12 +239,16 @@ class Attention(nnx.Module):
     slot_S = jnp.arange(slots)
     # The latest position before `start` that each slot holds; negative for a slot not yet written.
     held_S = slot_S + slots * ((start - 1 - slot_S) // slots)
-    k_positions_M = jnp.concatenate([held_S, start + jnp.arange(length)])
+    # The first prefill's buffer holds nothing: its tokens see only each other, in the training pass's blocks.
+    blocks = self._prefill_blocks(q_BLHK, start) if isinstance(start, int) and start == 0 else None
+    k_positions_M, (keys_BMGK, values_BMGK) = start + jnp.arange(length), new
+    if not blocks:
+      k_positions_M = jnp.concatenate([held_S, k_positions_M])
+      keys_BMGK, values_BMGK = (jnp.concatenate([cache, x], axis=1) for cache, x in zip(kv, new))
     visible_LM = visible(start + jnp.arange(length), k_positions_M, window=self.window) & (k_positions_M >= 0)
     whole_heads = ('batch', None, 'heads', 'kv')
-    keys_BMHK, values_BMHK = (self._repeat_kv(jnp.concatenate([cache, x], axis=1), whole_heads)
-                              for cache, x in zip(kv, new))
-    out_BLD = self._attend(q_BLHK, keys_BMHK, values_BMHK, visible_LM)
+    out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BMGK, whole_heads),
+                           self._repeat_kv(values_BMGK, whole_heads), visible_LM, blocks=blocks)
     # Slot s takes the last new token j with (start + j) % slots == s, if any.
     first_S = (slot_S - start) % slots
     last_S = first_S + slots * ((length - 1 - first_S) // slots)
@@ -345,7 +349,7 @@ class Attention(nnx.Module):
     if not isinstance(start, int) or self.placement.ways('length') > 1:
       return None
     length = q_BLHK.shape[1]
-    return query_blocks(length, self.cfg.attention_block_rows(length), start=start)
+    return query_blocks(length, self.cfg.attention_block_rows(length), self.window, start)
 
   def _project(self, out_BLHK: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """The output projection of the heads' outputs back to the residual stream."""
