@@ -209,7 +209,7 @@ class Attention(nnx.Module):
                                               local_window_size=(self.window - 1, 0) if self.window else None)
       return self._project(out_BLHK, out_key)
     visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM, self.window)
-    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None], out_key, self._causal_blocks(q_BLHK))
+    return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None], out_key, self._blocks(q_BLHK))
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -225,7 +225,7 @@ class Attention(nnx.Module):
     # Causal over absolute positions; the unwritten (zero) slots beyond are never visible.
     visible_LS = visible(positions_L, jnp.arange(keys_BSGK.shape[1]))
     out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS,
-                           blocks=self._prefill_blocks(q_BLHK, start))
+                           blocks=self._blocks(q_BLHK, start))
     return out_BLD, (keys_BSGK, values_BSGK)
 
   def _decode_local(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
@@ -240,7 +240,7 @@ class Attention(nnx.Module):
     # The latest position before `start` that each slot holds; negative for a slot not yet written.
     held_S = slot_S + slots * ((start - 1 - slot_S) // slots)
     # The first prefill's buffer holds nothing: its tokens see only each other, in the training pass's blocks.
-    blocks = self._prefill_blocks(q_BLHK, start) if isinstance(start, int) and start == 0 else None
+    blocks = self._blocks(q_BLHK, start) if isinstance(start, int) and start == 0 else None
     k_positions_M, (keys_BMGK, values_BMGK) = start + jnp.arange(length), new
     if not blocks:
       k_positions_M = jnp.concatenate([held_S, k_positions_M])
@@ -334,18 +334,12 @@ class Attention(nnx.Module):
                                  out_spec, blocks)
     return self._project(out_BLHK, key)
 
-  def _causal_blocks(self, q_BLHK: jax.Array) -> Blocks | None:
-    """The blocks of a training pass's queries (`query_blocks`), stored in position order; none when the
-    mesh splits their length (each device's queries may see any key)."""
-    if self.placement.ways('length') > 1:
-      return None
-    length = q_BLHK.shape[1]
-    return query_blocks(length, self.cfg.attention_block_rows(length), self.window)
-
-  def _prefill_blocks(self, q_BLHK: jax.Array, start: jax.Array | int) -> Blocks | None:
-    """The blocks of new tokens at a known `start` (the prefill, or a prompt's last tokens one at a time)
-    over a cache that holds positions 0..: none scores the slots past start + L, which it cannot see. None
-    for a start known only when the step runs (the sampling loop's) or a split length."""
+  def _blocks(self, q_BLHK: jax.Array, start: jax.Array | int = 0) -> Blocks | None:
+    """The blocks of queries at positions start.. (`query_blocks`) over keys stored in position order: a
+    training pass's (start 0), or new tokens' over a cache that holds positions 0.. (the prefill, a
+    prompt's last tokens one at a time), none scoring the slots past start + L. None for a start known
+    only when the step runs (the sampling loop's), or when the mesh splits the length (each device's
+    queries may see any key)."""
     if not isinstance(start, int) or self.placement.ways('length') > 1:
       return None
     length = q_BLHK.shape[1]

@@ -67,7 +67,7 @@ class LatentAttention(Attention):
     k_positions_BM = self._gather_length(q_BLHK, positions_BL)
     k_segment_ids_BM = None if segment_ids_BL is None else self._gather_length(q_BLHK, segment_ids_BL)
     visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM)
-    return self._attend(q_BLHK, k_BMHK, v_BMHU, visible_BLM[:, None], blocks=self._causal_blocks(q_BLHK))
+    return self._attend(q_BLHK, k_BMHK, v_BMHU, visible_BLM[:, None], blocks=self._blocks(q_BLHK))
 
   def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
              start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -76,7 +76,7 @@ class LatentAttention(Attention):
     q_BLHK, latent_BL1R, k_rot_BL1P = self._latent(x_BLD, positions_L[None, :])
     latent_BS1R, k_rot_BS1P = (self.rules.reshard(self._write(cache, new, start), LATENT)
                                for cache, new in zip(kv, (latent_BL1R, k_rot_BL1P)))
-    blocks = self._prefill_blocks(q_BLHK, start)
+    blocks = self._blocks(q_BLHK, start)
     seen = blocks[-1][-1] if blocks else latent_BS1R.shape[1]  # Only the slots before it are expanded.
     k_BSHK, v_BSHU = self._expand(latent_BS1R[:, :seen], k_rot_BS1P[:, :seen])
     visible_LS = visible(positions_L, jnp.arange(seen))

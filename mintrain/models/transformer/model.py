@@ -53,6 +53,13 @@ REMAT_POLICIES = {
 }
 
 
+def at_position(x_BLX: jax.Array, position: jax.Array | int) -> jax.Array:
+  """(B, X): one position's entries, as a masked sum over the length: that may be split over devices
+  (`mesh.context`), where a slice of one position has no layout."""
+  hit_L = jnp.arange(x_BLX.shape[1]) == position
+  return jnp.sum(jnp.where(hit_L[None, :, None], x_BLX, 0.0), axis=1)
+
+
 class Transformer(nnx.Module):
   """tokens_BL -> logits_BLV (float32), laid out for `placement` (`mintrain.models.family.Placement`)."""
 
@@ -205,9 +212,8 @@ class Transformer(nnx.Module):
     for block, kv in zip(self._layers(), cache, strict=True):
       x_BLD, kv = block.decode(x_BLD, kv, start)
       new_cache.append(kv)
-    if last:  # A masked sum: the length may be split (`mesh.context`), where a slice has no layout.
-      last_L = jnp.arange(x_BLD.shape[1]) == x_BLD.shape[1] - 1
-      x_BLD = jnp.sum(jnp.where(last_L[None, :, None], x_BLD, 0), axis=1, keepdims=True)
+    if last:
+      x_BLD = at_position(x_BLD, x_BLD.shape[1] - 1)[:, None]
     return self._logits(x_BLD, table_VD), new_cache
 
   @on_params_mesh

@@ -23,7 +23,7 @@ from flax import nnx
 
 from mintrain.models.layers import on_params_mesh
 from mintrain.models.transformer.attention import KVCache
-from mintrain.models.transformer.model import Transformer
+from mintrain.models.transformer.model import Transformer, at_position
 
 # RoPE angles come from float32 positions, which are exact integers only up to 2**24.
 MAX_POSITIONS = 2**24
@@ -74,13 +74,6 @@ def _check(model: Transformer, prompt_BP: jax.Array, max_new_tokens: int, temper
 def _replicated(prompt_BP: jax.Array) -> jax.Array:
   """The prompt as int32 on every device of the current mesh, where the model's arrays live."""
   return jax.sharding.reshard(jnp.asarray(prompt_BP, jnp.int32), jax.P())
-
-
-def _at(logits_BLV: jax.Array, position: jax.Array | int) -> jax.Array:
-  """The logits (BV) of one position, as a masked sum over the length: that may be split over devices
-  (`mesh.context`), where a slice of one position has no layout."""
-  hit_L = jnp.arange(logits_BLV.shape[1]) == position
-  return jnp.sum(jnp.where(hit_L[None, :, None], logits_BLV, 0.0), axis=1)
 
 
 def _by_rows(logits_BV: jax.Array) -> jax.Array:
@@ -166,7 +159,7 @@ def _generate_without_cache(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP
 
   def step(tokens_BS: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
     logits_BSV = model(tokens_BS)
-    next_B = _next_token(_at(logits_BSV, prompt_len + i - 1), key, i, temperature, top_k)
+    next_B = _next_token(at_position(logits_BSV, prompt_len + i - 1), key, i, temperature, top_k)
     return jax.lax.dynamic_update_slice(tokens_BS, next_B[:, None], (0, prompt_len + i)), next_B
 
   _, tokens_NB = jax.lax.scan(step, tokens_BS, jnp.arange(max_new_tokens))
