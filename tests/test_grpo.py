@@ -322,7 +322,7 @@ def test_prompts_of_several_lengths_complete_as_each_prompt_alone_greedily(promp
     model = run.model(state.params, state.frozen)
     keys_B = rollout.row_keys(0, 0, 4)
     together = np.asarray(sampling.complete(model, prompt_BP, lengths_B, 6, temperature=0.0, top_p=1.0,
-                                            keys_B=keys_B, shortest=2))
+                                            keys_B=keys_B))
     for b in range(4):
       alone = sampling.generate_without_cache(model, prompt_BP[b:b + 1, :lengths_B[b]], 6)
       np.testing.assert_array_equal(together[b], np.asarray(alone)[0])

@@ -117,7 +117,7 @@ def test_each_device_draws_the_next_tokens_of_its_own_rows():
     prompt_BP = sampling._replicated(np.tile(np.arange(1, 10, dtype=np.int32), (8, 1)))
     lengths_B = sampling._replicated(np.full(8, 9, np.int32))
     keys_B = jax.random.split(jax.random.key(0), 8)
-    text = sampling._complete.lower(graphdef, params, prompt_BP, lengths_B, keys_B, prefill=8,
+    text = sampling._complete.lower(graphdef, params, prompt_BP, lengths_B, keys_B,
                                     max_new_tokens=4, temperature=1.0, top_p=0.9).compile().as_text()
   gathered = [line.split(' all-gather(')[0].split('= ')[-1] for line in text.splitlines()
               if ' all-gather(' in line]
@@ -190,3 +190,38 @@ def test_sample_script_without_a_checkpoint_is_a_one_line_error(tmp_path):
   assert proc.returncode == 2
   assert proc.stderr.startswith('error: ') and 'no complete checkpoint' in proc.stderr
   assert proc.stderr.count('\n') == 1 and 'Traceback' not in proc.stderr
+
+
+@pytest.mark.parametrize('name,overrides', [
+    pytest.param('single', (), id='single'),
+    pytest.param('dp4_tp2', ('model.attention_block=2',), id='dp4_tp2-blocks'),
+    # Local layers' buffers of 3 slots: the prefill keeps each row's last real keys, not its padding's.
+    pytest.param('single', ('model.sliding_window=3', 'model.global_every=2'), id='windows'),
+    pytest.param('cp2_dp2_tp2', ('model.sliding_window=3', 'model.global_every=2'), id='context-windows',
+                 marks=pytest.mark.slow),
+    pytest.param('deepseek_v3_ep4_dp2', ('mesh.data=1', 'mesh.expert=1', 'model.num_layers=2',
+                                         'model.vocab_size=384', 'model.mtp_layers=0'), id='latent',
+                 marks=pytest.mark.slow)])
+def test_prompts_of_several_lengths_complete_as_each_prompt_alone(name, overrides):
+  # One prefill of the padded prompts, then a step per token at each row's own position: a row's slots
+  # past its prompt hold padding until its own tokens overwrite them, and no token may see it.
+  config = load_config(name, *(SMALL if name != 'deepseek_v3_ep4_dp2' else ()), *overrides)
+  run = build(config)
+  lengths_B = np.array([9, 1, 4, 7, 2, 9, 5, 3])
+  prompt_BP = random_tokens((B, 9), seed=4)
+  with jax.set_mesh(run.mesh):
+    model = run.model(run.init().params)
+    keys_B = jax.random.split(jax.random.key(1), B)
+    together = np.asarray(sampling.complete(model, prompt_BP, lengths_B, 6, temperature=0.0, top_p=1.0,
+                                            keys_B=keys_B))
+    # Each prompt alone, in a batch of its copies (the batch splits over `data`).
+    alone = [np.asarray(sampling.generate(model, np.repeat(prompt_BP[b:b + 1, :n], B, axis=0), 6))[0]
+             for b, n in enumerate(lengths_B)]
+    # Sampled: each row's draws are its own (fold_in of its key), whatever its neighbours' lengths.
+    drawn = np.asarray(sampling.complete(model, prompt_BP, lengths_B, 6, temperature=1.0, top_p=0.9,
+                                         keys_B=keys_B))
+    shorter = np.asarray(sampling.complete(model, prompt_BP[:4], lengths_B[:4], 6, temperature=1.0, top_p=0.9,
+                                           keys_B=keys_B[:4]))
+  np.testing.assert_array_equal(together, np.stack(alone))
+  np.testing.assert_array_equal(drawn[:4], shorter)
+  assert len(np.unique(together)) > 1

@@ -172,11 +172,9 @@ class HarnessLM(TemplateLM):
         for row, i in enumerate(rows):
           prompt_BP[row, :len(prepared[i][0])] = prepared[i][0]
         lengths_B = np.array([len(prepared[i][0]) for i in rows], np.int32)
-        # Positions before the bucket's lower end (every prompt's first ones) in one pass.
-        prefill = length // 2 if length > MIN_BUCKET else 0
         with jax.set_mesh(self.mesh):
           tokens_BN = complete(self.model, prompt_BP, lengths_B, new, temperature=temperature, top_p=1.0,
-                               keys_B=jax.random.split(jax.random.key(0), len(rows)), shortest=prefill)
+                               keys_B=jax.random.split(jax.random.key(0), len(rows)))
         tokens_BN = np.asarray(tokens_BN.addressable_data(0))
         for row, i in enumerate(chunk):
           new_N = tokens_BN[row].tolist()

@@ -96,8 +96,8 @@ class Family:
   # `layers` axis. None: LoRA does not apply.
   lora_targets: Mapping[str, Mapping[str, tuple[int, int]]] | None = None
   # Its sampler for policy-gradient objectives (`mintrain.objectives.grpo`), or None: `complete(model,
-  # prompt_BP, lengths_B, max_new_tokens, *, temperature, top_p, keys_B, shortest) -> (B, N) int32` new tokens
-  # after each row's first lengths_B[b] prompt tokens, token i of row b drawn with fold_in(keys_B[b], i);
-  # `shortest` (at most the shortest prompt) is fixed by the caller so that one program serves every batch.
+  # prompt_BP, lengths_B, max_new_tokens, *, temperature, top_p, keys_B) -> (B, N) int32` new tokens after
+  # each row's first lengths_B[b] prompt tokens, token i of row b drawn with fold_in(keys_B[b], i); one
+  # program serves every batch of a width.
   complete: Callable[..., Any] | None = None
 

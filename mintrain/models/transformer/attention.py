@@ -148,6 +148,14 @@ def softmax_attention(q_BLHK: jax.Array, k_BMHK: jax.Array, v_BMHU: jax.Array, v
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
+def decode_positions(start: jax.Array | int, length: int) -> jax.Array:
+  """Positions of L new tokens at `start`: (1, L) for one start, (B, L) for one per row (B,), where each
+  row has one token (sampling's step over prompts of several lengths)."""
+  if jnp.ndim(start) == 1 and length != 1:
+    raise ValueError(f'a start per row takes one new token per row; got {length}.')
+  return jnp.reshape(start, (-1, 1)) + jnp.arange(length)
+
+
 def kv_layout(kv_axis: str | None) -> tuple[str | None, ...]:
   """Logical axes of keys and values (BLGK), also those of the KV cache."""
   return ('batch', 'length', kv_axis, 'kv')
@@ -211,60 +219,84 @@ class Attention(nnx.Module):
     visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM, self.window)
     return self._attend(q_BLHK, k_BMHK, v_BMHK, visible_BLM[:, None], out_key, self._blocks(q_BLHK))
 
-  def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
-             start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array], start: jax.Array | int,
+             real_B: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attention of L new tokens at positions start.. over the cache, which they are written into first
-    (a local layer's: after, as the buffer may hold fewer slots than the new tokens reach back)."""
+    (a local layer's: after, as the buffer may hold fewer slots than the new tokens reach back). `start`
+    is one position for all rows, or one per row (B,) for a single new token each (`decode_positions`);
+    `real_B`, of a prefill at start 0: how many of each row's new tokens are real, the rest padding that
+    no real token sees (a local buffer keeps each row's last real ones)."""
     rules = self.rules
-    positions_L = start + jnp.arange(x_BLD.shape[1])
-    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_L[None, :])
+    positions_BL = decode_positions(start, x_BLD.shape[1])
+    q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, positions_BL)
     if self.window:
-      return self._decode_local(q_BLHK, k_BLGK, v_BLGK, kv, start)
+      return self._decode_local(q_BLHK, k_BLGK, v_BLGK, kv, start, real_B)
     keys_BSGK, values_BSGK = (rules.reshard(self._write(cache, new, start), self.kv_layout)
                               for cache, new in zip(kv, (k_BLGK, v_BLGK)))
-    # Causal over absolute positions; the unwritten (zero) slots beyond are never visible.
-    visible_LS = visible(positions_L, jnp.arange(keys_BSGK.shape[1]))
-    out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK), visible_LS,
-                           blocks=self._blocks(q_BLHK, start))
+    # Causal over absolute positions; the slots beyond (zeros, or a shorter row's padding) are never visible.
+    visible_BLS = visible(positions_BL, jnp.arange(keys_BSGK.shape[1]))
+    out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BSGK), self._repeat_kv(values_BSGK),
+                           visible_BLS[:, None], blocks=self._blocks(q_BLHK, start))
     return out_BLD, (keys_BSGK, values_BSGK)
 
   def _decode_local(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
-                    kv: tuple[jax.Array, jax.Array],
-                    start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                    kv: tuple[jax.Array, jax.Array], start: jax.Array | int,
+                    real_B: jax.Array | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """A local layer's decode: the new tokens attend over the buffer's slots and themselves, then the last
-    of them overwrite the buffer's oldest. Buffers are whole along their length on every device."""
+    of them (of each row's real ones) overwrite the buffer's oldest. Buffers are whole along their length
+    on every device."""
     length, slots = q_BLHK.shape[1], kv[0].shape[1]
     whole = ('batch', None, self.kv_layout[2], 'kv')
     new = [self.rules.reshard(x.astype(kv[0].dtype), whole) for x in (k_BLGK, v_BLGK)]
-    slot_S = jnp.arange(slots)
-    # The latest position before `start` that each slot holds; negative for a slot not yet written.
-    held_S = slot_S + slots * ((start - 1 - slot_S) // slots)
+    slot_S, start_B1 = jnp.arange(slots), jnp.reshape(start, (-1, 1))
+    # The latest position before `start` that each slot holds (per row: (B or 1, S)); negative for a slot
+    # not yet written.
+    held_BS = slot_S + slots * ((start_B1 - 1 - slot_S) // slots)
     # The first prefill's buffer holds nothing: its tokens see only each other, in the training pass's blocks.
     blocks = self._blocks(q_BLHK, start) if isinstance(start, int) and start == 0 else None
-    k_positions_M, (keys_BMGK, values_BMGK) = start + jnp.arange(length), new
+    positions_BL = decode_positions(start, length)
+    k_positions_BM, (keys_BMGK, values_BMGK) = positions_BL, new
     if not blocks:
-      k_positions_M = jnp.concatenate([held_S, k_positions_M])
+      k_positions_BM = jnp.concatenate([jnp.broadcast_to(held_BS, (k_positions_BM.shape[0], slots)),
+                                        k_positions_BM], axis=1)
       keys_BMGK, values_BMGK = (jnp.concatenate([cache, x], axis=1) for cache, x in zip(kv, new))
-    visible_LM = visible(start + jnp.arange(length), k_positions_M, window=self.window) & (k_positions_M >= 0)
+    visible_BLM = visible(positions_BL, k_positions_BM, window=self.window)
+    visible_BLM = visible_BLM & (k_positions_BM >= 0)[:, None, :]
     whole_heads = ('batch', None, 'heads', 'kv')
     out_BLD = self._attend(q_BLHK, self._repeat_kv(keys_BMGK, whole_heads),
-                           self._repeat_kv(values_BMGK, whole_heads), visible_LM, blocks=blocks)
-    # Slot s takes the last new token j with (start + j) % slots == s, if any.
+                           self._repeat_kv(values_BMGK, whole_heads), visible_BLM[:, None], blocks=blocks)
+    return out_BLD, tuple(self._write_local(cache, x, start, real_B) for cache, x in zip(kv, new))
+
+  def _write_local(self, buffer_BSGK: jax.Array, new_BLGK: jax.Array, start: jax.Array | int,
+                   real_B: jax.Array | None) -> jax.Array:
+    """A local layer's buffer after L new tokens at `start`: slot s takes the last new token j (of each
+    row's first real_B) with (start + j) % slots == s, if any."""
+    length, slots = new_BLGK.shape[1], buffer_BSGK.shape[1]
+    slot_S = jnp.arange(slots)
+    if jnp.ndim(start) == 1:  # One token per row, into its row's slot.
+      return jnp.where((slot_S == start[:, None] % slots)[:, :, None, None], new_BLGK, buffer_BSGK)
+    if real_B is not None:  # A prefill at 0: token j to slot j % slots while j is a real one, chunk by chunk.
+      for c in range(0, length, slots):
+        chunk_BSGK = new_BLGK[:, c:c + slots]
+        taken_BS = (c + slot_S[:chunk_BSGK.shape[1]] < real_B[:, None])[:, :, None, None]
+        buffer_BSGK = buffer_BSGK.at[:, :chunk_BSGK.shape[1]].set(
+            jnp.where(taken_BS, chunk_BSGK, buffer_BSGK[:, :chunk_BSGK.shape[1]]))
+      return buffer_BSGK
     first_S = (slot_S - start) % slots
     last_S = first_S + slots * ((length - 1 - first_S) // slots)
     written_S = (first_S < length)[None, :, None, None]
-    spec = self.rules.activation_spec(whole, kv[0].shape)
+    spec = self.rules.activation_spec(('batch', None, self.kv_layout[2], 'kv'), buffer_BSGK.shape)
     source_S = jnp.clip(last_S, 0, length - 1)
-    return out_BLD, tuple(jnp.where(written_S, x.at[:, source_S].get(out_sharding=spec), cache)
-                          for cache, x in zip(kv, new))
+    return jnp.where(written_S, new_BLGK.at[:, source_S].get(out_sharding=spec), buffer_BSGK)
 
   def _write(self, cache_BSGK: jax.Array, new_BLGK: jax.Array, start: jax.Array | int) -> jax.Array:
-    """The cache with the new keys (or values) at slots start..start+L-1. A single token cannot split
-    like a cache whose length is split (`mesh.context`): it is written by a select over the slots."""
+    """The cache with the new keys (or values) at slots start..start+L-1 (a start per row: each row's one
+    token at its slot). A single token cannot split like a cache whose length is split (`mesh.context`):
+    it is written by a select over the slots, as is one per row."""
     new_BLGK = new_BLGK.astype(cache_BSGK.dtype)
-    if new_BLGK.shape[1] == 1 and self.placement.ways('length') > 1:
-      slot_S = jnp.arange(cache_BSGK.shape[1]) == start
-      return jnp.where(slot_S[None, :, None, None], new_BLGK, cache_BSGK)
+    if jnp.ndim(start) == 1 or (new_BLGK.shape[1] == 1 and self.placement.ways('length') > 1):
+      slot_BS = jnp.arange(cache_BSGK.shape[1]) == jnp.reshape(start, (-1, 1))
+      return jnp.where(slot_BS[:, :, None, None], new_BLGK, cache_BSGK)
     new_BLGK = jax.sharding.reshard(new_BLGK, jax.typeof(cache_BSGK).sharding.spec)
     return jax.lax.dynamic_update_slice(cache_BSGK, new_BLGK, (0, start, 0, 0))
 

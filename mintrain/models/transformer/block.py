@@ -99,10 +99,10 @@ class Block(nnx.Module):
     x_BLD = x_BLD + dropout(self._post('mlp_post_norm', mlp_BLD), self.dropout_rate, keys[1])
     return self.rules.reshard(x_BLD, BLD), stats
 
-  def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
-             start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """The block without dropout, attending over (and updating) its layer's cache."""
-    attn_BLD, kv = self.attn.decode(self.attn_norm(x_BLD), kv, start)
+  def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array], start: jax.Array | int,
+             real_B: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The block without dropout, attending over (and updating) its layer's cache (`Attention.decode`)."""
+    attn_BLD, kv = self.attn.decode(self.attn_norm(x_BLD), kv, start, real_B)
     x_BLD = x_BLD + self._post('attn_post_norm', attn_BLD)
     if self.moe_layer:
       mlp_BLD = self.mlp(self.mlp_norm(x_BLD), dropless=True)[0]

@@ -17,7 +17,7 @@ from flax import nnx
 
 from mintrain.models.family import Placement
 from mintrain.models.layers import gather, linear, param
-from mintrain.models.transformer.attention import BLHK, Attention, rope, rope_frequencies
+from mintrain.models.transformer.attention import BLHK, Attention, decode_positions, rope, rope_frequencies
 from mintrain.models.transformer.config import TransformerConfig
 from mintrain.models.transformer.context_attention import visible
 from mintrain.partitioning import AxisRules
@@ -69,18 +69,21 @@ class LatentAttention(Attention):
     visible_BLM = visible(positions_BL, k_positions_BM, segment_ids_BL, k_segment_ids_BM)
     return self._attend(q_BLHK, k_BMHK, v_BMHU, visible_BLM[:, None], blocks=self._blocks(q_BLHK))
 
-  def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array],
-             start: jax.Array | int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """L new tokens at positions start.. over the cache of latents, which they are written into first."""
-    positions_L = start + jnp.arange(x_BLD.shape[1])
-    q_BLHK, latent_BL1R, k_rot_BL1P = self._latent(x_BLD, positions_L[None, :])
+  def decode(self, x_BLD: jax.Array, kv: tuple[jax.Array, jax.Array], start: jax.Array | int,
+             real_B: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """L new tokens at positions start.. (as `Attention.decode`) over the cache of latents, which they are
+    written into first. A global layer's slots past a row's real tokens are never visible: `real_B` is
+    not needed."""
+    positions_BL = decode_positions(start, x_BLD.shape[1])
+    q_BLHK, latent_BL1R, k_rot_BL1P = self._latent(x_BLD, positions_BL)
     latent_BS1R, k_rot_BS1P = (self.rules.reshard(self._write(cache, new, start), LATENT)
                                for cache, new in zip(kv, (latent_BL1R, k_rot_BL1P)))
     blocks = self._blocks(q_BLHK, start)
     seen = blocks[-1][-1] if blocks else latent_BS1R.shape[1]  # Only the slots before it are expanded.
     k_BSHK, v_BSHU = self._expand(latent_BS1R[:, :seen], k_rot_BS1P[:, :seen])
-    visible_LS = visible(positions_L, jnp.arange(seen))
-    return self._attend(q_BLHK, k_BSHK, v_BSHU, visible_LS, blocks=blocks), (latent_BS1R, k_rot_BS1P)
+    visible_BLS = visible(positions_BL, jnp.arange(seen))
+    return (self._attend(q_BLHK, k_BSHK, v_BSHU, visible_BLS[:, None], blocks=blocks),
+            (latent_BS1R, k_rot_BS1P))
 
   def _latent(self, x_BLD: jax.Array, positions_BL: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries (BLHK, rotated), the normed latent (BL1R) and the rotated shared key (BL1P)."""

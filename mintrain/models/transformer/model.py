@@ -54,10 +54,10 @@ REMAT_POLICIES = {
 
 
 def at_position(x_BLX: jax.Array, position: jax.Array | int) -> jax.Array:
-  """(B, X): one position's entries, as a masked sum over the length: that may be split over devices
-  (`mesh.context`), where a slice of one position has no layout."""
-  hit_L = jnp.arange(x_BLX.shape[1]) == position
-  return jnp.sum(jnp.where(hit_L[None, :, None], x_BLX, 0.0), axis=1)
+  """(B, X): one position's entries (or, for positions (B,), each row's own), as a masked sum over the
+  length: that may be split over devices (`mesh.context`), where a slice of one position has no layout."""
+  hit_BL = jnp.arange(x_BLX.shape[1]) == jnp.reshape(position, (-1, 1))
+  return jnp.sum(jnp.where(hit_BL[:, :, None], x_BLX, 0.0), axis=1)
 
 
 class Transformer(nnx.Module):
@@ -199,21 +199,25 @@ class Transformer(nnx.Module):
 
   @on_params_mesh
   def decode(self, tokens_BL: jax.Array, cache: KVCache, start: jax.Array | int, *,
-             last: bool = False) -> tuple[jax.Array, KVCache]:
-    """(logits_BLV, cache) for L new tokens at positions start..start+L-1, no dropout; with `last`, the
-    last token's alone (B, 1, V), what sampling reads after a prefill, whose (B, L, V) would outweigh it.
+             last: jax.Array | int | None = None) -> tuple[jax.Array, KVCache]:
+    """(logits_BLV, cache) for L new tokens at positions start..start+L-1, no dropout.
 
     Each token attends to the cached positions before it and to the new tokens up to
     itself, exactly as in `__call__` on the whole sequence. Prefill passes the prompt
-    with start=0; each sampling step then passes one token.
+    with start=0; each sampling step then passes one token, at one position for all rows or at
+    each row's own (`start` (B,): prompts of several lengths, padded on the right).
+    With `last` (an index of the new tokens, or one per row (B,)), the logits there alone (B, 1, V), what
+    sampling reads after a prefill, whose (B, L, V) would outweigh it; a row's tokens after its `last` are
+    padding, which its later tokens never see.
     """
+    real_B = None if last is None or jnp.ndim(last) == 0 else last + 1
     table_VD, x_BLD = self._embed(tokens_BL)
     new_cache = []
     for block, kv in zip(self._layers(), cache, strict=True):
-      x_BLD, kv = block.decode(x_BLD, kv, start)
+      x_BLD, kv = block.decode(x_BLD, kv, start, real_B)
       new_cache.append(kv)
-    if last:
-      x_BLD = at_position(x_BLD, x_BLD.shape[1] - 1)[:, None]
+    if last is not None:
+      x_BLD = at_position(x_BLD, last)[:, None]
     return self._logits(x_BLD, table_VD), new_cache
 
   @on_params_mesh

@@ -118,7 +118,7 @@ def _generate(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, k
   # multiple follow one at a time, as decode steps.
   split = prompt_len - prompt_len % model.length_ways
   if split:
-    logits_B1V, cache = model.decode(prompt_BP[:, :split], cache, 0, last=True)
+    logits_B1V, cache = model.decode(prompt_BP[:, :split], cache, 0, last=split - 1)
     last_BV = logits_B1V[:, 0]
   for position in range(split, prompt_len):
     logits_B1V, cache = model.decode(prompt_BP[:, position:position + 1], cache, position)
@@ -168,58 +168,48 @@ def _generate_without_cache(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP
 
 @on_params_mesh
 def complete(model: Transformer, prompt_BP: np.ndarray, lengths_B: np.ndarray, max_new_tokens: int, *,
-             temperature: float, top_p: float, keys_B: jax.Array, shortest: int | None = None) -> jax.Array:
+             temperature: float, top_p: float, keys_B: jax.Array) -> jax.Array:
   """int32 (B, N) tokens that follow the first lengths_B[b] tokens of each prompt row (prompts of several
   lengths, padded on the right): token i of row b is drawn with fold_in(keys_B[b], i), so a row's draws
-  depend on neither the mesh nor the rows beside it. The first `shortest` positions (at most the shortest
-  prompt; default: it) are one prefill, and one value keeps one compiled program; then all rows advance one
-  position per cached step."""
+  depend on neither the mesh nor the rows beside it. Every prompt is one prefill (one program for every
+  batch of a width), then each row takes one cached step per new token at its own position."""
   lengths_B = np.asarray(lengths_B)
-  shortest = int(lengths_B.min()) if shortest is None else shortest
   _check(model, prompt_BP, max_new_tokens, temperature, 0)
-  if not 0 < top_p <= 1 or not 0 <= shortest <= lengths_B.min() or lengths_B.max() > np.shape(prompt_BP)[1]:
-    raise ValueError(f'top_p={top_p} must be in (0, 1], prompt lengths in [1, {np.shape(prompt_BP)[1]}] and '
-                     f'shortest={shortest} at most the shortest of them.')
+  if not 0 < top_p <= 1 or lengths_B.min() < 1 or lengths_B.max() > np.shape(prompt_BP)[1]:
+    raise ValueError(f'top_p={top_p} must be in (0, 1] and prompt lengths in [1, {np.shape(prompt_BP)[1]}].')
+  # The prefill splits over `context`: the width rounded up to its multiple, the rest padding.
+  prompt_BP = np.pad(prompt_BP, ((0, 0), (0, -np.shape(prompt_BP)[1] % model.length_ways)))
   graphdef, params = nnx.split(model)
   return _complete(graphdef, params, _replicated(prompt_BP), _replicated(lengths_B), keys_B,
-                   prefill=shortest - shortest % model.length_ways, max_new_tokens=max_new_tokens,
-                   temperature=float(temperature), top_p=float(top_p))
+                   max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p))
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'prefill', 'max_new_tokens', 'temperature', 'top_p'))
+@functools.partial(jax.jit, static_argnames=('graphdef', 'max_new_tokens', 'temperature', 'top_p'))
 def _complete(graphdef: nnx.GraphDef, params: nnx.State, prompt_BP: jax.Array, lengths_B: jax.Array,
-              keys_B: jax.Array, *, prefill: int, max_new_tokens: int, temperature: float,
-              top_p: float) -> jax.Array:
+              keys_B: jax.Array, *, max_new_tokens: int, temperature: float, top_p: float) -> jax.Array:
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_BP.shape
-  total = prompt_len + max_new_tokens
   keys_B = jax.sharding.reshard(keys_B, jax.P())
-  cache = model.init_cache(batch, total, jnp.dtype(model.cfg.compute_dtype))
-  tokens_BS = jnp.pad(prompt_BP, ((0, 0), (0, max_new_tokens)))
+  cache = model.init_cache(batch, prompt_len + max_new_tokens, jnp.dtype(model.cfg.compute_dtype))
 
-  def place(tokens_BS: jax.Array, logits_BV: jax.Array, position: jax.Array | int) -> jax.Array:
-    """Position + 1 of the rows whose prompt has ended gets their next draw."""
-    i_B = position + 1 - lengths_B
-    row_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.maximum(i_B, 0))
+  def draw(logits_BV: jax.Array, i: jax.Array | int) -> jax.Array:
+    """Each row's new token i, replicated (the next step's input)."""
     logits_BV = _by_rows(logits_BV)
+    row_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, i)
     row_keys_B = jax.sharding.reshard(row_keys_B, jax.P(jax.typeof(logits_BV).sharding.spec[0]))
-    drawn_B = jax.sharding.reshard(sample_token(logits_BV, row_keys_B, temperature=temperature, top_k=0,
-                                                top_p=top_p), jax.P())
-    current_B = jax.lax.dynamic_index_in_dim(tokens_BS, position + 1, axis=1, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(tokens_BS, jnp.where(i_B >= 0, drawn_B, current_B),
-                                               position + 1, axis=1)
+    return jax.sharding.reshard(sample_token(logits_BV, row_keys_B, temperature=temperature, top_k=0,
+                                             top_p=top_p), jax.P())
 
-  start = 0
-  if prefill:
-    logits_B1V, cache = model.decode(prompt_BP[:, :prefill], cache, 0, last=True)
-    tokens_BS, start = place(tokens_BS, logits_B1V[:, 0], prefill - 1), prefill
+  # A row's slots past its prompt hold its padding's keys until its own tokens overwrite them, each
+  # before any token reads it.
+  logits_B1V, cache = model.decode(prompt_BP, cache, 0, last=lengths_B - 1)
+  first_B = draw(logits_B1V[:, 0], 0)
 
-  def step(carry: tuple[jax.Array, KVCache], position: jax.Array) -> tuple[tuple[jax.Array, KVCache], None]:
-    tokens_BS, cache = carry
-    token_B = jax.lax.dynamic_index_in_dim(tokens_BS, position, axis=1, keepdims=False)
-    logits_B1V, cache = model.decode(token_B[:, None], cache, position)
-    return (place(tokens_BS, logits_B1V[:, 0], position), cache), None
+  def step(carry: tuple[jax.Array, KVCache], i: jax.Array) -> tuple[tuple[jax.Array, KVCache], jax.Array]:
+    token_B, cache = carry  # Token i - 1 of each row, at position lengths_B + i - 1.
+    logits_B1V, cache = model.decode(token_B[:, None], cache, lengths_B + i - 1)
+    next_B = draw(logits_B1V[:, 0], i)
+    return (next_B, cache), next_B
 
-  (tokens_BS, _), _ = jax.lax.scan(step, (tokens_BS, cache), jnp.arange(start, total - 1))
-  columns_BN = lengths_B[:, None] + jnp.arange(max_new_tokens)[None, :]
-  return jax.sharding.reshard(jnp.take_along_axis(tokens_BS, columns_BN, axis=1), jax.P())
+  _, rest_NB = jax.lax.scan(step, (first_B, cache), jnp.arange(1, max_new_tokens))
+  return jnp.concatenate([first_B[None], rest_NB], axis=0).T

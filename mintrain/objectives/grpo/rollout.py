@@ -49,7 +49,6 @@ class Rollout:
     self.rewards = rewards_lib.load(self.cfg.reward, self.cfg.reward_weights)
     self._probe(prompt_batches.peek())
     self.complete = config.family.complete
-    self.shortest = min(len(p.ids_P) for p in prompt_batches.prompts)  # Every batch's prefill: one program.
     self.seq_len, self.accum = config.train.seq_len, config.train.grad_accum_steps
     self.logps = jax.jit(self._logps) if self.cfg.num_iterations > 1 or self.cfg.kl_coef else None
     self.update_start: float | None = None  # When the last rollout handed its batch to the train step.
@@ -88,8 +87,7 @@ class Rollout:
       prompt_BP[b, :len(p.ids_P)] = p.ids_P
     model = merge(self.run.graphdef, state.params, state.frozen)
     new_BN = self.complete(model, prompt_BP, lengths_B, cfg.max_new_tokens, temperature=cfg.temperature,
-                           top_p=cfg.top_p, keys_B=row_keys(self.run.config.seed, step, len(rows)),
-                           shortest=self.shortest)
+                           top_p=cfg.top_p, keys_B=row_keys(self.run.config.seed, step, len(rows)))
     new_BN = np.asarray(new_BN.addressable_data(0))  # Replicated: every process holds every row.
     sampled = time.perf_counter()
     ids = [_until_eos(new_N, tok.eos_id) for new_N in new_BN]
