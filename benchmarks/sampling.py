@@ -6,14 +6,15 @@ The model is bench_tiny's (or --config's) with freshly drawn parameters, on its 
 of --rows random prompts of P tokens continued by N. A call runs the prefill (the whole prompt at once), then
 N - 1 cached steps; `temp MiB` is the compiled program's temporaries per device (XLA's memory analysis),
 where the prefill's logits would show. With `--ragged`, the prompts are of lengths drawn from P/8 to P,
-padded to P as GRPO's rollout and the evaluation harness pad theirs, and continued by
-`sampling.complete`. With `--tree`, every checkout's programs are compiled first, then timed in turns, one
-call of each per turn, so the machine's drift slows them alike; `x first` is each point's median over the
-first checkout's.
+padded to a width W (a point's third number; default P) as GRPO's rollout and the evaluation harness pad
+theirs, and continued by `sampling.complete`. With `--tree`, every checkout's programs are compiled
+first, then timed in turns, one call of each per turn, so the machine's drift slows them alike; `x first`
+is each point's median over the first checkout's.
 
   python benchmarks/sampling.py                                   # P,N = 256,64 and 1024,16
   python benchmarks/sampling.py --tree /tmp/before --tree . --point 1024,16 --point 2048,16
   python benchmarks/sampling.py --ragged --point 512,64          # prompts of 64 to 512 tokens
+  python benchmarks/sampling.py --ragged --point 128,64,769 --point 128,64   # in 769 columns, and 128
   python benchmarks/sampling.py --smoke                           # the tests' small model, one point
 """
 
@@ -28,11 +29,12 @@ import time
 import harness
 import numpy as np
 
-POINTS = ['256,64', '1024,16']  # (prompt tokens, new tokens) of each measurement.
+POINTS = ['256,64', '1024,16']  # (prompt tokens, new tokens[, width]) of each measurement.
 
 
 def compiled_points(tree: pathlib.Path | None, path: pathlib.Path, overrides: list[str],
-                    points: list[tuple[int, int]], rows: int, devices: list, ragged: bool) -> list[tuple]:
+                    points: list[tuple[int, int, int]], rows: int, devices: list,
+                    ragged: bool) -> list[tuple]:
   """(label, call, temp bytes) of each point, mintrain imported from `tree` (None: as this process does)."""
   ours = harness.checkout(tree) if tree is not None else harness
   import jax
@@ -40,15 +42,15 @@ def compiled_points(tree: pathlib.Path | None, path: pathlib.Path, overrides: li
 
   from mintrain.models.transformer import sampling
 
-  longest = max(p + n for p, n in points)
+  longest = max(w + n for _, n, w in points)
   config = ours.load(path, [*overrides, f'train.seq_len={longest}'])
   built = ours.build(config, devices)
   with jax.set_mesh(built.mesh):
     model = nnx.merge(built.graphdef, built.init().params)
   out = []
-  for p, n in points:
+  for p, n, w in points:
     rng = np.random.RandomState(p + n)
-    prompt_BP = rng.randint(0, config.model.vocab_size, (rows, p)).astype(np.int32)
+    prompt_BP = rng.randint(0, config.model.vocab_size, (rows, w)).astype(np.int32)
     lengths_B = rng.randint(max(p // 8, 1), p + 1, rows) if ragged else np.full(rows, p)
     keys_B = jax.random.split(jax.random.key(0), rows)
     # A checkout before complete's one prefill of every prompt took the prefill's length (GRPO: the shortest).
@@ -74,7 +76,7 @@ def compiled_points(tree: pathlib.Path | None, path: pathlib.Path, overrides: li
                                            temperature=0.0, top_k=0)
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
     call()  # Compiles (the persistent cache aside) and warms the heap.
-    out.append((f'{tree or "."}', p, n, call, temp))
+    out.append((f'{tree or "."}', p, n, w, call, temp))
   return out
 
 
@@ -94,10 +96,11 @@ def main() -> int:
   devices = harness.start_devices()
   path, overrides = (args.config, []) if args.config else harness.bench_tiny()
   overrides = [*overrides, *args.override]
-  points = [tuple(map(int, p.split(','))) for p in args.point or POINTS]
+  points = [(*map(int, p.split(',')),)[:3] for p in args.point or POINTS]
+  points = [(p[0], p[1], p[2] if len(p) > 2 and args.ragged else p[0]) for p in points]
   if args.smoke:
     path, overrides = harness.FALLBACK, [*harness.SMOKE, 'data.source=synthetic']
-    points, args.rounds = [(8, 4)], 2
+    points, args.rounds = [(8, 4, 8)], 2
   what = 'prompts of P/8 to P tokens (sampling.complete)' if args.ragged else 'prompts'
   print(f'{harness.describe_config(path, overrides)}; {args.rows} {what} a call', flush=True)
   runs = [run for tree in args.tree or [None] for run in
@@ -108,14 +111,15 @@ def main() -> int:
       start = time.perf_counter()
       call()
       times[i].append(time.perf_counter() - start)
-  first = {(p, n): statistics.median(t) for (tree, p, n, *_), t in zip(runs, times) if tree == runs[0][0]}
+  first = {(p, n, w): statistics.median(t) for (tree, p, n, w, *_), t in zip(runs, times)
+           if tree == runs[0][0]}
   rows = []
-  for (tree, p, n, _, temp), t in zip(runs, times):
+  for (tree, p, n, w, _, temp), t in zip(runs, times):
     median = statistics.median(t)
-    rows.append([tree, str(p), str(n), f'{median * 1e3:.1f}', harness.spread(t),
-                 f'{args.rows * n / median:.1f}', harness.mib(temp), f'{median / first[(p, n)]:.3f}'])
-  print(harness.table(['checkout', 'prompt', 'new', 'ms', 'spread', 'new tokens/s', 'temp MiB', 'x first'],
-                      rows))
+    rows.append([tree, str(p), str(w), str(n), f'{median * 1e3:.1f}', harness.spread(t),
+                 f'{args.rows * n / median:.1f}', harness.mib(temp), f'{median / first[(p, n, w)]:.3f}'])
+  print(harness.table(['checkout', 'prompt', 'width', 'new', 'ms', 'spread', 'new tokens/s', 'temp MiB',
+                       'x first'], rows))
   return 0
 
 

@@ -333,7 +333,8 @@ def test_gpu_benchmark_smoke_times_each_part_and_checks_the_grouped_matmuls_valu
 def test_sampling_benchmark_smoke_times_a_generate_call_and_its_temporaries(ragged):
   out, header, body = smoke('sampling.py', *ragged)
   assert ('(sampling.complete)' in out) == bool(ragged)
-  assert header == ['checkout', 'prompt', 'new', 'ms', 'spread', 'new tokens/s', 'temp MiB', 'x first']
-  assert [row[:3] for row in body] == [['.', '8', '4']]
-  ms, _, tokens_per_s, temp, first = (float(c.split('-')[0]) for c in body[0][3:])
+  assert header == ['checkout', 'prompt', 'width', 'new', 'ms', 'spread', 'new tokens/s', 'temp MiB',
+                    'x first']
+  assert [row[:4] for row in body] == [['.', '8', '8', '4']]
+  ms, _, tokens_per_s, temp, first = (float(c.split('-')[0]) for c in body[0][4:])
   assert ms > 0 and tokens_per_s > 0 and temp > 0 and first == 1.0

@@ -220,8 +220,9 @@ def test_prompts_of_several_lengths_complete_as_each_prompt_alone(name, override
     # Sampled: each row's draws are its own (fold_in of its key), whatever its neighbours' lengths.
     drawn = np.asarray(sampling.complete(model, prompt_BP, lengths_B, 6, temperature=1.0, top_p=0.9,
                                          keys_B=keys_B))
-    shorter = np.asarray(sampling.complete(model, prompt_BP[:4], lengths_B[:4], 6, temperature=1.0, top_p=0.9,
-                                           keys_B=keys_B[:4]))
+    # Four of the rows alone, in a buffer as wide as their longest prompt (7).
+    fewer = np.asarray(sampling.complete(model, prompt_BP[1:5, :7], lengths_B[1:5], 6, temperature=1.0,
+                                         top_p=0.9, keys_B=keys_B[1:5]))
   np.testing.assert_array_equal(together, np.stack(alone))
-  np.testing.assert_array_equal(drawn[:4], shorter)
+  np.testing.assert_array_equal(drawn[1:5], fewer)
   assert len(np.unique(together)) > 1

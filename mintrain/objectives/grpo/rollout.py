@@ -80,9 +80,12 @@ class Rollout:
     update_sec = None if self.update_start is None else start - self.update_start
     cfg, tok = self.cfg, self.tok
     rows = [p for p in prompts for _ in range(cfg.group_size)]
-    width = self.seq_len + 1 - cfg.max_new_tokens  # Every prompt fits (`prompts.read`): one compiled shape.
-    prompt_BP = np.zeros((len(rows), width), np.int32)
     lengths_B = np.array([len(p.ids_P) for p in rows])
+    # The prompts padded to a power of two (at least 16) of the longest, at most the positions a prompt may
+    # take (`prompts.read`): a few compiled shapes, and no buffer much wider than its prompts to prefill and
+    # attend over.
+    width = min(self.seq_len + 1 - cfg.max_new_tokens, max(16, 1 << int(lengths_B.max() - 1).bit_length()))
+    prompt_BP = np.zeros((len(rows), width), np.int32)
     for b, p in enumerate(rows):
       prompt_BP[b, :len(p.ids_P)] = p.ids_P
     model = merge(self.run.graphdef, state.params, state.frozen)
