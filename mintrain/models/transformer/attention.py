@@ -156,6 +156,20 @@ def decode_positions(start: jax.Array | int, length: int) -> jax.Array:
   return jnp.reshape(start, (-1, 1)) + jnp.arange(length)
 
 
+def write_rows(cache_BSX: jax.Array, new_B1X: jax.Array, start_B: jax.Array) -> jax.Array:
+  """The cache with row b's one new entry at slot start_B[b], each device writing its own rows (a scatter
+  over rows split across devices would gather its updates)."""
+  def each(cache_BSX, new_B1X, start_B):
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s,) + (0,) * (c.ndim - 1)))(
+        cache_BSX, new_B1X, start_B)
+  spec = jax.typeof(cache_BSX).sharding.spec
+  if jax.sharding.get_abstract_mesh().empty or not spec:
+    return each(cache_BSX, new_B1X, start_B)
+  rows = P(spec[0])
+  return jax.shard_map(each, in_specs=(spec, spec, rows), out_specs=spec)(
+      cache_BSX, jax.sharding.reshard(new_B1X, spec), jax.sharding.reshard(start_B, rows))
+
+
 def kv_layout(kv_axis: str | None) -> tuple[str | None, ...]:
   """Logical axes of keys and values (BLGK), also those of the KV cache."""
   return ('batch', 'length', kv_axis, 'kv')
@@ -292,8 +306,10 @@ class Attention(nnx.Module):
   def _write(self, cache_BSGK: jax.Array, new_BLGK: jax.Array, start: jax.Array | int) -> jax.Array:
     """The cache with the new keys (or values) at slots start..start+L-1 (a start per row: each row's one
     token at its slot). A single token cannot split like a cache whose length is split (`mesh.context`):
-    it is written by a select over the slots, as is one per row."""
+    it is written by a select over the slots, as is one per row there."""
     new_BLGK = new_BLGK.astype(cache_BSGK.dtype)
+    if jnp.ndim(start) == 1 and self.placement.ways('length') == 1:
+      return write_rows(cache_BSGK, new_BLGK, start)
     if jnp.ndim(start) == 1 or (new_BLGK.shape[1] == 1 and self.placement.ways('length') > 1):
       slot_BS = jnp.arange(cache_BSGK.shape[1]) == jnp.reshape(start, (-1, 1))
       return jnp.where(slot_BS[:, :, None, None], new_BLGK, cache_BSGK)
