@@ -226,3 +226,13 @@ def test_prompts_of_several_lengths_complete_as_each_prompt_alone(name, override
   np.testing.assert_array_equal(together, np.stack(alone))
   np.testing.assert_array_equal(drawn[1:5], fewer)
   assert len(np.unique(together)) > 1
+
+
+def test_a_start_per_row_takes_one_token_and_a_last_per_row_is_a_prefill_at_zero(host_params):
+  mesh, _, model = model_on('single', host_params)
+  with jax.set_mesh(mesh):
+    cache = model.init_cache(B, 8, jnp.float32)
+    with pytest.raises(ValueError, match='one new token per row; got 2'):
+      model.decode(random_tokens((B, 2)), cache, jnp.arange(B))
+    with pytest.raises(ValueError, match='start must be 0'):
+      model.decode(random_tokens((B, 2)), cache, 3, last=jnp.ones(B, jnp.int32))

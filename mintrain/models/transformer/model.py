@@ -207,10 +207,13 @@ class Transformer(nnx.Module):
     with start=0; each sampling step then passes one token, at one position for all rows or at
     each row's own (`start` (B,): prompts of several lengths, padded on the right).
     With `last` (an index of the new tokens, or one per row (B,)), the logits there alone (B, 1, V), what
-    sampling reads after a prefill, whose (B, L, V) would outweigh it; a row's tokens after its `last` are
-    padding, which its later tokens never see.
+    sampling reads after a prefill, whose (B, L, V) would outweigh it. One per row is a prefill (start 0)
+    of prompts padded on the right: a row's tokens after its `last` are padding, never seen by its later
+    tokens, which overwrite their slots.
     """
     real_B = None if last is None or jnp.ndim(last) == 0 else last + 1
+    if real_B is not None and not (isinstance(start, int) and start == 0):
+      raise ValueError('a last token per row is a prefill of padded prompts: start must be 0.')
     table_VD, x_BLD = self._embed(tokens_BL)
     new_cache = []
     for block, kv in zip(self._layers(), cache, strict=True):
