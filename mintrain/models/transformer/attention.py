@@ -335,7 +335,7 @@ class Attention(nnx.Module):
     if not cfg.grouped:  # C: query, key, value in one matmul.
       w_DCHK = jnp.stack([wq_DHK, wk_DGK, wv_DGK], axis=1)
       qkv_BLCHK = linear('BLD,DCHK->BLCHK', x_BLD, w_DCHK, custom_vjp=custom_vjp)
-      q_BLHK, k_BLGK, v_BLGK = qkv_BLCHK[:, :, 0], qkv_BLCHK[:, :, 1], qkv_BLCHK[:, :, 2]
+      q_BLHK, k_BLGK, v_BLGK = (x[:, :, 0] for x in jnp.split(qkv_BLCHK, 3, axis=2))
     else:  # Queries, then C: key and value in one matmul.
       q_BLHK = linear('BLD,DHK->BLHK', x_BLD, wq_DHK, custom_vjp=custom_vjp)
       w_DCGK = jnp.stack([wk_DGK, wv_DGK], axis=1)

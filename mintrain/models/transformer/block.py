@@ -47,8 +47,9 @@ class GatedMLP(nnx.Module):
     # Gate and up as one matmul: one pass over x and a wider, faster product.
     w_DGF = jnp.stack([w_gate_DF, w_up_DF], axis=1)
     gate_up_BLGF = linear('BLD,DGF->BLGF', x_BLD, w_DGF, custom_vjp=self.custom_vjp)
-    gate_BLF = plus(gate_up_BLGF[:, :, 0], gate_adapter, x_BLD)
-    up_BLF = plus(gate_up_BLGF[:, :, 1], up_adapter, x_BLD)
+    gate_BLGF, up_BLGF = jnp.split(gate_up_BLGF, 2, axis=2)
+    gate_BLF = plus(gate_BLGF[:, :, 0], gate_adapter, x_BLD)
+    up_BLF = plus(up_BLGF[:, :, 0], up_adapter, x_BLD)
     h_BLF = rules.reshard(self.activation(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
     y_BLD = linear('BLF,FD->BLD', h_BLF, w_down_FD, rules.activation_spec(BLD, h_BLF.shape[:2]),
                    custom_vjp=self.custom_vjp)
