@@ -90,14 +90,17 @@ def main() -> int:
   parser.add_argument('--tree', action='append', type=pathlib.Path, default=[],
                       help='a repository root whose sampler to time (repeatable)')
   parser.add_argument('--ragged', action='store_true',
-                      help='prompts of P/8 to P tokens padded to P, through sampling.complete')
+                      help='prompts of P/8 to P tokens padded to W (P,N,W; default P), through '
+                      'sampling.complete')
   parser.add_argument('--smoke', action='store_true', help="the tests' small model, one short point")
   args = parser.parse_args()
   devices = harness.start_devices()
   path, overrides = (args.config, []) if args.config else harness.bench_tiny()
   overrides = [*overrides, *args.override]
-  points = [(*map(int, p.split(',')),)[:3] for p in args.point or POINTS]
-  points = [(p[0], p[1], p[2] if len(p) > 2 and args.ragged else p[0]) for p in points]
+  points = []
+  for text in args.point or POINTS:
+    p, n, *width = map(int, text.split(','))
+    points.append((p, n, width[0] if width and args.ragged else p))
   if args.smoke:
     path, overrides = harness.FALLBACK, [*harness.SMOKE, 'data.source=synthetic']
     points, args.rounds = [(8, 4, 8)], 2

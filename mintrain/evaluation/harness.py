@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mintrain.errors import ConfigError, MintrainError
+from mintrain.models.family import prompt_width
 from mintrain.partitioning import AxisRules
 
 try:
@@ -186,7 +187,7 @@ class HarnessLM(TemplateLM):
   def _prompt_bucket(self, length: int, new: int) -> int:
     """The padded length of prompts up to `length` tokens: a power of two (at least MIN_BUCKET), at most
     the `max_length - new` positions a prompt may take."""
-    return min(max(MIN_BUCKET, 1 << math.ceil(math.log2(length))), self.max_length - new)
+    return prompt_width(length, self.max_length - new, MIN_BUCKET)
 
   def sampling_plan(self) -> str:
     """The memory per device that generation takes at most (`report.format_sampling_plan`): a batch of

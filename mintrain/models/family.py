@@ -101,3 +101,10 @@ class Family:
   # program serves every batch of a width.
   complete: Callable[..., Any] | None = None
 
+
+
+def prompt_width(longest: int, most: int, least: int = 16) -> int:
+  """The width to pad prompts of up to `longest` tokens to for `Family.complete`: a power of two, at least
+  `least` and at most `most`, so that a few compiled samplers serve every batch and none prefills or
+  attends over a buffer much wider than its prompts."""
+  return min(most, max(least, 1 << (longest - 1).bit_length()))

@@ -288,7 +288,7 @@ class Attention(nnx.Module):
     length, slots = new_BLGK.shape[1], buffer_BSGK.shape[1]
     slot_S = jnp.arange(slots)
     if jnp.ndim(start) == 1:  # One token per row, into its row's slot.
-      return jnp.where((slot_S == start[:, None] % slots)[:, :, None, None], new_BLGK, buffer_BSGK)
+      return write_rows(buffer_BSGK, new_BLGK, start % slots)
     if real_B is not None:  # A prefill at 0: token j to slot j % slots while j is a real one, chunk by chunk.
       for c in range(0, length, slots):
         chunk_BSGK = new_BLGK[:, c:c + slots]

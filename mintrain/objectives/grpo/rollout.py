@@ -16,6 +16,7 @@ from mintrain.data import batches as batches_lib
 from mintrain.data.prompts import Prompt, PromptBatches
 from mintrain.data.tokenizer import Tokenizer
 from mintrain.errors import ConfigError
+from mintrain.models.family import prompt_width
 from mintrain.models.layers import merge
 from mintrain.objectives.grpo import rewards as rewards_lib
 
@@ -81,10 +82,8 @@ class Rollout:
     cfg, tok = self.cfg, self.tok
     rows = [p for p in prompts for _ in range(cfg.group_size)]
     lengths_B = np.array([len(p.ids_P) for p in rows])
-    # The prompts padded to a power of two (at least 16) of the longest, at most the positions a prompt may
-    # take (`prompts.read`): a few compiled shapes, and no buffer much wider than its prompts to prefill and
-    # attend over.
-    width = min(self.seq_len + 1 - cfg.max_new_tokens, max(16, 1 << int(lengths_B.max() - 1).bit_length()))
+    # At most the positions a prompt may take (`prompts.read`).
+    width = prompt_width(int(lengths_B.max()), self.seq_len + 1 - cfg.max_new_tokens)
     prompt_BP = np.zeros((len(rows), width), np.int32)
     for b, p in enumerate(rows):
       prompt_BP[b, :len(p.ids_P)] = p.ids_P
